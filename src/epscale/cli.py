@@ -1,0 +1,52 @@
+"""``epscale`` command line. Each subcommand lives in its own module that exposes
+``configure_parser(parser)`` and ``run(args) -> int``; the module is imported only when
+its command runs, so ``epscale --help`` stays fast."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help). Add a line here to add a command.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("epscale.demo", "route a batch through an MoE layer and print what happened"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="epscale",
+        description="Pretrain Mixture-of-Experts models with expert parallelism.",
+        epilog="Run 'epscale COMMAND --help' for the options of one command.")
+    parser.add_argument("--version", action="version",
+                        version=f"epscale {importlib.import_module('epscale').__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_module, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, description=help_text, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv or argv[0] not in COMMANDS:
+        args = parser.parse_args(argv)  # prints help / version / an unknown-command error
+        parser.print_help()
+        return 0 if not argv else 2
+    name = argv[0]
+    module = importlib.import_module(COMMANDS[name][0])
+    sub = argparse.ArgumentParser(prog=f"epscale {name}", description=COMMANDS[name][1])
+    module.configure_parser(sub)
+    args = sub.parse_args(argv[1:])
+    from .config import ConfigError
+
+    try:
+        return int(module.run(args) or 0)
+    except ConfigError as e:
+        print(f"epscale {name}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,104 @@
+"""Routed experts as stacked weights, and the dense FFN used for shared experts.
+
+Legend: R rows (received assignments), D model dim, F expert hidden dim, e local experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+HAS_GROUPED_MM = hasattr(F, "grouped_mm")
+
+
+def _grouped_linear(x_RD: torch.Tensor, w_eDF: torch.Tensor, offs_e: torch.Tensor | None,
+                    splits: list[int] | None) -> torch.Tensor:
+    """x rows of group i times w[i]. Uses grouped GEMM when ``offs_e`` is given, else a
+    loop over experts with the host-side ``splits``."""
+    if offs_e is not None:
+        return _GroupedMM.apply(x_RD, w_eDF, offs_e)
+    outs = [xi @ w_eDF[i] for i, xi in enumerate(torch.split(x_RD, splits)) if xi.shape[0]]
+    if not outs:
+        return x_RD.new_zeros((0, w_eDF.shape[-1])) + 0 * w_eDF.sum()
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+class _GroupedMM(torch.autograd.Function):
+    """grouped_mm with a contiguous grad in backward (the CPU kernel requires it)."""
+
+    @staticmethod
+    def forward(ctx, x_RD, w_eDF, offs_e):
+        ctx.save_for_backward(x_RD, w_eDF, offs_e)
+        return F.grouped_mm(x_RD, w_eDF, offs=offs_e)
+
+    @staticmethod
+    def backward(ctx, grad_RF):
+        x_RD, w_eDF, offs_e = ctx.saved_tensors
+        grad_RF = grad_RF.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = F.grouped_mm(grad_RF, w_eDF.transpose(1, 2), offs=offs_e)
+        if ctx.needs_input_grad[1]:
+            grad_w = F.grouped_mm(x_RD.t(), grad_RF, offs=offs_e)
+        return grad_x, grad_w, None
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` FFNs with weights stacked on a leading expert dimension.
+
+    Parameters (names kept stable for checkpoints; the leading dim is sliced by EP):
+    ``w1`` [e, D, F] (gate proj), ``w3`` [e, D, F] (up proj, SwiGLU only), ``w2`` [e, F, D].
+    ``forward(x_RD, tokens_per_expert_e)``: rows grouped by expert in ascending order,
+    ``tokens_per_expert_e`` int64 counts summing to R. Returns [R, D] in x's dtype.
+    """
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int, activation: str = "swiglu",
+                 use_grouped_mm: str = "auto"):
+        super().__init__()
+        self.num_experts = num_experts
+        self.dim, self.hidden_dim, self.activation = dim, hidden_dim, activation
+        self.use_grouped_mm = HAS_GROUPED_MM and use_grouped_mm == "auto"
+        self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim)) if activation == "swiglu" else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.w1, std=self.dim ** -0.5)
+        nn.init.normal_(self.w2, std=self.hidden_dim ** -0.5)
+        if self.w3 is not None:
+            nn.init.normal_(self.w3, std=self.dim ** -0.5)
+
+    def forward(self, x_RD: torch.Tensor, tokens_per_expert_e: torch.Tensor) -> torch.Tensor:
+        if self.use_grouped_mm and x_RD.dtype in (torch.float32, torch.bfloat16):
+            offs_e, splits = torch.cumsum(tokens_per_expert_e, 0).to(torch.int32), None
+        else:
+            offs_e, splits = None, tokens_per_expert_e.tolist()  # one host sync per layer
+        w1, w2 = self.w1.to(x_RD.dtype), self.w2.to(x_RD.dtype)
+        h_RF = _grouped_linear(x_RD, w1, offs_e, splits)
+        if self.w3 is not None:
+            h_RF = F.silu(h_RF) * _grouped_linear(x_RD, self.w3.to(x_RD.dtype), offs_e, splits)
+        else:
+            h_RF = F.gelu(h_RF)
+        return _grouped_linear(h_RF, w2, offs_e, splits)
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, dim={self.dim}, hidden={self.hidden_dim}, "
+                f"act={self.activation}, grouped_mm={self.use_grouped_mm}")
+
+
+class FeedForward(nn.Module):
+    """Dense FFN (shared experts, dense transformer layers). SwiGLU or GELU."""
+
+    def __init__(self, dim: int, hidden_dim: int, activation: str = "swiglu"):
+        super().__init__()
+        self.activation = activation
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False) if activation == "swiglu" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.w1(x)
+        h = F.silu(h) * self.w3(x) if self.w3 is not None else F.gelu(h)
+        return self.w2(h)

@@ -1,0 +1,49 @@
+"""Router auxiliary losses: Switch/GShard balance loss, DeepSeek sequence-wise balance loss,
+ST-MoE z-loss, and routing statistics.
+
+Legend: T tokens, E experts, K top-k, B sequences, S tokens per sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _normalized(scores_TE: torch.Tensor) -> torch.Tensor:
+    # Sigmoid scores do not sum to one; balance losses use them renormalised per token.
+    return scores_TE / (scores_TE.sum(dim=-1, keepdim=True) + 1e-20)
+
+
+def load_balance_loss(scores_TE: torch.Tensor, chosen_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Switch/GShard loss: E * sum_e f_e * P_e, with f_e the fraction of the T*K assignments
+    that chose expert e and P_e the mean (normalised) score of e. Equals 1 when uniform."""
+    T, K = chosen_TK.shape
+    counts_E = torch.bincount(chosen_TK.reshape(-1), minlength=num_experts).to(scores_TE.dtype)
+    f_E = counts_E / max(T * K, 1)
+    p_E = _normalized(scores_TE).mean(dim=0)
+    return num_experts * (f_E * p_E).sum()
+
+
+def sequence_balance_loss(scores_TE: torch.Tensor, chosen_TK: torch.Tensor, num_experts: int,
+                          num_sequences: int) -> torch.Tensor:
+    """DeepSeek-V3 sequence-wise loss, averaged over sequences: sum_e f_e * P_e with
+    f_e = E/(K*S) * count of e in the sequence and P_e the sequence's mean normalised score."""
+    T, K = chosen_TK.shape
+    B = num_sequences
+    S = T // B
+    onehot = torch.zeros(B, S * K, num_experts, dtype=scores_TE.dtype, device=scores_TE.device)
+    counts_BE = onehot.scatter_(2, chosen_TK.view(B, S * K, 1), 1.0).sum(dim=1)
+    f_BE = counts_BE * (num_experts / (K * S))
+    p_BE = _normalized(scores_TE).view(B, S, num_experts).mean(dim=1)
+    return (f_BE * p_BE).sum(dim=-1).mean()
+
+
+def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
+    """ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2."""
+    return torch.logsumexp(logits_TE, dim=-1).square().mean()
+
+
+def router_entropy(scores_TE: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of the entropy (nats) of the normalised router distribution."""
+    p = _normalized(scores_TE.detach())
+    return -(p * torch.log(p.clamp_min(1e-20))).sum(dim=-1).mean()
