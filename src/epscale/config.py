@@ -140,6 +140,14 @@ class ModelConfig:
     tie_embeddings: bool = True
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    # attention: 'mha' (multi-head, grouped-query when num_kv_heads < num_heads) or 'mla'
+    # (DeepSeek multi-head latent attention; the *_rank and *_head_dim keys below).
+    attention: str = "mha"
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
 
     def __post_init__(self) -> None:
         p = "model"
@@ -151,6 +159,7 @@ class ModelConfig:
         if self.num_dense_layers < 0 or self.num_dense_layers > self.num_layers:
             _fail(f"{p}.num_dense_layers", self.num_dense_layers,
                   f"must be in [0, model.num_layers={self.num_layers}]")
+        _choice(f"{p}.attention", self.attention, ("mha", "mla"))
         kv = self.num_kv_heads or self.num_heads
         if self.num_heads % kv:
             _fail(f"{p}.num_kv_heads", self.num_kv_heads,

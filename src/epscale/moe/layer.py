@@ -6,6 +6,9 @@ Legend: T tokens, D model dim, E experts, e local experts, K top-k, R received r
 
 from __future__ import annotations
 
+import contextlib
+from typing import Callable, ContextManager
+
 import torch
 from torch import nn
 
@@ -45,6 +48,9 @@ class MoE(nn.Module):
         self.register_buffer("dropped_assignments", torch.zeros(()), persistent=False)
         self.aux_loss = torch.zeros(())
         self.last_stats: dict = {}
+        # Step-time breakdown hook: the trainer sets this to its timer's ``section(name)``;
+        # sections used here: 'router', 'dispatch', 'experts', 'combine'.
+        self.timer: Callable[[str], ContextManager] = lambda name: contextlib.nullcontext()
 
     # ------------------------------------------------------------------ checks
     def _check_input(self, x: torch.Tensor) -> None:
@@ -73,12 +79,16 @@ class MoE(nn.Module):
         x_TD = x.reshape(-1, self.cfg.dim)
         if torch.is_autocast_enabled(x.device.type):
             x_TD = x_TD.to(torch.get_autocast_dtype(x.device.type))
-        route = self.router(x_TD)
-        recv_x_RD, tokens_per_local_expert_e, handle = self.dispatcher.dispatch(
-            x_TD, route.topk_idx_TK, route.topk_weight_TK)
-        recv_y_RD = self.experts(recv_x_RD, tokens_per_local_expert_e)
+        with self.timer("router"):
+            route = self.router(x_TD)
+        with self.timer("dispatch"):
+            recv_x_RD, tokens_per_local_expert_e, handle = self.dispatcher.dispatch(
+                x_TD, route.topk_idx_TK, route.topk_weight_TK)
+        with self.timer("experts"):
+            recv_y_RD = self.experts(recv_x_RD, tokens_per_local_expert_e)
         shared = (lambda: self.shared_experts(x_TD)) if self.shared_experts is not None else None
-        y_TD, shared_y_TD = self.dispatcher.combine_overlapped(recv_y_RD, handle, shared)
+        with self.timer("combine"):
+            y_TD, shared_y_TD = self.dispatcher.combine_overlapped(recv_y_RD, handle, shared)
         if shared_y_TD is not None:
             y_TD = y_TD + shared_y_TD
         self.aux_loss = self._aux_loss(route, num_sequences)
