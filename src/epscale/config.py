@@ -74,6 +74,7 @@ class MoEConfig:
 
     def __post_init__(self) -> None:
         p = "moe"
+        _check_types(self, p)
         for name in ("dim", "hidden_dim", "num_experts", "top_k"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -329,6 +330,15 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             _fail(key, value, "must be a mapping")
         return value
     return value
+
+
+def _check_types(cfg: Any, prefix: str) -> None:
+    """Type-check (and harmlessly coerce) every field of a dataclass built directly in
+    Python, so a wrong type gets the same ConfigError as one read from YAML."""
+    hints = typing.get_type_hints(type(cfg))
+    for f in fields(cfg):
+        if f.init:
+            setattr(cfg, f.name, _coerce(f"{prefix}.{f.name}", getattr(cfg, f.name), hints[f.name]))
 
 
 def _type_name(annotation: Any) -> str:

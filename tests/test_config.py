@@ -1,0 +1,176 @@
+"""Configs: YAML load, dotted overrides, validation errors that name key, value and rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from epscale.config import (ConfigError, MoEConfig, RunConfig, apply_overrides, dump_yaml,
+                            from_dict, load_config, load_yaml, parse_override)
+
+
+def moe(**kw) -> MoEConfig:
+    return from_dict(MoEConfig, kw, prefix="moe")
+
+
+# ------------------------------------------------------------------ valid configs
+
+def test_defaults_and_issue_fields_exist():
+    cfg = MoEConfig()
+    for name in ("dim", "hidden_dim", "num_experts", "top_k", "score_func", "route_norm",
+                 "route_scale", "num_shared_experts", "num_groups", "topk_groups",
+                 "capacity_factor", "drop_policy", "activation", "aux_loss_coeff",
+                 "seq_aux_loss_coeff", "z_loss_coeff"):
+        assert hasattr(cfg, name), name
+    assert cfg.capacity_factor is None  # dropless by default
+
+
+def test_from_dict_coerces_harmless_numbers():
+    cfg = moe(top_k=4.0, route_scale=2, capacity_factor=1, num_experts=16)
+    assert cfg.top_k == 4 and isinstance(cfg.top_k, int)
+    assert cfg.route_scale == 2.0 and isinstance(cfg.route_scale, float)
+    assert cfg.capacity_factor == 1.0 and isinstance(cfg.capacity_factor, float)
+
+
+def test_group_limited_config_accepted():
+    cfg = moe(num_experts=16, top_k=4, num_groups=4, topk_groups=2)
+    assert (cfg.num_groups, cfg.topk_groups) == (4, 2)
+
+
+# ------------------------------------------------------------------ validation errors
+
+@pytest.mark.parametrize("kw, key, value, rule", [
+    (dict(num_experts=4, top_k=5), "moe.top_k", "5", "num_experts (4)"),
+    (dict(num_experts=8, num_groups=3, topk_groups=1), "moe.num_groups", "3", "divide"),
+    (dict(num_experts=8, num_groups=4, topk_groups=5), "moe.topk_groups", "5", "[1, moe.num_groups=4]"),
+    (dict(num_experts=8, top_k=4, num_groups=4, topk_groups=1), "moe.topk_groups", "1", "fewer than moe.top_k=4"),
+    (dict(topk_groups=2), "moe.topk_groups", "2", "num_groups > 0"),
+    (dict(capacity_factor=0.0), "moe.capacity_factor", "0.0", "> 0 or null"),
+    (dict(score_func="softmx"), "moe.score_func", "'softmx'", "did you mean 'softmax'"),
+    (dict(drop_policy="prob"), "moe.drop_policy", "'prob'", "did you mean 'probs'"),
+    (dict(activation="relu"), "moe.activation", "'relu'", "'swiglu', 'gelu'"),
+    (dict(dim=0), "moe.dim", "0", "positive integer"),
+    (dict(route_scale=-1.0), "moe.route_scale", "-1.0", "> 0"),
+    (dict(z_loss_coeff=-0.1), "moe.z_loss_coeff", "-0.1", ">= 0"),
+    (dict(num_shared_experts=-1), "moe.num_shared_experts", "-1", ">= 0"),
+])
+def test_invalid_values_name_key_value_and_rule(kw, key, value, rule):
+    with pytest.raises(ConfigError) as info:
+        moe(**kw)
+    msg = str(info.value)
+    assert f"'{key}'" in msg and value in msg and rule in msg, msg
+
+
+@pytest.mark.parametrize("kw, key, rule", [
+    (dict(top_k="two"), "moe.top_k", "must be an integer"),
+    (dict(top_k=2.5), "moe.top_k", "must be an integer"),
+    (dict(top_k=True), "moe.top_k", "must be an integer"),
+    (dict(route_norm=1), "moe.route_norm", "true or false"),
+    (dict(route_scale="big"), "moe.route_scale", "must be a number"),
+    (dict(capacity_factor="lots"), "moe.capacity_factor", "must be a number"),
+    (dict(score_func=3), "moe.score_func", "must be a string"),
+])
+def test_wrong_types_from_dict(kw, key, rule):
+    with pytest.raises(ConfigError, match=rule) as info:
+        moe(**kw)
+    assert f"'{key}'" in str(info.value)
+
+
+@pytest.mark.parametrize("kw, key", [
+    (dict(route_scale="2"), "moe.route_scale"),
+    (dict(num_shared_experts=1.5), "moe.num_shared_experts"),
+    (dict(aux_loss_coeff=None), "moe.aux_loss_coeff"),
+    (dict(route_norm="yes"), "moe.route_norm"),
+])
+def test_wrong_types_in_python_constructor(kw, key):
+    """Building the dataclass directly gets the same clear error, not a TypeError."""
+    with pytest.raises(ConfigError) as info:
+        MoEConfig(**kw)
+    assert f"'{key}'" in str(info.value)
+
+
+def test_unknown_key_suggests_the_close_one():
+    with pytest.raises(ConfigError, match=r"unknown config key 'moe.topk'. Did you mean 'top_k'\?"):
+        moe(topk=2)
+    with pytest.raises(ConfigError, match="Known keys here"):
+        moe(zzzzzz=1)
+
+
+def test_unknown_section_and_nested_key_in_run_config():
+    with pytest.raises(ConfigError, match=r"'moee'. Did you mean 'moe'\?"):
+        from_dict(RunConfig, {"moee": {}})
+    with pytest.raises(ConfigError, match=r"'moe.capacity'. Did you mean 'capacity_factor'\?"):
+        from_dict(RunConfig, {"moe": {"capacity": 1.0}})
+    with pytest.raises(ConfigError, match="'moe' .*must be a mapping"):
+        from_dict(RunConfig, {"moe": 3})
+
+
+# ------------------------------------------------------------------ YAML and overrides
+
+def test_parse_override_values_are_yaml():
+    assert parse_override("moe.top_k=4") == (["moe", "top_k"], 4)
+    assert parse_override("moe.capacity_factor=null") == (["moe", "capacity_factor"], None)
+    assert parse_override("moe.route_norm=false") == (["moe", "route_norm"], False)
+    assert parse_override("moe.score_func=sigmoid") == (["moe", "score_func"], "sigmoid")
+    with pytest.raises(ConfigError, match="key=value"):
+        parse_override("moe.top_k")
+    with pytest.raises(ConfigError, match="empty key"):
+        parse_override("=3")
+
+
+def test_apply_overrides_does_not_mutate_input():
+    base = {"moe": {"top_k": 2}}
+    out = apply_overrides(base, ["moe.top_k=4", "moe.num_experts=16", "train.steps=5"])
+    assert base == {"moe": {"top_k": 2}}
+    assert out == {"moe": {"top_k": 4, "num_experts": 16}, "train": {"steps": 5}}
+    with pytest.raises(ConfigError, match="not a section"):
+        apply_overrides({"moe": {"top_k": 2}}, ["moe.top_k.x=1"])
+
+
+def test_load_yaml_with_overrides(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("name: tiny\nmodel:\n  dim: 64\nmoe:\n  num_experts: 8\n  top_k: 2\n"
+                    "  score_func: sigmoid\n  capacity_factor: 1.25\n")
+    cfg = load_config(path, ["moe.top_k=4", "moe.capacity_factor=null"])
+    assert isinstance(cfg, RunConfig)
+    assert cfg.name == "tiny"
+    assert cfg.moe.dim == 64  # follows model.dim
+    assert (cfg.moe.top_k, cfg.moe.capacity_factor, cfg.moe.score_func) == (4, None, "sigmoid")
+
+
+def test_load_config_errors_name_the_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("moe:\n  num_experts: 4\n  top_k: 8\n")
+    with pytest.raises(ConfigError, match=r"'moe.top_k' = 8 .*\(in .*bad.yaml\)"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="Did you mean 'num_experts'"):
+        load_config(None, ["moe.num_expert=4"])
+
+
+def test_load_yaml_file_problems(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_yaml(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("moe: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_yaml(bad)
+    lst = tmp_path / "list.yaml"
+    lst.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping at top level"):
+        load_yaml(lst)
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    assert load_yaml(empty) == {}
+
+
+def test_moe_dim_must_match_model_dim():
+    with pytest.raises(ConfigError, match=r"'moe.dim' = 32 .*model.dim \(64\)"):
+        load_config(None, ["model.dim=64", "moe.dim=32"])
+
+
+def test_dump_and_reload_round_trip(tmp_path):
+    cfg = load_config(None, ["moe.num_experts=16", "moe.top_k=4", "moe.num_groups=4",
+                             "moe.topk_groups=2", "moe.capacity_factor=1.5"])
+    path = tmp_path / "out.yaml"
+    dump_yaml(cfg, path)
+    again = load_config(path)
+    assert again == cfg
