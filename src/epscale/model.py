@@ -1,0 +1,297 @@
+"""A small decoder-only MoE transformer: the trainer's model.
+
+Token embedding -> ``num_layers`` pre-norm blocks (causal attention with RoPE through
+``scaled_dot_product_attention``; a dense SwiGLU/GELU FFN for the first
+``num_dense_layers`` and then an :class:`epscale.MoE` every ``moe_every`` layers, GLaM
+style) -> RMSNorm -> output head (tied to the embedding or not).
+
+Legend: B batch (sequences), S sequence length, D model dim, H query heads, G key/value
+heads, h head dim, V vocabulary, T tokens (B*S).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Callable, ContextManager, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig, MoEConfig, RunConfig
+from .moe.experts import FeedForward
+from .moe.layer import MoE
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * weight, computed in fp32 and returned in x's dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos_SH, sin_SH (fp32, [S, head_dim/2]) for rotary position embeddings."""
+    if head_dim % 2:
+        raise ValueError(f"rotary head dim {head_dim} must be even")
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles_SH = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    return angles_SH.cos().float(), angles_SH.sin().float()
+
+
+def apply_rope(x_BHSh: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor) -> torch.Tensor:
+    """Rotate the two halves of the last dim of x [B, H, S, h] by position (fp32 math)."""
+    S = x_BHSh.shape[-2]
+    x = x_BHSh.float()
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos_SH[:S], sin_SH[:S]
+    out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.to(x_BHSh.dtype)
+
+
+class Attention(nn.Module):
+    """Causal multi-head attention (grouped-query when num_kv_heads < num_heads)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads or cfg.num_heads
+        self.head_dim = cfg.head_dim or cfg.dim // cfg.num_heads
+        h, H, G = self.head_dim, self.num_heads, self.num_kv_heads
+        self.wq = nn.Linear(cfg.dim, H * h, bias=False)
+        self.wk = nn.Linear(cfg.dim, G * h, bias=False)
+        self.wv = nn.Linear(cfg.dim, G * h, bias=False)
+        self.wo = nn.Linear(H * h, cfg.dim, bias=False)
+        cos, sin = rope_tables(cfg.seq_len, h, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        h, H, G = self.head_dim, self.num_heads, self.num_kv_heads
+        q = self.wq(x_BSD).view(B, S, H, h).transpose(1, 2)
+        k = self.wk(x_BSD).view(B, S, G, h).transpose(1, 2)
+        v = self.wv(x_BSD).view(B, S, G, h).transpose(1, 2)
+        q = apply_rope(q, self.rope_cos, self.rope_sin)
+        k = apply_rope(k, self.rope_cos, self.rope_sin)
+        o_BHSh = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=G != H)
+        return self.wo(o_BHSh.transpose(1, 2).reshape(B, S, H * h))
+
+
+class LatentAttention(nn.Module):
+    """DeepSeek multi-head latent attention (MLA): queries and keys/values go through
+    low-rank latents; a small rotary part of the key is shared by all heads."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads = H = cfg.num_heads
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_rank = cfg.kv_lora_rank
+        qk = self.nope + self.rope
+        if cfg.q_lora_rank > 0:
+            self.wq_a = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+            self.wq_b = nn.Linear(cfg.q_lora_rank, H * qk, bias=False)
+        else:
+            self.wq = nn.Linear(cfg.dim, H * qk, bias=False)
+        self.wkv_a = nn.Linear(cfg.dim, self.kv_rank + self.rope, bias=False)
+        self.kv_norm = RMSNorm(self.kv_rank, cfg.norm_eps)
+        self.wkv_b = nn.Linear(self.kv_rank, H * (self.nope + self.v_dim), bias=False)
+        self.wo = nn.Linear(H * self.v_dim, cfg.dim, bias=False)
+        cos, sin = rope_tables(cfg.seq_len, self.rope, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        H, qk = self.num_heads, self.nope + self.rope
+        q = self.wq_b(self.q_norm(self.wq_a(x_BSD))) if hasattr(self, "wq_a") else self.wq(x_BSD)
+        q = q.view(B, S, H, qk).transpose(1, 2)
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        kv_lat, k_pe = self.wkv_a(x_BSD).split([self.kv_rank, self.rope], dim=-1)
+        kv = self.wkv_b(self.kv_norm(kv_lat)).view(B, S, H, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        q_pe = apply_rope(q_pe, self.rope_cos, self.rope_sin)
+        k_pe = apply_rope(k_pe.unsqueeze(1), self.rope_cos, self.rope_sin).expand(B, H, S, self.rope)
+        q = torch.cat((q_nope, q_pe), dim=-1)
+        k = torch.cat((k_nope, k_pe), dim=-1)
+        o_BHSh = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(o_BHSh.transpose(1, 2).reshape(B, S, H * self.v_dim))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + ffn(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, moe_cfg: MoEConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = LatentAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.is_moe = cfg.is_moe_layer(layer_id)
+        self.ffn = MoE(moe_cfg) if self.is_moe else FeedForward(cfg.dim, cfg.dense_hidden_dim,
+                                                                moe_cfg.activation)
+        self.timer: Callable[[str], ContextManager] = lambda name: contextlib.nullcontext()
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        with self.timer("attention"):
+            x_BSD = x_BSD + self.attention(self.attention_norm(x_BSD))
+        return x_BSD + self.ffn(self.ffn_norm(x_BSD))
+
+
+class Transformer(nn.Module):
+    """Decoder-only language model. ``forward(tokens_BS)`` (int64 ids < vocab_size,
+    S <= seq_len) returns fp32 logits [B, S, V]; ``loss(tokens_BS, targets_BS)`` the mean
+    next-token cross-entropy (without the MoE auxiliary losses, see :meth:`aux_loss`)."""
+
+    def __init__(self, cfg: ModelConfig, moe_cfg: MoEConfig):
+        super().__init__()
+        if moe_cfg.dim != cfg.dim:
+            raise ValueError(f"moe.dim={moe_cfg.dim} must equal model.dim={cfg.dim}")
+        self.cfg, self.moe_cfg = cfg, moe_cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg, moe_cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        """N(0, 0.02) for embeddings and dense projections, residual outputs scaled by
+        1/sqrt(2*layers) (GPT-2); routed experts keep the MoE layer's own init."""
+        std = 0.02
+        nn.init.normal_(self.tok_embeddings.weight, std=std)
+        if self.output is not None:
+            nn.init.normal_(self.output.weight, std=std)
+        out_std = std / math.sqrt(2 * self.cfg.num_layers)
+        for block in self.layers:
+            for name, mod in block.named_modules():
+                if isinstance(mod, nn.Linear) and ".router" not in f".{name}":
+                    is_out = name.endswith("wo") or name.endswith("w2")
+                    nn.init.normal_(mod.weight, std=out_std if is_out else std)
+
+    def moe_layers(self) -> list[MoE]:
+        """The MoE layers, in depth order."""
+        return [b.ffn for b in self.layers if isinstance(b.ffn, MoE)]
+
+    def set_timer(self, timer: Callable[[str], ContextManager]) -> None:
+        """Route the 'attention' and MoE ('router', 'dispatch', ...) sections to ``timer``."""
+        for block in self.layers:
+            block.timer = timer
+        for moe in self.moe_layers():
+            moe.timer = timer
+
+    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        if tokens_BS.dim() != 2:
+            raise ValueError(f"Transformer.forward expects token ids [B, S], got shape "
+                             f"{tuple(tokens_BS.shape)}")
+        if tokens_BS.shape[1] > self.cfg.seq_len:
+            raise ValueError(f"sequence length {tokens_BS.shape[1]} exceeds model.seq_len="
+                             f"{self.cfg.seq_len}")
+        h_BSD = self.tok_embeddings(tokens_BS)
+        for block in self.layers:
+            h_BSD = block(h_BSD)
+        h_BSD = self.norm(h_BSD)
+        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
+        return F.linear(h_BSD, weight.to(h_BSD.dtype)).float()
+
+    def loss(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+        logits_BSV = self(tokens_BS)
+        return F.cross_entropy(logits_BSV.view(-1, logits_BSV.shape[-1]), targets_BS.reshape(-1))
+
+    def aux_loss(self) -> torch.Tensor:
+        """Sum of the MoE layers' router losses from the last forward (0-dim tensor)."""
+        total = torch.zeros((), device=self.tok_embeddings.weight.device)
+        for moe in self.moe_layers():
+            total = total + moe.aux_loss.to(total.device)
+        return total
+
+
+# --------------------------------------------------------------------------------------
+# Size and FLOPs from the config alone
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """Parameter counts and training FLOPs per token (forward + backward, 6N + attention)."""
+
+    total_params: int
+    active_params: int
+    embedding_params: int
+    flops_per_token: float
+
+
+def _attention_params(cfg: ModelConfig) -> int:
+    if cfg.attention == "mla":
+        H, qk = cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        q = (cfg.dim * cfg.q_lora_rank + cfg.q_lora_rank + cfg.q_lora_rank * H * qk
+             if cfg.q_lora_rank > 0 else cfg.dim * H * qk)
+        kv = (cfg.dim * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank
+              + cfg.kv_lora_rank * H * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+        return q + kv + H * cfg.v_head_dim * cfg.dim
+    h = cfg.head_dim or cfg.dim // cfg.num_heads
+    G = cfg.num_kv_heads or cfg.num_heads
+    return 2 * cfg.dim * cfg.num_heads * h + 2 * cfg.dim * G * h
+
+
+def count_model_size(cfg: ModelConfig, moe: MoEConfig) -> ModelSize:
+    """Counts that match ``Transformer(cfg, moe)`` exactly (tested); FLOPs per token are
+    6 x active non-embedding weights (+ the head) plus 12 x L x S x d_attn for attention
+    scores and values (the PaLM estimate; causal masking ignored)."""
+    mats = 3 if moe.activation == "swiglu" else 2
+    dense_ffn = mats * cfg.dim * cfg.dense_hidden_dim
+    expert = mats * cfg.dim * moe.hidden_dim
+    shared = mats * cfg.dim * moe.shared_width
+    router = cfg.dim * moe.num_experts
+    attn = _attention_params(cfg)
+    norms = 2 * cfg.dim
+    total = active = 0
+    for layer in range(cfg.num_layers):
+        if cfg.is_moe_layer(layer):
+            total += attn + norms + router + moe.num_experts * expert + shared
+            active += attn + norms + router + moe.top_k * expert + shared
+        else:
+            total += attn + norms + dense_ffn
+            active += attn + norms + dense_ffn
+    emb = cfg.vocab_size * cfg.dim
+    head = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim
+    total += emb + head + cfg.dim
+    active += emb + head + cfg.dim
+    if cfg.attention == "mla":
+        d_attn = cfg.num_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) / 2
+    else:
+        d_attn = cfg.num_heads * (cfg.head_dim or cfg.dim // cfg.num_heads)
+    matmul_params = active - emb + (cfg.vocab_size * cfg.dim if cfg.tie_embeddings else 0)
+    flops = 6.0 * matmul_params + 12.0 * cfg.num_layers * cfg.seq_len * d_attn
+    return ModelSize(total, active, emb, flops)
+
+
+def model_size(run_cfg: RunConfig):
+    """Sizes for the start-up print: the shared ``epscale.sizing`` when it is installed,
+    else :func:`count_model_size`."""
+    try:
+        from . import sizing  # written by another module owner; optional
+        return sizing.model_size(run_cfg)
+    except (ImportError, AttributeError):
+        return count_model_size(run_cfg.model, run_cfg.moe)
+
+
+def iter_named_expert_params(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """Routed-expert weights (leading dim = experts), by name."""
+    for name, p in model.named_parameters():
+        if ".experts." in f".{name}" and ".shared_experts." not in f".{name}":
+            yield name, p
+
+
+def build_model(cfg: RunConfig, device: torch.device | str = "cpu", seed: int | None = None) -> Transformer:
+    """The full (unsharded) model on ``device``, initialised from ``seed``
+    (default ``train.seed``), identical on every rank."""
+    torch.manual_seed(cfg.train.seed if seed is None else seed)
+    return Transformer(cfg.model, cfg.moe).to(device)
