@@ -11,6 +11,7 @@ import sys
 # name -> (module, one-line help). Add a line here to add a command.
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("epscale.demo", "route a batch through an MoE layer and print what happened"),
+    "describe": ("epscale.describe", "parameters, FLOPs per token and memory per rank of a recipe"),
 }
 
 

@@ -261,10 +261,14 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     name: str = "run"
+    # 'tiny' shrinks a published recipe to CPU size keeping its family's structure
+    # (epscale.recipes.shrink, applied by load_config after the overrides).
+    scale: str = "full"
 
     def __post_init__(self) -> None:
         if self.moe.dim != self.model.dim:
             _fail("moe.dim", self.moe.dim, f"must equal model.dim ({self.model.dim})")
+        _choice("scale", self.scale, ("full", "tiny"))
 
 
 def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -435,10 +439,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if isinstance(data.get("moe", {}), dict):
             data.setdefault("moe", {}).setdefault("dim", model_dim)
     try:
-        return from_dict(cls, data)
+        cfg = from_dict(cls, data)
     except ConfigError as e:
         where = f" (in {path})" if path is not None else ""
         raise ConfigError(f"{e}{where}") from None
+    if cls is RunConfig and cfg.scale == "tiny":
+        from .recipes import shrink
+
+        cfg = shrink(cfg)
+    return cfg
 
 
 def dump_yaml(cfg: Any, path: str | Path) -> None:
