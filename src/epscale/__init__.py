@@ -2,7 +2,8 @@
 
 from .config import ConfigError, MoEConfig
 from .moe.layer import MoE
+from .parallel import ParallelDims, parallelize
 
 __version__ = "0.1.0"
 
-__all__ = ["MoE", "MoEConfig", "ConfigError", "__version__"]
+__all__ = ["MoE", "MoEConfig", "ConfigError", "ParallelDims", "parallelize", "__version__"]

@@ -1,0 +1,80 @@
+"""``alltoall``: the classic all-to-all dispatcher of Megatron and torchtitan.
+
+Legend: T tokens, D model dim, K top-k, E global experts, e local experts, P EP ranks,
+A = T*K assignments, S sent rows (kept assignments), R received rows.
+
+One row per kept (token, expert) assignment. The per-expert counts are exchanged first
+(one small all-to-all, then the layer's one host sync), then one ``all_to_all_single`` of
+the rows there and one back. Gate weights never travel: the source rank applies them when
+the rows come back, as the local dispatcher does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .comm import Exchange, GroupInfo, exchange_counts
+from .ep import EPDispatcher
+from .layout import segment_ids
+from .local import unpermute_weighted
+
+
+@dataclass(frozen=True)
+class AllToAllHandle:
+    order_S: torch.Tensor        # flat (t*K + k) of each sent row, grouped by expert
+    topk_weight_TK: torch.Tensor
+    regroup_R: torch.Tensor      # source-major received row of each expert-major row
+    exchange: Exchange           # the forward dispatch exchange (combine runs it reversed)
+    num_tokens: int
+
+
+class AllToAllDispatcher(EPDispatcher):
+    name = "alltoall"
+
+    def __init__(self, num_experts: int, info: GroupInfo, payload: str = "auto"):
+        super().__init__(num_experts, info, payload)
+        if payload == "fp8":
+            raise ValueError("dispatcher 'alltoall' sends rows in bf16/fp32 only; "
+                             "payload='fp8' is available with 'dedup' and 'hierarchical'")
+
+    def dispatch(self, x_TD, topk_idx_TK, topk_weight_TK):
+        T, K = topk_idx_TK.shape
+        E, e, P = self.num_experts, self.num_local_experts, self.info.size
+        flat_A = topk_idx_TK.reshape(-1)
+        key_A = torch.where(flat_A < 0, torch.full_like(flat_A, E), flat_A)
+        counts_E = torch.bincount(key_A, minlength=E + 1)[:E]
+        send_counts_Pe = counts_E.view(P, e)
+        recv_counts_Pe = exchange_counts(self.info, send_counts_Pe)
+        host = torch.cat([send_counts_Pe.sum(1), recv_counts_Pe.sum(1)]).tolist()  # the one host sync
+        send_splits, recv_splits = host[:P], host[P:]
+        S, R = sum(send_splits), sum(recv_splits)
+
+        order_S = torch.argsort(key_A, stable=True)[:S]
+        payload_TD, _ = self._payload_cast(x_TD)
+        send_x_SD = payload_TD.index_select(0, order_S // K)
+        exchange = Exchange(self.info, send_splits, recv_splits)
+        (recv_raw_RD,) = exchange(send_x_SD)
+        # Received rows come source-major (source q, then its rows for my expert j);
+        # experts want them expert-major (j, then q).
+        seg_R = segment_ids(recv_counts_Pe, R)
+        regroup_R = torch.argsort((seg_R % e) * P + seg_R // e, stable=True)
+        recv_x_RD = recv_raw_RD.index_select(0, regroup_R).to(x_TD.dtype)
+        tokens_per_local_expert_e = recv_counts_Pe.sum(0)
+        return recv_x_RD, tokens_per_local_expert_e, AllToAllHandle(
+            order_S, topk_weight_TK, regroup_R, exchange, T)
+
+    def _combine_start(self, y_RD, handle: AllToAllHandle, async_op):
+        inverse_R = torch.empty_like(handle.regroup_R)
+        inverse_R[handle.regroup_R] = torch.arange(handle.regroup_R.numel(),
+                                                   device=inverse_R.device)
+        y_raw_RD = y_RD.index_select(0, inverse_R)
+        back = handle.exchange.reversed()
+        back.async_op = async_op
+        (y_SD,) = back(y_raw_RD)
+
+        def finish() -> torch.Tensor:
+            back.wait()
+            return unpermute_weighted(y_SD, handle.order_S, handle.topk_weight_TK)
+        return finish

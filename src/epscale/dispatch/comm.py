@@ -1,0 +1,360 @@
+"""Autograd-aware collectives for the dispatchers, with exact byte counting.
+
+Legend: N rows sent by this rank, M rows received, D model dim, B bytes per packed row,
+P ranks in the group.
+
+Every exchange packs its row tensors (the token payload, expert ids, gate weights, ...) into
+one uint8 buffer ``[N, B]`` so a dispatch is a single collective, whatever it carries.
+Received fields are zero-copy views into the receive buffer. The backward of an exchange
+is the same exchange reversed (send and receive splits swapped), carrying the gradients of
+the floating-point fields in their own dtype.
+
+An exchange may run asynchronously (``Exchange(..., async_op=True)``): the forward returns
+its outputs at once and the caller must call ``exchange.wait()`` before reading them. This
+is how the dispatchers keep a transfer in flight while experts or shared experts compute.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+FP8_DTYPE = getattr(torch, "float8_e4m3fn", None)
+FP8_MAX = 448.0          # largest finite e4m3fn value
+FP8_BLOCK = 128          # channels that share one scale (DeepEP's per-128-channel scaling)
+
+
+# --------------------------------------------------------------------------------------
+# Byte accounting
+# --------------------------------------------------------------------------------------
+
+
+class CommCounter:
+    """Bytes this rank sent to *other* ranks (a copy to itself costs no link).
+
+    ``total`` counts every byte, ``inter_node`` the ones whose destination lives on another
+    node. Both forward and backward exchanges are counted; read the difference around the
+    region you want to measure.
+    """
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.inter_node = 0
+        self.num_collectives = 0
+
+    def add(self, group_ranks: Sequence[int], my_rank: int, bytes_per_dest: Sequence[int],
+            ranks_per_node: int) -> None:
+        my_node = my_rank // ranks_per_node
+        for g, nbytes in zip(group_ranks, bytes_per_dest):
+            if g == my_rank:
+                continue
+            self.total += int(nbytes)
+            if g // ranks_per_node != my_node:
+                self.inter_node += int(nbytes)
+        self.num_collectives += 1
+
+    def snapshot(self) -> dict[str, int]:
+        return {"total": self.total, "inter_node": self.inter_node,
+                "collectives": self.num_collectives}
+
+
+@dataclass
+class GroupInfo:
+    """A process group as the dispatchers see it: its global ranks and where they live."""
+
+    group: dist.ProcessGroup | None
+    ranks: list[int]              # global rank of each group rank
+    my_rank: int                  # this process's global rank
+    ranks_per_node: int
+    counter: CommCounter
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def index(self) -> int:
+        return self.ranks.index(self.my_rank)
+
+    @classmethod
+    def of(cls, group: dist.ProcessGroup, ranks_per_node: int, counter: CommCounter) -> "GroupInfo":
+        return cls(group, dist.get_process_group_ranks(group), dist.get_rank(), ranks_per_node,
+                   counter)
+
+
+# --------------------------------------------------------------------------------------
+# Packing rows of mixed dtypes into bytes
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    dtype: torch.dtype
+    width: int        # elements per row
+    offset: int       # byte offset inside the packed row
+    nbytes: int       # bytes of this field per row (fp8: payload + scales)
+    fp8: bool = False
+
+
+def _fp8_nbytes(width: int) -> int:
+    num_blocks = -(-width // FP8_BLOCK)
+    return num_blocks * FP8_BLOCK + 4 * num_blocks
+
+
+def plan_fields(dtypes_widths: Sequence[tuple[torch.dtype, int]], fp8_field: int | None
+                ) -> tuple[list[FieldSpec], int]:
+    """Byte layout of a packed row: each field aligned to its element size, the row to 8."""
+    specs, off = [], 0
+    for i, (dtype, width) in enumerate(dtypes_widths):
+        if i == fp8_field:
+            align, nbytes, fp8 = 4, _fp8_nbytes(width), True
+        else:
+            align = torch.empty((), dtype=dtype).element_size()
+            nbytes, fp8 = align * width, False
+        off = -(-off // align) * align
+        specs.append(FieldSpec(dtype, width, off, nbytes, fp8))
+        off += nbytes
+    return specs, -(-off // 8) * 8
+
+
+def quantize_fp8(x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 payload [N, Dp] (D padded to whole 128-channel blocks) and fp32 scales [N, Dp/128]."""
+    if FP8_DTYPE is None:
+        raise RuntimeError("this torch build has no float8_e4m3fn dtype; use payload='bf16'")
+    N, D = x_ND.shape
+    num_blocks = -(-D // FP8_BLOCK)
+    xp = x_ND.float()
+    if num_blocks * FP8_BLOCK != D:
+        xp = torch.nn.functional.pad(xp, (0, num_blocks * FP8_BLOCK - D))
+    x_NbC = xp.view(N, num_blocks, FP8_BLOCK)
+    amax_Nb = x_NbC.abs().amax(dim=-1).clamp_min(1e-12)
+    scale_Nb = amax_Nb / FP8_MAX
+    q = (x_NbC / scale_Nb.unsqueeze(-1)).to(FP8_DTYPE).view(N, num_blocks * FP8_BLOCK)
+    return q, scale_Nb
+
+
+def dequantize_fp8(q_ND: torch.Tensor, scale_Nb: torch.Tensor, width: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    N = q_ND.shape[0]
+    num_blocks = scale_Nb.shape[1]
+    x = q_ND.view(N, num_blocks, FP8_BLOCK).float() * scale_Nb.unsqueeze(-1)
+    return x.view(N, num_blocks * FP8_BLOCK)[:, :width].to(dtype)
+
+
+def pack_rows(fields: Sequence[torch.Tensor], specs: Sequence[FieldSpec], row_bytes: int
+              ) -> torch.Tensor:
+    """Copy row tensors ``[N, width_i]`` into one uint8 buffer ``[N, row_bytes]``."""
+    N = fields[0].shape[0]
+    device = fields[0].device
+    buf = torch.empty((N, row_bytes), dtype=torch.uint8, device=device)
+    if N == 0:
+        return buf
+    for t, s in zip(fields, specs):
+        if s.fp8:
+            q, scale = quantize_fp8(t)
+            qb = q.shape[1]
+            buf[:, s.offset:s.offset + qb].copy_(q.view(torch.uint8))
+            buf[:, s.offset + qb:s.offset + s.nbytes].view(torch.float32).copy_(scale)
+        else:
+            buf[:, s.offset:s.offset + s.nbytes].view(s.dtype).copy_(t.reshape(N, s.width))
+    return buf
+
+
+def unpack_rows(buf: torch.Tensor, specs: Sequence[FieldSpec]) -> list[torch.Tensor]:
+    """Views (or, for an fp8 field, the dequantized tensor) of each field of ``buf``."""
+    out = []
+    for s in specs:
+        raw = buf[:, s.offset:s.offset + s.nbytes]
+        if s.fp8:
+            qb = _fp8_nbytes(s.width) - 4 * (-(-s.width // FP8_BLOCK))
+            q = raw[:, :qb].view(FP8_DTYPE)
+            scale = raw[:, qb:].view(torch.float32)
+            out.append(dequantize_fp8(q, scale, s.width, s.dtype))
+        else:
+            out.append(raw.view(s.dtype))
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# All-to-all of packed rows, with autograd
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Exchange:
+    """One all-to-all of rows over ``info.group``.
+
+    ``send_splits[p]`` rows go to group rank p, ``recv_splits[p]`` come from it (host ints,
+    known from the count exchange). ``fp8_field`` names a field sent as e4m3 + scales in
+    the forward (its gradient travels back in the field's own dtype).
+    """
+
+    info: GroupInfo
+    send_splits: list[int]
+    recv_splits: list[int]
+    fp8_field: int | None = None
+    async_op: bool = False
+    _work: object | None = field(default=None, repr=False)
+    _finish: Callable[[], None] | None = field(default=None, repr=False)
+
+    def reversed(self) -> "Exchange":
+        return Exchange(self.info, self.recv_splits, self.send_splits)
+
+    def __call__(self, *fields: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return _RowAllToAll.apply(self, *fields)
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self._finish is not None:
+            self._finish()
+            self._finish = None
+
+
+def all_to_all_bytes(info: GroupInfo, send_buf: torch.Tensor, send_splits: list[int],
+                     recv_splits: list[int], async_op: bool = False):
+    """all_to_all_single of a [N, B] buffer; returns (recv [M, B], work or None)."""
+    recv = send_buf.new_empty((sum(recv_splits),) + tuple(send_buf.shape[1:]))
+    row_bytes = send_buf[0:1].numel() * send_buf.element_size() if send_buf.dim() > 1 else send_buf.element_size()
+    info.counter.add(info.ranks, info.my_rank, [n * row_bytes for n in send_splits],
+                     info.ranks_per_node)
+    if info.size == 1:
+        recv.copy_(send_buf)
+        return recv, None
+    work = dist.all_to_all_single(recv, send_buf, recv_splits, send_splits, group=info.group,
+                                  async_op=async_op)
+    return recv, work
+
+
+class _RowAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ex: Exchange, *fields):
+        specs, row_bytes = plan_fields([(t.dtype, math.prod(t.shape[1:])) for t in fields],
+                                       ex.fp8_field)
+        ctx.ex, ctx.shapes = ex, [tuple(t.shape[1:]) for t in fields]
+        ctx.float_fields = [i for i, t in enumerate(fields) if t.is_floating_point()]
+        ctx.in_dtypes = [t.dtype for t in fields]
+        ctx.device = fields[0].device
+        flat = [t.reshape(t.shape[0], s.width) for t, s in zip(fields, specs)]
+        send = pack_rows(flat, specs, row_bytes)
+        recv, work = all_to_all_bytes(ex.info, send, ex.send_splits, ex.recv_splits, ex.async_op)
+        M = recv.shape[0]
+        if ex.async_op and any(s.fp8 for s in specs):
+            # The fp8 field must be dequantized after the data arrived: hand out a buffer now
+            # and fill it in wait(). Nothing reads it before then.
+            fp8_i = ex.fp8_field
+            outs = [None] * len(fields)
+            for i, s in enumerate(specs):
+                if not s.fp8:
+                    outs[i] = recv[:, s.offset:s.offset + s.nbytes].view(s.dtype)
+            outs[fp8_i] = torch.empty((M, specs[fp8_i].width), dtype=specs[fp8_i].dtype,
+                                      device=recv.device)
+            target = outs[fp8_i]
+
+            def finish():
+                with torch.no_grad():
+                    target.copy_(unpack_rows(recv, [specs[fp8_i]])[0])
+            ex._finish = finish
+        else:
+            outs = unpack_rows(recv, specs)
+        ex._work = work
+        if not ex.async_op:
+            ex.wait()
+        outs = [o.view((M,) + shp) for o, shp in zip(outs, ctx.shapes)]
+        non_diff = [o for i, o in enumerate(outs) if i not in ctx.float_fields]
+        if non_diff:
+            ctx.mark_non_differentiable(*non_diff)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ex: Exchange = ctx.ex
+        idx = ctx.float_fields
+        # Always send every float field (zeros where no grad arrived) so the byte layout is
+        # the same on every rank whatever each one's autograd graph needed.
+        M = sum(ex.recv_splits)
+        g_list = []
+        for i in idx:
+            g = grads[i]
+            if g is None:
+                g = torch.zeros((M,) + ctx.shapes[i], dtype=ctx.in_dtypes[i], device=ctx.device)
+            g_list.append(g.reshape(M, math.prod(ctx.shapes[i])).to(ctx.in_dtypes[i]))
+        specs, row_bytes = plan_fields(
+            [(ctx.in_dtypes[i], math.prod(ctx.shapes[i])) for i in idx], None)
+        send = pack_rows(g_list, specs, row_bytes) if g_list else None
+        out = [None] * len(ctx.shapes)
+        if send is not None:
+            recv, work = all_to_all_bytes(ex.info, send, ex.recv_splits, ex.send_splits)
+            if work is not None:
+                work.wait()
+            N = recv.shape[0]
+            for i, g in zip(idx, unpack_rows(recv, specs)):
+                out[i] = g.reshape((N,) + ctx.shapes[i])
+        return (None, *out)
+
+
+def exchange_counts(info: GroupInfo, counts_PC: torch.Tensor) -> torch.Tensor:
+    """All-to-all of small int64 count rows: row p of ``counts_PC`` goes to group rank p;
+    returns row q = what group rank q sent here. No autograd, no host sync."""
+    recv, work = all_to_all_bytes(info, counts_PC.contiguous(), [1] * info.size, [1] * info.size)
+    if work is not None:
+        work.wait()
+    return recv
+
+
+# --------------------------------------------------------------------------------------
+# All-gather / reduce-scatter of padded row blocks (the allgather backend)
+# --------------------------------------------------------------------------------------
+
+
+def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, inp, group=group)
+
+
+class AllGatherRows(torch.autograd.Function):
+    """[Tmax, C] on each rank -> [P*Tmax, C] (rank-major). Backward: reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, info: GroupInfo, x_TC: torch.Tensor):
+        ctx.info = info
+        P = info.size
+        out = x_TC.new_empty((P * x_TC.shape[0],) + tuple(x_TC.shape[1:]))
+        info.counter.add(info.ranks, info.my_rank,
+                         [x_TC.numel() * x_TC.element_size()] * P, info.ranks_per_node)
+        if P == 1:
+            out.copy_(x_TC)
+        else:
+            dist.all_gather_into_tensor(out, x_TC.contiguous(), group=info.group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, ReduceScatterRows.apply(ctx.info, g.contiguous())
+
+
+class ReduceScatterRows(torch.autograd.Function):
+    """[P*Tmax, C] -> [Tmax, C]: the sum over ranks of block ``my index``. Backward: gather."""
+
+    @staticmethod
+    def forward(ctx, info: GroupInfo, y_PTC: torch.Tensor):
+        ctx.info = info
+        P = info.size
+        out = y_PTC.new_empty((y_PTC.shape[0] // P,) + tuple(y_PTC.shape[1:]))
+        block = out.numel() * out.element_size()
+        # A ring reduce-scatter sends (P-1)/P of the buffer; count it as P-1 blocks.
+        info.counter.add(info.ranks, info.my_rank, [block] * P, info.ranks_per_node)
+        if P == 1:
+            out.copy_(y_PTC)
+        else:
+            _reduce_scatter(out, y_PTC.contiguous(), info.group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, AllGatherRows.apply(ctx.info, g.contiguous())

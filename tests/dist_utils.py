@@ -1,0 +1,208 @@
+"""Run a function on N real gloo processes and collect what each rank returns.
+
+Usage (the worker must be a module-level function so ``spawn`` can pickle it)::
+
+    from dist_utils import run_distributed, CaseRunner
+
+    def _worker(rank, world_size, cases):
+        runner = CaseRunner(rank)
+        for case in cases:
+            with runner.case(case):          # an exception fails this case, not the process
+                ...collectives and asserts...
+        return runner.failures               # returned to the parent, rank by rank
+
+    def test_something():
+        results = run_distributed(_worker, 2, args=(cases,))
+        assert_no_failures(results)
+
+One process group per world size, many cases inside it: spawning costs seconds, a case
+milliseconds. Keep the collectives of every case identical on all ranks (assert after
+them), or a failing rank leaves the others waiting until ``timeout``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class DistributedTestError(AssertionError):
+    """A worker raised, died or timed out; the message holds every rank's story."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, env: dict,
+           timeout_s: float, results) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "LOCAL_WORLD_SIZE": str(world_size), **env})
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        out = fn(rank, world_size, *args)
+        dist.barrier()  # gloo can abort at exit if a peer is still mid-collective
+        dist.destroy_process_group()
+        results.put((rank, "ok", out))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (),
+                    env: dict[str, str] | None = None, timeout_s: float = 300.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo processes.
+
+    Returns the list of per-rank return values (must be picklable). Raises
+    DistributedTestError naming each failing rank with its traceback, or a timeout.
+    ``env`` adds environment variables in the workers (e.g. LOCAL_WORLD_SIZE).
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, env or {},
+                                                timeout_s, results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    got: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout_s + 30
+    try:
+        while len(got) < world_size:
+            try:
+                rank, status, payload = results.get(timeout=1.0)
+                got[rank] = (status, payload)
+                if status == "error":
+                    # Peers may be stuck in a collective with the failed rank: give them a
+                    # moment to fail too, then stop waiting.
+                    deadline = min(deadline, time.monotonic() + 10)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
+                        and r not in got]
+                if dead or time.monotonic() > deadline:
+                    break
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    errors = [f"rank {r}: {payload}" for r, (status, payload) in sorted(got.items())
+              if status == "error"]
+    missing = [r for r in range(world_size) if r not in got]
+    if errors or missing:
+        parts = errors + [f"rank {r}: no result (exit code {procs[r].exitcode}; hung or crashed)"
+                          for r in missing]
+        raise DistributedTestError(f"{len(parts)} of {world_size} ranks failed:\n" + "\n".join(parts))
+    return [got[r][1] for r in range(world_size)]
+
+
+class CaseRunner:
+    """Collects per-case failures inside a worker so one bad case does not hide the rest."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.failures: list[str] = []
+        self.num_cases = 0
+
+    @contextlib.contextmanager
+    def case(self, name: Any):
+        self.num_cases += 1
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - recorded and reported by the parent
+            tb = traceback.format_exc(limit=4)
+            self.failures.append(f"[rank {self.rank}] case {name}: {type(e).__name__}: {e}\n{tb}")
+
+
+def assert_no_failures(results: list[Any], min_cases: int = 1) -> None:
+    """``results`` from workers that returned ``(failures, num_cases)`` or a failures list."""
+    failures, counts = [], []
+    for r in results:
+        if isinstance(r, tuple):
+            failures += r[0]
+            counts.append(r[1])
+        else:
+            failures += r
+    assert not failures, f"{len(failures)} failing case(s):\n" + "\n".join(failures[:20])
+    assert all(c >= min_cases for c in counts), f"too few cases ran: {counts}"
+
+
+# --------------------------------------------------------------------------------------
+# Parallelized vs unparallelized: the check every EP test makes
+# --------------------------------------------------------------------------------------
+
+
+def make_inputs(world_size: int, tokens_per_rank: list[int], dim: int, dtype: torch.dtype,
+                seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every rank's input and upstream gradient, identical on all ranks (seeded)."""
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(t, dim, generator=g).to(dtype) for t in tokens_per_rank]
+    gs = [torch.randn(t, dim, generator=g).to(dtype) for t in tokens_per_rank]
+    return xs, gs
+
+
+def reference_grads(full: torch.nn.Module, xs: list[torch.Tensor], gs: list[torch.Tensor]):
+    """Run the unparallelized module on each rank's batch (capacity and aux losses are per
+    local batch) and backprop sum_r loss_r, loss_r = <y_r, g_r> + aux_r.
+
+    Returns (outputs per rank, input grads per rank, {param name: grad of the MEAN loss}).
+    """
+    full.zero_grad(set_to_none=True)
+    ys, xgrads, total = [], [], 0
+    for x, g in zip(xs, gs):
+        x = x.clone().requires_grad_(True)
+        y = full(x)
+        aux = sum((m.aux_loss for m in full.modules() if hasattr(m, "aux_loss")), torch.zeros(()))
+        total = total + (y.float() * g.float()).sum() + aux
+        ys.append(y)
+        xgrads.append(x)
+    total.backward()
+    W = len(xs)
+    pgrads = {n: (p.grad.float() / W if p.grad is not None else torch.zeros_like(p, dtype=torch.float))
+              for n, p in full.named_parameters()}
+    return [y.detach() for y in ys], [x.grad for x in xgrads], pgrads
+
+
+def parallel_step(par: torch.nn.Module, dims, x: torch.Tensor, g: torch.Tensor,
+                  forward: Callable[[torch.Tensor], torch.Tensor] | None = None):
+    """Forward + backward of this rank's batch on the parallelized module, then the gradient
+    sync. Returns (output, input grad)."""
+    from epscale.parallel import sync_gradients
+
+    par.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_(True)
+    y = (forward or par)(x)
+    aux = sum((m.aux_loss for m in par.modules() if hasattr(m, "aux_loss")), torch.zeros(()))
+    ((y.float() * g.float()).sum() + aux).backward()
+    sync_gradients(par, dims)
+    return y.detach(), x.grad
+
+
+def compare_grads(par: torch.nn.Module, ref_pgrads: dict, dims, atol: float, rtol: float) -> None:
+    """Parallelized grads equal the reference grads of the mean loss (expert params compared
+    on this rank's shard)."""
+    from epscale.parallel import is_expert_param
+
+    for name, p in par.named_parameters():
+        ref = ref_pgrads[name]
+        if is_expert_param(p):
+            e = p.shape[0]
+            ref = ref[dims.ep_rank * e:(dims.ep_rank + 1) * e]
+        assert p.grad is not None, f"no grad for {name}"
+        torch.testing.assert_close(p.grad.float(), ref, atol=atol, rtol=rtol,
+                                   msg=lambda m: f"grad of {name}: {m}")
