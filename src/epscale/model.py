@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
 from typing import Callable, ContextManager, Iterator
 
 import torch
@@ -211,76 +210,6 @@ class Transformer(nn.Module):
         for moe in self.moe_layers():
             total = total + moe.aux_loss.to(total.device)
         return total
-
-
-# --------------------------------------------------------------------------------------
-# Size and FLOPs from the config alone
-# --------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ModelSize:
-    """Parameter counts and training FLOPs per token (forward + backward, 6N + attention)."""
-
-    total_params: int
-    active_params: int
-    embedding_params: int
-    flops_per_token: float
-
-
-def _attention_params(cfg: ModelConfig) -> int:
-    if cfg.attention == "mla":
-        H, qk = cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-        q = (cfg.dim * cfg.q_lora_rank + cfg.q_lora_rank + cfg.q_lora_rank * H * qk
-             if cfg.q_lora_rank > 0 else cfg.dim * H * qk)
-        kv = (cfg.dim * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank
-              + cfg.kv_lora_rank * H * (cfg.qk_nope_head_dim + cfg.v_head_dim))
-        return q + kv + H * cfg.v_head_dim * cfg.dim
-    h = cfg.head_dim or cfg.dim // cfg.num_heads
-    G = cfg.num_kv_heads or cfg.num_heads
-    return 2 * cfg.dim * cfg.num_heads * h + 2 * cfg.dim * G * h
-
-
-def count_model_size(cfg: ModelConfig, moe: MoEConfig) -> ModelSize:
-    """Counts that match ``Transformer(cfg, moe)`` exactly (tested); FLOPs per token are
-    6 x active non-embedding weights (+ the head) plus 12 x L x S x d_attn for attention
-    scores and values (the PaLM estimate; causal masking ignored)."""
-    mats = 3 if moe.activation == "swiglu" else 2
-    dense_ffn = mats * cfg.dim * cfg.dense_hidden_dim
-    expert = mats * cfg.dim * moe.hidden_dim
-    shared = mats * cfg.dim * moe.shared_width
-    router = cfg.dim * moe.num_experts
-    attn = _attention_params(cfg)
-    norms = 2 * cfg.dim
-    total = active = 0
-    for layer in range(cfg.num_layers):
-        if cfg.is_moe_layer(layer):
-            total += attn + norms + router + moe.num_experts * expert + shared
-            active += attn + norms + router + moe.top_k * expert + shared
-        else:
-            total += attn + norms + dense_ffn
-            active += attn + norms + dense_ffn
-    emb = cfg.vocab_size * cfg.dim
-    head = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim
-    total += emb + head + cfg.dim
-    active += emb + head + cfg.dim
-    if cfg.attention == "mla":
-        d_attn = cfg.num_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) / 2
-    else:
-        d_attn = cfg.num_heads * (cfg.head_dim or cfg.dim // cfg.num_heads)
-    matmul_params = active - emb + (cfg.vocab_size * cfg.dim if cfg.tie_embeddings else 0)
-    flops = 6.0 * matmul_params + 12.0 * cfg.num_layers * cfg.seq_len * d_attn
-    return ModelSize(total, active, emb, flops)
-
-
-def model_size(run_cfg: RunConfig):
-    """Sizes for the start-up print: the shared ``epscale.sizing`` when it is installed,
-    else :func:`count_model_size`."""
-    try:
-        from . import sizing  # written by another module owner; optional
-        return sizing.model_size(run_cfg)
-    except (ImportError, AttributeError):
-        return count_model_size(run_cfg.model, run_cfg.moe)
 
 
 def iter_named_expert_params(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:

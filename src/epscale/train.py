@@ -1,0 +1,150 @@
+"""``epscale train``: train an MoE transformer on one or many processes.
+
+    epscale train --config configs/tiny.yaml [--nproc N] [--run-dir DIR] [key=value ...]
+
+Without an outside launcher, ``--nproc N`` (default: parallel.dp x parallel.ep) starts N
+local processes through torchrun (gloo on CPU, NCCL on CUDA). Under torchrun or srun the
+command runs as one rank of the job. A run directory that already holds a checkpoint is
+resumed from its newest complete one. SIGTERM/SIGUSR1 (or ``touch RUN_DIR/STOP``) stop
+after the current step with a checkpoint and exit status 0.
+
+Also here: ``update_expert_biases``, the loss-free balancing hook the loop calls after
+each optimizer step.
+
+Legend: E experts, L MoE layers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import RunConfig, load_config
+
+
+@torch.no_grad()
+def update_expert_biases(model: nn.Module, dims, u: float,
+                         counts: dict[int, list[int]] | None = None) -> None:
+    """Loss-free balancing (DeepSeek-V3): ``b_i += u * sign(mean load - load_i)`` per MoE
+    layer, over the whole step's loads summed over all ranks.
+
+    counts: {layer id: tokens_per_expert_E summed over ranks} as the step record holds
+    them (no communication then); None all-reduces the layers' ``tokens_per_expert``
+    buffers in ONE collective. Every rank applies the same update, so the replicated
+    biases stay identical.
+    """
+    blocks = [b for b in getattr(model, "layers", []) if getattr(b, "is_moe", False)]
+    if not blocks:
+        return
+    if counts is None:
+        loads_LE = torch.stack([b.ffn.tokens_per_expert.double() for b in blocks])
+        if dims.world_size > 1 and dist.is_initialized():
+            dist.all_reduce(loads_LE)
+    else:
+        loads_LE = torch.tensor([counts[b.layer_id] for b in blocks], dtype=torch.float64)
+    for b, load_E in zip(blocks, loads_LE):
+        bias_E = b.ffn.router.expert_bias
+        load_E = load_E.to(bias_E.device)
+        bias_E += (u * torch.sign(load_E.mean() - load_E)).to(bias_E.dtype)
+
+
+# --------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------
+
+
+def configure_parser(p) -> None:
+    p.add_argument("--config", help="recipe YAML (default: RUN_DIR/config.yaml when resuming, "
+                   "else the built-in defaults)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="local processes to start with torchrun (default parallel.dp x "
+                        "parallel.ep); ignored under an outside torchrun/srun")
+    p.add_argument("--run-dir", default=None,
+                   help="run directory (default runs/NAME-YYYYmmdd-HHMMSS); resumed when it "
+                        "holds a checkpoint")
+    p.add_argument("--stop-at", type=int, default=None, metavar="STEP",
+                   help="stop after STEP as if signalled (checkpoint, exit 0)")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="dotted config overrides, e.g. train.steps=50 moe.top_k=2 parallel.ep=2")
+
+
+def resolve_config(args) -> RunConfig:
+    path = args.config
+    if path is None and args.run_dir and (Path(args.run_dir) / "config.yaml").is_file():
+        path = Path(args.run_dir) / "config.yaml"
+    return load_config(path, args.overrides)
+
+
+def default_run_dir(cfg: RunConfig) -> Path:
+    return Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def run(args) -> int:
+    from .data import check_source
+    from .training.dist import detect_env, resolve_layout
+
+    cfg = resolve_config(args)
+    check_source(cfg.data)
+    env = detect_env()
+    if env.launcher == "none":
+        nproc = args.nproc if args.nproc is not None else cfg.parallel.dp * cfg.parallel.ep
+        if nproc < 1:
+            from .config import ConfigError
+            raise ConfigError(f"--nproc {nproc} is invalid: must be >= 1")
+        resolve_layout(cfg.parallel, nproc, cfg.moe.num_experts)  # fail before launching
+        run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
+        if nproc > 1:
+            return launch_local(args, nproc, run_dir)
+    else:
+        run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
+    from .training.loop import train
+
+    result = train(cfg, run_dir, env, stop_at=args.stop_at)
+    return 0 if result is not None else 1
+
+
+def launch_local(args, nproc: int, run_dir: Path) -> int:
+    """Run this same command as ``nproc`` torchrun workers. SIGINT/SIGTERM/SIGUSR1 here
+    become a graceful stop there (the RUN_DIR/STOP file); a second one kills them."""
+    from .training.loop import STOP_FILE
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", "-m", "epscale", "train", "--run-dir", str(run_dir)]
+    if args.config:
+        cmd += ["--config", str(args.config)]
+    if args.stop_at is not None:
+        cmd += ["--stop-at", str(args.stop_at)]
+    cmd += list(args.overrides)
+    env = dict(os.environ)
+    if not torch.cuda.is_available():
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    signals = {"count": 0}
+
+    def forward(signum, _frame):
+        signals["count"] += 1
+        if signals["count"] == 1:
+            (run_dir / STOP_FILE).touch()
+            print(f"\nepscale train: stopping after the current step (signal {signum}); "
+                  "send it again to kill the workers", file=sys.stderr)
+        else:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        return proc.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)

@@ -1,0 +1,162 @@
+"""Process set-up for the trainer: which launcher started us (torchrun, srun, none), the
+process group, the device, and the ParallelDims that own the dp x ep groups.
+
+torchrun sets RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/MASTER_ADDR/MASTER_PORT; under
+``srun`` without torchrun we read SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID and take the
+first host of SLURM_JOB_NODELIST as the master when MASTER_ADDR is not set.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..config import ConfigError, ParallelConfig
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits. launcher: 'torchrun' (RANK/WORLD_SIZE set), 'srun'
+    (Slurm tasks without torchrun) or 'none' (a plain single process)."""
+
+    launcher: str
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+
+
+def _int_env(name: str, default: int | None = None) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={value!r} must be an integer") from None
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a Slurm node list ('node[03-05,7],gpu1' -> 'node03')."""
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                             text=True, timeout=10, check=True).stdout.split()
+        if out:
+            return out[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    first = re.split(r",(?![^\[]*\])", nodelist)[0]
+    m = re.match(r"^([^\[]*)\[([^\]]+)\](.*)$", first)
+    if not m:
+        return first
+    prefix, ranges, suffix = m.groups()
+    lo = ranges.split(",")[0].split("-")[0]
+    return f"{prefix}{lo}{suffix}"
+
+
+def detect_env() -> LaunchEnv:
+    if os.environ.get("RANK") is not None and os.environ.get("WORLD_SIZE") is not None:
+        world = _int_env("WORLD_SIZE", 1)
+        return LaunchEnv("torchrun", _int_env("RANK", 0), world, _int_env("LOCAL_RANK", 0),
+                         _int_env("LOCAL_WORLD_SIZE", world), os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                         _int_env("MASTER_PORT", 29500))
+    ntasks = _int_env("SLURM_NTASKS", 1)
+    if os.environ.get("SLURM_PROCID") is not None and ntasks > 1:
+        addr = os.environ.get("MASTER_ADDR") or first_slurm_host(os.environ.get("SLURM_JOB_NODELIST", "127.0.0.1"))
+        per_node = _int_env("SLURM_NTASKS_PER_NODE", None)
+        if per_node is None:
+            nodes = _int_env("SLURM_NNODES", 1) or 1
+            per_node = max(1, ntasks // nodes)
+        port = _int_env("MASTER_PORT", 29500 + (_int_env("SLURM_JOB_ID", 0) or 0) % 1000)
+        return LaunchEnv("srun", _int_env("SLURM_PROCID", 0), ntasks, _int_env("SLURM_LOCALID", 0),
+                         per_node, addr, port)
+    return LaunchEnv("none")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pick_device(env: LaunchEnv) -> torch.device:
+    if torch.cuda.is_available():
+        dev = torch.device("cuda", env.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+        return dev
+    return torch.device("cpu")
+
+
+def set_threads(env: LaunchEnv, device: torch.device) -> None:
+    """Split the CPU cores between the processes of this node (unless OMP_NUM_THREADS says)."""
+    if device.type != "cpu" or os.environ.get("OMP_NUM_THREADS"):
+        return
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, env.local_world_size)))
+
+
+def init_process_group(env: LaunchEnv, device: torch.device) -> None:
+    """gloo on CPU, NCCL on CUDA; a no-op for a single process."""
+    if env.world_size == 1 or dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    os.environ.setdefault("MASTER_ADDR", env.master_addr)
+    os.environ.setdefault("MASTER_PORT", str(env.master_port))
+    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
+                            timeout=timedelta(minutes=10),
+                            device_id=device if device.type == "cuda" else None)
+
+
+def shutdown() -> None:
+    """Barrier then destroy (gloo can abort at exit when ranks leave unsynchronised)."""
+    if dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+
+
+class SingleProcessDims:
+    """The ParallelDims attributes for one process (no process group needed)."""
+
+    rank, world_size, dp, ep, ep_rank, dp_rank = 0, 1, 1, 1, 0, 0
+    ranks_per_node, num_nodes, node_rank = 1, 1, 0
+    ep_group = dp_group = mesh = None
+
+
+def resolve_layout(par: ParallelConfig, world_size: int, num_experts: int) -> tuple[int, int, str | None]:
+    """(dp, ep) for ``world_size`` processes, and a note when dp was derived.
+
+    dp * ep must equal the number of processes; when it does not and ``world_size`` is a
+    multiple of ep, dp becomes world_size / ep (so a recipe's ep works at any process count).
+    """
+    dp, ep, note = par.dp, par.ep, None
+    if num_experts % ep:
+        raise ConfigError(f"config key 'parallel.ep' = {ep} is invalid: must divide "
+                          f"moe.num_experts ({num_experts}) so every rank holds whole experts")
+    if dp * ep != world_size:
+        if world_size % ep:
+            raise ConfigError(f"config key 'parallel.ep' = {ep} is invalid: the number of "
+                              f"processes ({world_size}) must be a multiple of it (world = dp x ep)")
+        note = (f"parallel.dp={dp} x parallel.ep={ep} != {world_size} processes: using "
+                f"dp={world_size // ep}")
+        dp = world_size // ep
+    return dp, ep, note
+
+
+def make_dims(par: ParallelConfig, env: LaunchEnv, num_experts: int):
+    """ParallelDims for this run (SingleProcessDims for one process) and the layout note."""
+    dp, ep, note = resolve_layout(par, env.world_size, num_experts)
+    if env.world_size == 1:
+        return SingleProcessDims(), note
+    from ..parallel import ParallelDims
+
+    return ParallelDims(dp=dp, ep=ep, ranks_per_node=par.ranks_per_node), note

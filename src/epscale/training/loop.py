@@ -1,0 +1,439 @@
+"""The training loop: EP x DP steps with gradient accumulation, AdamW + warm-up/cosine,
+clipping, non-finite skips, the spike rollback, validation, metrics, checkpoints, resume
+and graceful stop.
+
+Legend: B micro-batch sequences per rank, S sequence length, E experts, L MoE layers.
+
+One step on every rank: ``grad_accum`` x (data -> forward -> backward) -> sync_gradients
+-> grad norm (one all-reduce that also carries the stop flag and non-finite losses) ->
+AdamW (or a skip) -> StepStatsCollector.record (ONE all-reduce of every per-rank number)
+-> expert-bias update from the all-reduced counts -> metrics.jsonl/heartbeat -> spike
+check -> validation / checkpoint when due.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import checkpoint as ckpt
+from ..config import RunConfig, dump_yaml, to_dict
+from ..data import DataLoader, byte_unigram_entropy, load_splits
+from ..metrics import MetricsWriter, StepStatsCollector, StepTimers, peak_flops
+from ..model import build_model
+from ..sizing import model_size
+from .console import TrainConsole
+from .dist import LaunchEnv, init_process_group, make_dims, pick_device, set_threads, shutdown
+from .guard import SpikeGuard
+from .optim import build_optimizer, ensure_optimizer_state, is_expert_param, lr_at, set_lr
+
+STOP_FILE = "STOP"  # touch RUN_DIR/STOP to stop gracefully (what `--nproc` forwards signals as)
+
+
+@dataclass
+class RunResult:
+    """What a finished (or stopped) run reports back."""
+
+    run_dir: Path
+    step: int
+    stopped: bool
+    records: list[dict[str, Any]] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+class Trainer:
+    """Trains ``cfg`` in ``run_dir`` on this process's share of the job.
+
+    env: how this process was launched (``LaunchEnv('none')`` for a single process).
+    stop_at: stop after this step as if signalled (checkpoint, exit cleanly); for tests
+    and for splitting a run into pieces.
+    """
+
+    def __init__(self, cfg: RunConfig, run_dir: str | Path, env: LaunchEnv,
+                 stop_at: int | None = None):
+        self.cfg, self.env, self.stop_at = cfg, env, stop_at
+        self.run_dir = Path(run_dir)
+        self._signalled = False
+        self._old_handlers: dict[int, Any] = {}
+
+    # ================================================================== set-up
+    def setup(self) -> None:
+        cfg, env = self.cfg, self.env
+        self.device = pick_device(env)
+        set_threads(env, self.device)
+        init_process_group(env, self.device)
+        self.dims, layout_note = make_dims(cfg.parallel, env, cfg.moe.num_experts)
+        self.rank, self.world = self.dims.rank, self.dims.world_size
+        if self.world > 1:  # every rank uses rank 0's run directory
+            box = [str(self.run_dir)]
+            dist.broadcast_object_list(box, src=0)
+            self.run_dir = Path(box[0])
+        self.console = TrainConsole(self.rank == 0, cfg.train.steps)
+        if self.rank == 0:
+            for sub in ("checkpoints", "logs", "heartbeats"):
+                (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
+            dump_yaml(cfg, self.run_dir / "config.yaml")
+            (self.run_dir / STOP_FILE).unlink(missing_ok=True)
+        self._barrier()
+        self._log_file = open(self.run_dir / "logs" / f"rank{self.rank}.log", "a")
+
+        self.use_bf16 = cfg.train.dtype == "bfloat16" or (cfg.train.dtype == "auto"
+                                                            and self.device.type == "cuda")
+        self.model = build_model(cfg, self.device)
+        if self.world > 1:
+            from ..parallel import parallelize
+
+            parallelize(self.model, self.dims, dispatcher=cfg.parallel.dispatcher,
+                        overlap_chunks=cfg.parallel.overlap_chunks)
+        self.moe_layers = self.model.moe_layers()
+        self.opt = build_optimizer(self.model, cfg.train)
+        ensure_optimizer_state(self.opt)
+
+        self.splits = load_splits(cfg.data, cfg.model.vocab_size)
+        self.loader = DataLoader(self.splits, cfg.model.seq_len, cfg.train.micro_batch_size,
+                                 cfg.train.grad_accum, self.rank, self.world, cfg.data.seed)
+        self.val_batches = self.loader.val_batches(cfg.train.eval_batches)
+
+        self.size = model_size(cfg)
+        self.timers = StepTimers(self.device)
+        self.model.set_timer(self.timers.section)
+        dtype = torch.bfloat16 if self.use_bf16 else torch.float32
+        self.collector = StepStatsCollector(self.model, ep=self.dims.ep, device=self.device,
+                                            flops_per_token=self.size.flops_per_token,
+                                            peak_flops=peak_flops(self.device, dtype))
+        self.writer = MetricsWriter.open(self.run_dir, rank=self.rank, run_name=cfg.name)
+        self.guard = SpikeGuard(cfg.train.spike_factor, cfg.train.spike_window,
+                                cfg.train.spike_patience)
+        self.step, self.num_skipped, self.num_rollbacks = 0, 0, 0
+        self.unigram = byte_unigram_entropy(self.splits.train, cfg.model.vocab_size) if self.rank == 0 else None
+        self._print_start(layout_note)
+        self._resume()
+
+    def _print_start(self, layout_note: str | None) -> None:
+        cfg, s = self.cfg, self.size
+        m, moe = cfg.model, cfg.moe
+        num_moe = len(self.moe_layers)
+        threads = torch.get_num_threads()
+        lines = [
+            f"[bold]epscale train[/] {cfg.name}: run dir {self.run_dir}",
+            f"model: {s.total_params / 1e6:.2f}M parameters, {s.active_params / 1e6:.2f}M active "
+            f"per token, {s.flops_per_token / 1e6:.1f} MFLOPs/token (train); {m.num_layers} layers "
+            f"({num_moe} MoE: {moe.num_experts} experts, top-{moe.top_k}), dim {m.dim}, "
+            f"seq {m.seq_len}, vocab {m.vocab_size}",
+            f"data: {self.splits.description}: {self.splits.train.size / 1e6:.2f}M train / "
+            f"{self.splits.val.size / 1e6:.2f}M validation tokens; unigram entropy "
+            f"{self.unigram:.3f} nats",
+            f"layout: {self.world} process(es), dp={self.dims.dp} x ep={self.dims.ep}, dispatcher "
+            f"{cfg.parallel.dispatcher if self.dims.ep > 1 else 'local'}, {self.device.type}"
+            f"{' bf16 autocast' if self.use_bf16 else ' fp32'}, {threads} thread(s) per process",
+            f"batch: {self.loader.samples_per_step} sequences x {m.seq_len} = "
+            f"{self.loader.samples_per_step * m.seq_len:,} tokens per step, {cfg.train.steps} steps",
+        ]
+        if layout_note:
+            lines.append(f"note: {layout_note}")
+        for line in lines:
+            self.console.print(line)
+        self._log(f"start: world={self.world} dp={self.dims.dp} ep={self.dims.ep} "
+                  f"params={s.total_params} active={s.active_params}")
+
+    def _resume(self) -> None:
+        """Continue from the newest complete checkpoint of the run directory, if any."""
+        path = None
+        if self.rank == 0:
+            found = ckpt.latest_valid(self.run_dir, report=self._warn)
+            path = str(found[0]) if found else None
+        path = self._broadcast(path)
+        event = {"world_size": self.world, "dp": self.dims.dp, "ep": self.dims.ep,
+                 "total_params": self.size.total_params, "active_params": self.size.active_params,
+                 "flops_per_token": self.size.flops_per_token, "host": socket.gethostname()}
+        self.writer.event("start", step=0, **event)
+        if path is None:
+            return
+        meta = ckpt.load(Path(path), self.model, self.opt, self.dims)
+        self._restore_meta(meta)
+        self.writer.event("resume", step=self.step, path=path,
+                          from_world_size=meta.get("world_size"), from_dp=meta.get("dp"),
+                          from_ep=meta.get("ep"))
+        self.console.print(f"resumed from {path} (step {self.step}, written at dp={meta.get('dp')} "
+                           f"x ep={meta.get('ep')})")
+        self._log(f"resume: {path} step={self.step}")
+
+    def _restore_meta(self, meta: dict) -> None:
+        self.step = int(meta["step"])
+        data = meta.get("data") or {}
+        if "position" in data:
+            self.loader.load_state_dict(data)
+        self.guard.load_state_dict(meta.get("guard") or {})
+        self.num_skipped = int(meta.get("num_skipped", 0))
+        self.num_rollbacks = int(meta.get("num_rollbacks", 0))
+
+    # ================================================================== helpers
+    def _barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def _broadcast(self, obj: Any) -> Any:
+        if self.world == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _log(self, text: str) -> None:
+        self._log_file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n")
+        self._log_file.flush()
+
+    def _warn(self, text: str) -> None:
+        self.console.note(f"[yellow]warning:[/] {text}")
+        self._log(f"warning: {text}")
+
+    def _autocast(self):
+        if self.use_bf16:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _heartbeat(self) -> None:
+        path = self.run_dir / "heartbeats" / f"rank{self.rank}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"rank": self.rank, "host": socket.gethostname(),
+                                   "step": self.step, "time": time.time(), "pid": os.getpid()}))
+        os.replace(tmp, path)
+
+    def _on_signal(self, signum, _frame) -> None:
+        self._signalled = True
+
+    def _install_signals(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            try:
+                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+            except ValueError:  # not the main thread: rely on the STOP file
+                pass
+
+    def _restore_signals(self) -> None:
+        for sig, handler in self._old_handlers.items():
+            signal.signal(sig, handler)
+        self._old_handlers = {}
+
+    def _stop_requested(self) -> bool:
+        return self._signalled or (self.run_dir / STOP_FILE).exists()
+
+    # ================================================================== one step
+    def _grad_norm_and_flags(self, loss: torch.Tensor) -> tuple[float, bool, bool]:
+        """Global grad norm, clipped in place; one all-reduce over the world of
+        [expert norm^2 / dp, stop flag, non-finite loss flag] (expert grads are equal on
+        the dp replicas of a shard, so the world sum / dp is the sum over the ep group)."""
+        dense, expert = [], []
+        for p in self.model.parameters():
+            if p.grad is not None:
+                (expert if is_expert_param(p) else dense).append(p.grad)
+
+        def sq(grads):
+            if not grads:
+                return torch.zeros((), device=self.device, dtype=torch.float32)
+            return torch.stack([n.float() ** 2 for n in torch._foreach_norm(grads)]).sum()
+
+        dense_sq = sq(dense)
+        flags = torch.stack([sq(expert) / self.dims.dp,
+                             torch.tensor(float(self._stop_requested()), device=self.device),
+                             (~torch.isfinite(loss)).float().to(self.device)])
+        if self.world > 1:
+            dist.all_reduce(flags)
+        total = (dense_sq + flags[0]).sqrt()
+        clip = self.cfg.train.grad_clip
+        finite = bool(torch.isfinite(total))  # host sync: decides skip/clip on every rank
+        if clip > 0 and finite:
+            coef = torch.clamp(clip / (total + 1e-6), max=1.0)
+            torch._foreach_mul_(dense + expert, coef)
+        vals = flags.tolist()
+        return float(total), vals[1] > 0, vals[2] > 0 or not finite
+
+    def train_step(self) -> dict[str, Any]:
+        """Runs step ``self.step + 1`` on this rank; returns the all-reduced step record."""
+        cfg, T = self.cfg, self.timers
+        step = self.step + 1
+        T.reset()
+        t0 = time.perf_counter()
+        self.model.train()
+        self.opt.zero_grad(set_to_none=True)
+        for moe in self.moe_layers:
+            moe.reset_token_counts()
+        accum = cfg.train.grad_accum
+        loss_sum = torch.zeros((), device=self.device)
+        for _ in range(accum):
+            with T.section("data"):
+                x_BS, y_BS = self.loader.next_micro_batch()
+                x_BS, y_BS = x_BS.to(self.device, non_blocking=True), y_BS.to(self.device, non_blocking=True)
+            with T.section("forward"):
+                with self._autocast():
+                    loss = self.model.loss(x_BS, y_BS)
+                    total = (loss + self.model.aux_loss()) / accum
+            with T.section("backward"):
+                total.backward()
+            loss_sum += loss.detach().float() / accum
+        self.loader.end_step()
+        with T.section("sync"):
+            if self.world > 1:
+                from ..parallel import sync_gradients
+
+                sync_gradients(self.model, self.dims)
+            grad_norm, stop, skip = self._grad_norm_and_flags(loss_sum)
+        lr = lr_at(step, cfg.train)
+        with T.section("optimizer"):
+            if skip:
+                self.opt.zero_grad(set_to_none=True)
+            else:
+                set_lr(self.opt, lr)
+                self.opt.step()
+        step_time = time.perf_counter() - t0
+        self.step = step
+        extra: dict[str, Any] = {}
+        if self._eval_due():
+            extra["val_loss"] = self.evaluate()
+        rec = self.collector.record(step, step_time_s=step_time,
+                                    num_tokens=accum * cfg.train.micro_batch_size * cfg.model.seq_len,
+                                    loss=loss_sum, lr=lr, grad_norm=grad_norm,
+                                    breakdown=T.breakdown(), skipped=skip, extra=extra)
+        if not skip and cfg.moe.bias_update_speed > 0:
+            from ..train import update_expert_biases
+
+            counts = {lay["layer"]: lay["tokens_per_expert"] for lay in rec["layers"]}
+            update_expert_biases(self.model, self.dims, cfg.moe.bias_update_speed, counts)
+        self._stop_flag = stop or (self.stop_at is not None and step >= self.stop_at)
+        return rec
+
+    def _eval_due(self) -> bool:
+        every = self.cfg.train.eval_every
+        return self.step == self.cfg.train.steps or (every > 0 and self.step % every == 0)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss over the fixed validation batches of every rank."""
+        self.model.eval()
+        total = torch.zeros((), device=self.device, dtype=torch.float64)
+        for x_BS, y_BS in self.val_batches:
+            with self._autocast():
+                total += self.model.loss(x_BS.to(self.device), y_BS.to(self.device)).double()
+        total /= len(self.val_batches)
+        if self.world > 1:
+            dist.all_reduce(total)
+            total /= self.world
+        self.model.train()
+        return float(total)
+
+    # ================================================================== checkpoints
+    def save_checkpoint(self) -> Path:
+        meta = {"data": self.loader.state_dict(), "guard": self.guard.state_dict(),
+                "num_skipped": self.num_skipped, "num_rollbacks": self.num_rollbacks,
+                "config": to_dict(self.cfg)}
+        t0 = time.perf_counter()
+        path = ckpt.save(self.run_dir, self.step, self.model, self.opt, self.dims, meta,
+                         keep=self.cfg.train.ckpt_keep)
+        dt = time.perf_counter() - t0
+        self.writer.event("checkpoint", step=self.step, path=str(path), seconds=dt)
+        self._log(f"checkpoint: {path} ({dt:.2f}s)")
+        return path
+
+    def _rollback(self, rec: dict[str, Any]) -> None:
+        """Back to the newest checkpoint, keeping the data position (so the batches since
+        then, the spiking ones included, are skipped)."""
+        path = None
+        if self.rank == 0:
+            found = ckpt.latest_valid(self.run_dir, report=self._warn)
+            path = str(found[0]) if found else None
+        path = self._broadcast(path)
+        from_step, position = self.step, self.loader.position
+        if path is None:
+            self.writer.event("rollback", step=from_step, ok=False, loss=rec["loss"],
+                              reason="no checkpoint to roll back to")
+            self._warn(f"loss spike at step {from_step} ({rec['loss']:.4f}) but no checkpoint "
+                       "to roll back to; continuing")
+            return
+        meta = ckpt.load(Path(path), self.model, self.opt, self.dims)
+        self.step = int(meta["step"])
+        self.num_rollbacks += 1
+        self.guard.reset()
+        skipped = position - int((meta.get("data") or {}).get("position", position))
+        self.writer.event("rollback", step=from_step, ok=True, to_step=self.step, path=path,
+                          loss=rec["loss"], median=self.guard.median(), skipped_samples=skipped)
+        self._warn(f"loss spike at step {from_step} ({rec['loss']:.4f}): rolled back to step "
+                   f"{self.step}, skipping {skipped} samples")
+
+    # ================================================================== the loop
+    def run(self) -> RunResult:
+        cfg = self.cfg
+        records: list[dict[str, Any]] = []
+        self._install_signals()
+        stopped = False
+        last_val = None
+        try:
+            self.console.start(self.step)
+            while self.step < cfg.train.steps:
+                rec = self.train_step()
+                records.append(rec)
+                last_val = rec.get("val_loss", last_val)
+                self.writer.write(rec)
+                self.console.step(rec)
+                self._heartbeat()
+                if self.step % cfg.train.log_every == 0:
+                    self._log(f"step {self.step} loss {rec['loss']:.4f} "
+                              f"{rec['tokens_per_s']:.0f} tok/s")
+                if rec["skipped"]:
+                    self.num_skipped += 1
+                    self.writer.event("skip_nonfinite", step=self.step, loss=rec["loss"],
+                                      grad_norm=rec["grad_norm"], total_skipped=self.num_skipped)
+                    self._warn(f"step {self.step}: non-finite loss or gradient, update skipped")
+                elif self.guard.observe(rec["loss"]):
+                    self._rollback(rec)
+                    continue
+                due = cfg.train.ckpt_every > 0 and self.step % cfg.train.ckpt_every == 0
+                if due or self.step == cfg.train.steps or self._stop_flag:
+                    path = self.save_checkpoint()
+                    self.console.note(f"checkpoint {path.name} saved")
+                if self._stop_flag and self.step < cfg.train.steps:
+                    stopped = True
+                    self.console.note(f"stopping at step {self.step} (checkpoint saved; run "
+                                      "again with the same --run-dir to continue)")
+                    break
+            self.console.close()
+            summary = self.console.summary(records, last_val, self.num_skipped,
+                                           self.num_rollbacks, self.unigram) if self.rank == 0 else {}
+            self.writer.event("end", step=self.step, stopped=stopped, **summary)
+            self._log(f"end: step {self.step} stopped={stopped}")
+            return RunResult(self.run_dir, self.step, stopped, records, summary)
+        finally:
+            self.console.close()
+            self._restore_signals()
+
+    def close(self) -> None:
+        self.collector.close()
+        self.writer.close()
+        if getattr(self, "_log_file", None) is not None:
+            self._log_file.close()
+        if self.rank == 0:
+            (self.run_dir / STOP_FILE).unlink(missing_ok=True)
+        shutdown()
+
+
+def train(cfg: RunConfig, run_dir: str | Path, env: LaunchEnv | None = None,
+          stop_at: int | None = None) -> RunResult:
+    """Set up, train, tear down. ``env`` None means a single process."""
+    trainer = Trainer(cfg, run_dir, env or LaunchEnv("none"), stop_at=stop_at)
+    try:
+        trainer.setup()
+        return trainer.run()
+    finally:
+        if hasattr(trainer, "collector"):
+            trainer.close()
+        else:
+            shutdown()
