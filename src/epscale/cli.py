@@ -12,6 +12,8 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("epscale.demo", "route a batch through an MoE layer and print what happened"),
     "describe": ("epscale.describe", "parameters, FLOPs per token and memory per rank of a recipe"),
+    "train": ("epscale.train", "train an MoE transformer (EP x DP, checkpoints, resume)"),
+    "checkpoint": ("epscale.checkpoint_cli", "export a sharded checkpoint to one state dict, or import one"),
 }
 
 
