@@ -106,7 +106,7 @@ def _grad_rules(runner: CaseRunner, rank: int, world: int, dp: int, ep: int) -> 
     import epscale
 
     dims = epscale.ParallelDims(dp=dp, ep=ep)
-    for dispatcher in ("alltoall",):
+    for dispatcher in ("alltoall", "dedup", "allgather"):
         for shared, cap in ((True, None), (False, 1.0)):
             with runner.case(f"grad rules dp={dp} ep={ep} {dispatcher} shared={shared} cap={cap}"):
                 torch.manual_seed(7)
