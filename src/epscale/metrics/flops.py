@@ -1,11 +1,8 @@
-"""Model FLOPs per token and peak device FLOP/s, for model FLOPs utilisation (MFU).
+"""Peak device FLOP/s and model FLOPs utilisation (MFU).
 
-MFU = achieved model FLOP/s per process / peak FLOP/s of one device, with the model FLOPs
-counted the PaLM way: 6 x active matmul parameters per token (forward + backward), plus
-the attention score and value products, 6 x seq_len x heads x (qk_dim + v_dim) / 2 per
-layer (halved: a causal mask computes half of the score matrix).
-Only the routed experts a token actually uses count (top_k of them), plus shared experts
-and the router.
+MFU = achieved model FLOP/s per process / peak FLOP/s of one device. The model FLOPs per
+token come from ``epscale.sizing`` (forward + backward, active experts only, causal
+attention).
 """
 
 from __future__ import annotations
@@ -35,29 +32,11 @@ CPU_FLOPS_PER_CORE = 32 * 2.5e9
 
 
 def flops_per_token(cfg: RunConfig) -> float:
-    """Training FLOPs (forward + backward) per token of the decoder-only MoE model in ``cfg``."""
-    m, moe = cfg.model, cfg.moe
-    D, H, L, S = m.dim, m.num_heads, m.num_layers, m.seq_len
-    if m.attention == "mla":
-        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-        v = m.v_head_dim
-        q_params = (D * m.q_lora_rank + m.q_lora_rank * H * qk) if m.q_lora_rank else D * H * qk
-        kv_params = D * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * H * (
-            m.qk_nope_head_dim + v)
-        attn_params = q_params + kv_params + H * v * D
-    else:
-        hd = m.head_dim or D // H
-        kv_heads = m.num_kv_heads or H
-        qk = v = hd
-        attn_params = D * H * hd + 2 * D * kv_heads * hd + H * hd * D
-    mult = 3 if moe.activation == "swiglu" else 2
-    moe_params = (D * moe.num_experts + moe.top_k * mult * D * moe.hidden_dim
-                  + mult * D * moe.shared_width)
-    dense_params = 3 * D * m.dense_hidden_dim
-    num_moe = sum(1 for i in range(L) if m.is_moe_layer(i))
-    params = L * attn_params + num_moe * moe_params + (L - num_moe) * dense_params + D * m.vocab_size
-    attention = 6 * L * S * H * (qk + v) / 2  # causal: half the score matrix is computed
-    return float(6 * params + attention)
+    """Training FLOPs (forward + backward) per token of ``cfg``'s model: the count of
+    ``epscale.sizing.model_size`` (active matmul weights, causal attention)."""
+    from ..sizing import model_size
+
+    return float(model_size(cfg).flops_per_token)
 
 
 def peak_flops(device: torch.device | str | None = None, dtype: torch.dtype = torch.bfloat16) -> float:

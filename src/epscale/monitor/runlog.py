@@ -1,0 +1,238 @@
+"""Reading a run directory: metrics.jsonl, config.yaml and heartbeats, tolerantly.
+
+The reader accepts any file that follows the metrics.jsonl contract (see
+``epscale.metrics``) and treats every field except ``step`` as optional. Damage is
+skipped with a warning, never fatal: a truncated last line (a crash mid-write), a line
+that is not JSON, a half-written heartbeat file. When step numbers go back (a rollback or
+a resume from an older checkpoint), the records from the abandoned timeline are dropped so
+the plots and rules see the trajectory the run actually kept (the events stay); a second
+line for the same step is merged into the first (e.g. a separate ``val_loss`` line).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import yaml
+
+
+@dataclass
+class RunLog:
+    """Everything known about one run. ``steps``: step records in step order;
+    ``events``: non-step lines; ``heartbeats``: rank -> latest heartbeat dict;
+    ``warnings``: what was skipped and why."""
+
+    run_dir: Path
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    config: dict[str, Any] | None = None
+    heartbeats: dict[int, dict[str, Any]] = field(default_factory=dict)
+    has_heartbeat_dir: bool = False
+    warnings: list[str] = field(default_factory=list)
+
+    # ------------------------------------------------------------------ building
+    def add(self, rec: dict[str, Any], where: str = "") -> None:
+        """Add one parsed line (a step record or an event)."""
+        if "event" in rec:
+            self.events.append(rec)
+            return
+        step = rec.get("step")
+        if isinstance(step, bool) or not isinstance(step, (int, float)):
+            self.warnings.append(f"{where}has no integer 'step' and no 'event'; skipped")
+            return
+        rec["step"] = int(step)
+        if self.steps and self.steps[-1]["step"] == rec["step"]:
+            self.steps[-1] = {**self.steps[-1], **rec}  # e.g. a separate val_loss line
+            return
+        while self.steps and self.steps[-1]["step"] > rec["step"]:
+            self.steps.pop()  # abandoned timeline (rollback / resume)
+        self.steps.append(rec)
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def name(self) -> str:
+        if self.config and isinstance(self.config.get("name"), str):
+            return self.config["name"]
+        return self.run_dir.name
+
+    @property
+    def ended(self) -> bool:
+        """True when the log holds an 'end' event after the last 'start'/'resume'."""
+        state = False
+        for ev in self.events:
+            if ev.get("event") == "end":
+                state = True
+            elif ev.get("event") in ("start", "resume"):
+                state = False
+        return state
+
+    @property
+    def last_step(self) -> int | None:
+        return self.steps[-1]["step"] if self.steps else None
+
+    @property
+    def world_size(self) -> int | None:
+        """dp x ep from config.yaml, else what the records or heartbeats show."""
+        par = (self.config or {}).get("parallel") or {}
+        try:
+            if par:
+                return int(par.get("dp", 1)) * int(par.get("ep", 1))
+        except (TypeError, ValueError):
+            pass
+        for rec in reversed(self.steps):
+            if isinstance(rec.get("world_size"), int):
+                return rec["world_size"]
+            if isinstance(rec.get("rank_step_time_s"), list):
+                return len(rec["rank_step_time_s"])
+        return max(self.heartbeats) + 1 if self.heartbeats else None
+
+    def layer_ids(self) -> list[int]:
+        """Every layer id seen in any record's ``layers``, sorted."""
+        ids: set[int] = set()
+        for rec in self.steps:
+            for lay in layers_of(rec):
+                ids.add(lay["layer"])
+        return sorted(ids)
+
+
+def layers_of(rec: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """A record's well-formed layer entries (dicts with an integer ``layer``)."""
+    for i, lay in enumerate(rec.get("layers") or []):
+        if isinstance(lay, dict):
+            lid = lay.get("layer", i)
+            if isinstance(lid, int) and not isinstance(lid, bool):
+                if "layer" not in lay:
+                    lay = {**lay, "layer": lid}
+                yield lay
+
+
+def num(v: Any) -> float | None:
+    """A number as float (NaN/inf kept), None for anything else (missing, bool, text)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return float(v)
+
+
+def finite(v: Any) -> bool:
+    x = num(v)
+    return x is not None and math.isfinite(x)
+
+
+def parse_line(text: str) -> dict[str, Any] | None:
+    """One JSONL line -> dict, or None when it is not a JSON object."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+class JsonlTail:
+    """Incremental reader of a growing JSONL file (``--follow``): ``read()`` returns the
+    complete lines added since the last call and keeps a partial last line for later."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.offset = 0
+        self.line_no = 0
+        self._partial = b""
+
+    def read(self) -> tuple[list[dict[str, Any]], list[str]]:
+        """(new parsed objects, warnings about lines that were not JSON)."""
+        out: list[dict[str, Any]] = []
+        warns: list[str] = []
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return out, warns
+        if size < self.offset:  # the file was replaced: start over
+            self.offset, self.line_no, self._partial = 0, 0, b""
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        self.offset += len(data)
+        data = self._partial + data
+        *complete, self._partial = data.split(b"\n")
+        for raw in complete:
+            self.line_no += 1
+            if not raw.strip():
+                continue
+            obj = parse_line(raw.decode("utf-8", errors="replace"))
+            if obj is None:
+                warns.append(f"{self.path.name} line {self.line_no} is not a JSON object; skipped")
+            else:
+                out.append(obj)
+        return out, warns
+
+    def finish(self) -> tuple[list[dict[str, Any]], list[str]]:
+        """Treat what is left after the last newline as the final line: parsed if it is
+        whole JSON, else reported as truncated (a crash mid-write)."""
+        out, warns = self.read()
+        rest = self._partial.strip()
+        if rest:
+            obj = parse_line(rest.decode("utf-8", errors="replace"))
+            if obj is None:
+                warns.append(f"{self.path.name} line {self.line_no + 1} is truncated (the run "
+                             "stopped mid-write?); skipped")
+            else:
+                out.append(obj)
+            self._partial = b""
+        return out, warns
+
+
+def read_heartbeats(run_dir: Path) -> tuple[dict[int, dict[str, Any]], list[str]]:
+    beats: dict[int, dict[str, Any]] = {}
+    warns: list[str] = []
+    hb_dir = run_dir / "heartbeats"
+    for p in sorted(hb_dir.glob("rank*.json")) if hb_dir.is_dir() else []:
+        try:
+            rank = int(p.stem[4:])
+        except ValueError:
+            continue
+        obj = parse_line(p.read_text(errors="replace"))
+        if obj is None:
+            warns.append(f"heartbeat {p.name} is not valid JSON (being rewritten?); skipped")
+            continue
+        obj.setdefault("rank", rank)
+        beats[rank] = obj
+    return beats, warns
+
+
+def read_config(run_dir: Path) -> tuple[dict[str, Any] | None, list[str]]:
+    p = run_dir / "config.yaml"
+    if not p.is_file():
+        return None, []
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        return None, [f"config.yaml is not valid YAML ({e}); ignored"]
+    return (data if isinstance(data, dict) else None), []
+
+
+def load_run(run_dir: str | Path) -> RunLog:
+    """Read RUN_DIR. Raises FileNotFoundError when it holds no metrics.jsonl."""
+    run_dir = Path(run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        what = "does not exist" if not run_dir.exists() else "has no metrics.jsonl"
+        raise FileNotFoundError(f"run directory '{run_dir}' {what}")
+    log = RunLog(run_dir)
+    log.config, warns = read_config(run_dir)
+    log.warnings += warns
+    tail = JsonlTail(metrics)
+    objs, warns = tail.finish()
+    log.warnings += warns
+    for obj in objs:
+        log.add(obj, where="a metrics.jsonl line ")
+    refresh_heartbeats(log)
+    return log
+
+
+def refresh_heartbeats(log: RunLog) -> None:
+    log.has_heartbeat_dir = (log.run_dir / "heartbeats").is_dir()
+    log.heartbeats, warns = read_heartbeats(log.run_dir)
+    log.warnings += warns
