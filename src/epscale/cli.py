@@ -12,6 +12,8 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("epscale.demo", "route a batch through an MoE layer and print what happened"),
     "describe": ("epscale.describe", "parameters, FLOPs per token and memory per rank of a recipe"),
+    "simulate": ("epscale.sim.cli", "cluster-scale model of a training step per balancing strategy and dispatcher"),
+    "monitor": ("epscale.monitor.cli", "HTML report, live view (--follow) and alert check (--check) of a run"),
     "train": ("epscale.train", "train an MoE transformer (EP x DP, checkpoints, resume)"),
     "checkpoint": ("epscale.checkpoint_cli", "export a sharded checkpoint to one state dict, or import one"),
 }
