@@ -15,6 +15,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("epscale.sim.cli", "cluster-scale model of a training step per balancing strategy and dispatcher"),
     "monitor": ("epscale.monitor.cli", "HTML report, live view (--follow) and alert check (--check) of a run"),
     "train": ("epscale.train", "train an MoE transformer (EP x DP, checkpoints, resume)"),
+    "launch": ("epscale.launch.local", "train on this machine through torchrun (restarts after a rank dies)"),
+    "slurm": ("epscale.launch.slurm", "render or submit an sbatch script (srun torchrun, requeue, pre-emption)"),
+    "preflight": ("epscale.launch.preflight", "timed all-reduce/all-to-all check of every rank (run under torchrun)"),
     "checkpoint": ("epscale.checkpoint_cli", "export a sharded checkpoint to one state dict, or import one"),
 }
 
