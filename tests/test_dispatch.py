@@ -129,9 +129,10 @@ def _contract_cases(runner, rank, world, dims, backends, tag):
             w = torch.rand(T, K, generator=g)
             w[0, 1] = 0.0
             x = torch.randn(T, D, generator=g)
-            before = disp.bytes_sent()
+            before, before_inter = disp.bytes_sent(), disp.inter_node_bytes_sent()
             recv_x, counts_e, handle = disp.dispatch(x, idx, w)
             sent = disp.bytes_sent() - before
+            sent_inter = disp.inter_node_bytes_sent() - before_inter
             lay = get_dispatch_layout(idx, E, dims.ep)
             per_expert = lay.num_tokens_per_expert_E.clone()
             dist.all_reduce(per_expert, group=dims.ep_group)
@@ -145,14 +146,48 @@ def _contract_cases(runner, rank, world, dims, backends, tag):
             if backend == "alltoall":
                 rows = sum(int(lay.num_tokens_per_expert_E[p * e:(p + 1) * e].sum()) for p in others)
                 assert sent == rows * D * 4 + len(others) * e * 8, sent
+            row_bytes = D * 4 + K * 1 + 1 + K * 4  # payload, int8 ids (+pad), fp32 weights
             if backend == "dedup":
                 rows = sum(int(lay.num_tokens_per_rank_P[p]) for p in others)
-                row_bytes = D * 4 + K * 1 + 1 + K * 4  # payload, int8 ids (+pad), fp32 weights
                 assert sent == rows * row_bytes + len(others) * (1 + e) * 8, sent
+            if backend == "hierarchical":
+                # Across nodes: one row per (token, other node), to the same-index peer.
+                L, N = dims.ep_ranks_per_node, dims.ep_num_nodes
+                lay_n = get_dispatch_layout(idx, E, dims.ep, L)
+                me = dims.ep_rank // L
+                rows = sum(int(lay_n.num_tokens_per_node_N[n]) for n in range(N) if n != me)
+                counts = (N - 1) * (1 + L + L * e) * 8
+                assert sent_inter == rows * row_bytes + counts, (sent_inter, rows, counts)
+
+
+def _node_limit_case(runner, rank, dims):
+    """Group-limited routing with groups = nodes: hierarchical sends each token across at
+    most topk_groups - 1 other nodes, and fewer inter-node bytes than dedup."""
+    import epscale
+
+    with runner.case("node-limited routing bounds inter-node rows"):
+        torch.manual_seed(5)
+        cfg = epscale.MoEConfig(dim=32, hidden_dim=16, num_experts=16, top_k=4, num_groups=2,
+                                topk_groups=1, score_func="sigmoid")
+        from epscale.dispatch.layout import get_dispatch_layout
+
+        sent = {}
+        for backend in ("dedup", "hierarchical"):
+            torch.manual_seed(5)
+            moe = epscale.parallelize(epscale.MoE(cfg), dims, dispatcher=backend)
+            x = torch.randn(40, 32)
+            moe(x)
+            sent[backend] = moe.dispatcher.inter_node_bytes_sent()
+        lay = get_dispatch_layout(moe.router(x).topk_idx_TK, 16, 4, 2)
+        assert int(lay.is_token_in_node_TN.sum(1).max()) <= cfg.topk_groups
+        assert sent["hierarchical"] <= sent["dedup"], sent
 
 
 BACKENDS = [("alltoall", {}), ("allgather", {}), ("dedup", {}), ("dedup", {"payload": "bf16"}),
-            ("dedup", {"payload": "fp8"}), ("dedup", {"overlap_chunks": 3})]
+            ("dedup", {"payload": "fp8"}), ("dedup", {"overlap_chunks": 3}), ("hierarchical", {})]
+# 4 ranks as 2 emulated nodes x 2 ranks.
+NODE_BACKENDS = [("hierarchical", {}), ("hierarchical", {"overlap_chunks": 2}),
+                 ("hierarchical", {"payload": "fp8"}), ("dedup", {})]
 
 
 def _worker(rank, world):
@@ -162,6 +197,11 @@ def _worker(rank, world):
     dims = epscale.ParallelDims(dp=1, ep=world)
     _contract_cases(runner, rank, world, dims, BACKENDS, f"ep={world}")
     _layer_cases(runner, rank, world, dims, BACKENDS, f"ep={world}")
+    if world == 4:
+        nodes = epscale.ParallelDims(dp=1, ep=4, ranks_per_node=2)
+        _contract_cases(runner, rank, world, nodes, NODE_BACKENDS, "2 nodes x 2")
+        _layer_cases(runner, rank, world, nodes, NODE_BACKENDS, "2 nodes x 2")
+        _node_limit_case(runner, rank, nodes)
     return runner.failures, runner.num_cases
 
 
