@@ -1,0 +1,116 @@
+"""Cluster descriptions for the simulator: YAML files and named presets.
+
+A cluster is ``nodes x gpus_per_node`` devices. Each device has its own share of the
+intra-node fabric (NVLink; ``intra_bw_GBps`` per direction) and its own NIC to the other
+nodes (InfiniBand; ``inter_bw_GBps`` per direction), both with a per-transfer latency.
+Compute: ``gemm_tflops`` is the dense peak in the training dtype, ``gemm_efficiency`` the
+fraction large GEMMs reach, and ``gemm_half_rows`` the rows per expert at which a grouped
+GEMM reaches half of that (small expert batches are slower per row: each expert GEMM
+costs as if it had ``gemm_half_rows`` extra rows). ``layer_overhead_us`` is fixed time per
+MoE layer and pass (kernel launches, router, permutation bookkeeping).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import yaml
+
+from ..config import ConfigError, from_dict, load_yaml
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """One homogeneous cluster (see the module docstring for the meaning of each field)."""
+
+    name: str = "cluster"
+    nodes: int = 1
+    gpus_per_node: int = 8
+    intra_bw_GBps: float = 450.0
+    intra_latency_us: float = 3.0
+    inter_bw_GBps: float = 50.0
+    inter_latency_us: float = 10.0
+    gemm_tflops: float = 989.0
+    gemm_efficiency: float = 0.6
+    gemm_half_rows: float = 128.0
+    layer_overhead_us: float = 50.0
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        for key in ("nodes", "gpus_per_node"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"cluster key '{key}' = {v!r} is invalid: must be a positive integer")
+        for key in ("intra_bw_GBps", "inter_bw_GBps", "gemm_tflops"):
+            v = getattr(self, key)
+            if not v > 0:
+                raise ConfigError(f"cluster key '{key}' = {v!r} is invalid: must be > 0")
+        if not 0 < self.gemm_efficiency <= 1:
+            raise ConfigError(f"cluster key 'gemm_efficiency' = {self.gemm_efficiency!r} is "
+                              "invalid: must be in (0, 1]")
+        for key in ("intra_latency_us", "inter_latency_us", "gemm_half_rows", "layer_overhead_us"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"cluster key '{key}' = {getattr(self, key)!r} is invalid: "
+                                  "must be >= 0")
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def flops_per_s(self) -> float:
+        """Sustained GEMM rate of one device on large problems (FLOP/s)."""
+        return self.gemm_tflops * 1e12 * self.gemm_efficiency
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# H100 SXM: 989 dense bf16 TFLOP/s, NVLink 4 at 900 GB/s bidirectional (450 per
+# direction), one 400 Gb/s NDR InfiniBand NIC per GPU (50 GB/s). H800: NVLink cut to
+# 400 GB/s bidirectional; DeepSeek-V3's report quotes ~160 GB/s achieved NVLink and 50 GB/s
+# IB per GPU, which is what the dispatch kernels see.
+PRESETS: dict[str, ClusterSpec] = {
+    "h100-node": ClusterSpec(name="h100-node", nodes=1, gpus_per_node=8,
+                             description="one 8x H100 SXM node, NVLink 4"),
+    "h100-64": ClusterSpec(name="h100-64", nodes=8, gpus_per_node=8,
+                           description="8 nodes of 8x H100 SXM, NDR InfiniBand per GPU"),
+    "field-report": ClusterSpec(
+        name="field-report", nodes=128, gpus_per_node=8,
+        description="1,024 H100 SXM (128 nodes x 8): NVLink 4 inside nodes, one 400 Gb/s "
+                    "InfiniBand NIC per GPU between them; the field-report scenario "
+                    "(64 experts, recipe ref-1t-64e)"),
+    "h800-2048": ClusterSpec(
+        name="h800-2048", nodes=256, gpus_per_node=8, intra_bw_GBps=160.0,
+        description="DeepSeek-V3's cluster: 2,048 H800, NVLink ~160 GB/s, IB 50 GB/s per GPU"),
+}
+
+
+def load_cluster(spec: str | Path, overrides: list[str] | None = None) -> ClusterSpec:
+    """A preset name or a cluster YAML file (the ClusterSpec fields at top level), with
+    optional ``key=value`` overrides (e.g. ``nodes=16``)."""
+    from ..config import apply_overrides
+
+    if str(spec) in PRESETS:
+        data = asdict(PRESETS[str(spec)])
+    elif Path(spec).is_file():
+        data = load_yaml(spec)
+        data.setdefault("name", Path(spec).stem)
+    else:
+        raise ConfigError(f"cluster '{spec}' is neither a preset nor a file; presets: "
+                          f"{', '.join(PRESETS)}")
+    data = apply_overrides(data, overrides or [])
+    try:
+        return from_dict(ClusterSpec, data, prefix="cluster")
+    except ConfigError as e:
+        raise ConfigError(f"{e} (cluster {spec})") from None
+
+
+def dump_cluster(cluster: ClusterSpec, path: str | Path, comment: str = "") -> None:
+    text = "".join(f"# {line}\n" for line in comment.splitlines()) if comment else ""
+    Path(path).write_text(text + yaml.safe_dump(cluster.as_dict(), sort_keys=False))
+
+
+def with_nodes(cluster: ClusterSpec, nodes: int) -> ClusterSpec:
+    return replace(cluster, nodes=nodes)

@@ -1,0 +1,369 @@
+"""The step model: time of one training step of a recipe on a cluster, per balancing
+strategy and dispatcher.
+
+Legend: S step samples, L layer distributions, E experts, P physical slots, R ranks of one
+EP group (``ep``), n nodes an EP group spans, g ranks of an EP group per node, M sampled
+tokens, K top-k, T tokens per rank and micro-batch.
+
+What is modelled (one EP group stands for all ``dp`` replicas; they are statistically alike):
+
+* Compute. Non-expert work (attention, dense/shared FFNs, router, head) is the same on
+  every rank: ``T * flops / rate``. Expert work on rank r is its slots' rows times the
+  training FLOPs per row, each expert GEMM charged ``gemm_half_rows`` extra rows.
+* Dispatch and combine rows, with the dispatchers' arithmetic: ``alltoall`` one row per
+  (token, expert), ``dedup`` one per (token, destination rank), ``hierarchical`` one
+  inter-node row per (token, destination node) to the same-index GPU there, which forwards
+  one row per (token, rank) over NVLink. Each rank's transfer takes the larger of its
+  NVLink and NIC times (in or out) plus latency; the collective ends with the slowest rank.
+  Four transfers per MoE layer and micro-batch (dispatch and combine, forward and backward).
+* Synchronisation. A layer's combine waits for the slowest rank's experts: a rank's idle
+  time is the sum over layers of (slowest rank's expert time - its own).
+* Overlap. ``none``: transfers and compute in sequence. ``chunks``: dispatch, experts and
+  combine pipelined over ``overlap_chunks`` chunks. ``full``: the transfers hide behind the
+  other micro-batch's non-expert compute (DualPipe-style); what does not fit is exposed.
+* Data parallelism. Once per step: non-expert gradients all-reduced over all ranks, expert
+  gradients over the ``dp`` ranks holding the same experts (ring, bus bandwidth of the
+  slowest link crossed, log-depth latency); with overlap, hidden behind the last
+  micro-batch's backward where it fits.
+
+Routing noise: synthetic distributions give each step's per-expert rows as Poisson draws
+around their mean (independent tokens); a trace brings its own measured steps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from ..config import ConfigError, RunConfig
+from ..sizing import expert_params_per_expert, model_size
+from .balance import (BalanceParams, Strategy, contiguous_placement, parse_strategy,
+                      redundant_placement, temper)
+from .cluster import ClusterSpec
+from .routing import (RoutingSpec, fit_weights, inclusion_probs, layer_shares, sample_topk,
+                      shares_of)
+
+DISPATCHERS = ("alltoall", "dedup", "hierarchical")
+OVERLAPS = ("none", "chunks", "full")
+
+
+@dataclass
+class SimResult:
+    """One (strategy, dispatcher) point. Times in seconds, shares are fractions of a step."""
+
+    strategy: str
+    dispatcher: str
+    overlap: str
+    step_time_s: float
+    tokens_per_s_per_gpu: float
+    compute_s: float              # slowest rank's compute on the critical path
+    expert_comm_s: float          # exposed dispatch/combine time
+    dp_comm_s: float              # exposed data-parallel gradient reduction
+    comm_share: float             # expert_comm_s / step_time_s
+    dp_share: float
+    worst_idle_share: float       # idle of the least-loaded GPU / step
+    mean_idle_share: float
+    max_vio: float                # mean over layers/steps of max/mean rank load - 1
+    intra_bytes_per_gpu: float    # NVLink bytes sent per GPU per step (dispatch+combine)
+    inter_bytes_per_gpu: float    # NIC bytes sent per GPU per step
+    layers: list[dict] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Layout:
+    world: int
+    dp: int
+    ep: int
+    ranks_per_node: int           # g: EP-group ranks per node
+    nodes_per_group: int          # n
+
+    @staticmethod
+    def of(cluster: ClusterSpec, num_experts: int, ep: int) -> "Layout":
+        world, gpn = cluster.world, cluster.gpus_per_node
+        if ep < 1 or world % ep:
+            raise ConfigError(f"parallel.ep = {ep} is invalid: must divide the cluster's "
+                              f"{world} GPUs ({cluster.nodes} nodes x {gpn})")
+        if num_experts % ep:
+            raise ConfigError(f"parallel.ep = {ep} is invalid: must divide moe.num_experts "
+                              f"({num_experts})")
+        if ep > gpn and ep % gpn:
+            raise ConfigError(f"parallel.ep = {ep} is invalid: an EP group larger than a node "
+                              f"must span whole nodes ({gpn} GPUs each)")
+        if ep <= gpn and gpn % ep:
+            raise ConfigError(f"parallel.ep = {ep} is invalid: must divide gpus_per_node ({gpn})")
+        g = min(ep, gpn)
+        return Layout(world, world // ep, ep, g, ep // g)
+
+
+def _allreduce_time(nbytes: float, n: int, bw_Bps: float, lat_s: float) -> float:
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return 2.0 * (n - 1) / n * nbytes / bw_Bps + 2.0 * math.ceil(math.log2(n)) * lat_s
+
+
+def _pipeline(t1: np.ndarray, t2: np.ndarray, t3: np.ndarray, chunks: int) -> np.ndarray:
+    """Wall time of three dependent stages split into ``chunks`` pipelined pieces."""
+    if chunks <= 1:
+        return t1 + t2 + t3
+    return (t1 + t2 + t3) / chunks + (chunks - 1) / chunks * np.maximum(np.maximum(t1, t2), t3)
+
+
+def simulate(run_cfg: RunConfig, cluster: ClusterSpec, routing: RoutingSpec | None = None, *,
+             strategies: tuple[str, ...] = ("none", "aux", "loss_free", "redundant", "spill"),
+             dispatchers: tuple[str, ...] = DISPATCHERS, overlap: str | None = None,
+             ep: int | None = None, overlap_chunks: int | None = None,
+             params: BalanceParams = BalanceParams(), step_samples: int = 8,
+             sample_tokens: int = 2048, seed: int = 0) -> list[SimResult]:
+    """Simulate one training step for every (strategy, dispatcher) pair.
+
+    ``run_cfg`` supplies the model, the MoE layer, ``parallel.ep`` (unless ``ep`` is given;
+    ``dp`` is whatever fills the cluster), micro-batch, sequence length, gradient
+    accumulation and ``train.dtype`` (bfloat16: 2-byte activations and gradients).
+    """
+    routing = routing or RoutingSpec()
+    for d in dispatchers:
+        if d not in DISPATCHERS:
+            raise ConfigError(f"dispatcher '{d}' is invalid: must be one of {', '.join(DISPATCHERS)}")
+    chunks = overlap_chunks or run_cfg.parallel.overlap_chunks
+    overlap = overlap or ("chunks" if chunks > 1 else "none")
+    if overlap not in OVERLAPS:
+        raise ConfigError(f"overlap '{overlap}' is invalid: must be one of {', '.join(OVERLAPS)}")
+    model, moe, train = run_cfg.model, run_cfg.moe, run_cfg.train
+    E, K = moe.num_experts, moe.top_k
+    lay = Layout.of(cluster, E, ep or run_cfg.parallel.ep)
+    size = model_size(run_cfg, ep=lay.ep)
+    n_moe = size.num_moe_layers
+    if n_moe == 0:
+        raise ConfigError("the recipe has no MoE layer (model.num_dense_layers = model.num_layers)")
+
+    rng = np.random.default_rng(seed)
+    act_bytes = 2 if train.dtype == "bfloat16" else 4
+    grad_bytes = act_bytes
+    T = train.micro_batch_size * model.seq_len
+    rate = cluster.flops_per_s
+    row_flops = 6.0 * expert_params_per_expert(moe)             # fwd + bwd per routed row
+    expert_flops_tok = n_moe * K * row_flops
+    dense_time = T * (size.flops_per_token - expert_flops_tok) / rate   # per micro-batch
+    dense_time_layer = dense_time / model.num_layers
+    overhead = 3 * cluster.layer_overhead_us * 1e-6                      # fwd + 2x bwd
+    half_rows = cluster.gemm_half_rows
+    row_bytes = model.dim * act_bytes
+
+    # Distinct layer distributions (synthetic: up to 8, cycled over the MoE layers).
+    n_dist = n_moe if routing.kind == "trace" else min(n_moe, 8)
+    base_w, trace_steps = layer_shares(routing, n_dist, E, K, rng, sample_tokens,
+                                       moe.num_groups, moe.topk_groups)
+    if trace_steps is not None:
+        n_dist = base_w.shape[0]
+    layer_of = np.arange(n_moe) % n_dist
+    weight_L = np.bincount(layer_of, minlength=n_dist).astype(np.float64)  # MoE layers per dist
+
+    results = []
+    for sname in strategies:
+        strat = parse_strategy(sname, params)
+        sim = _strategy_loads(strat, base_w, trace_steps, lay, moe, params, T, rng,
+                              step_samples, sample_tokens)
+        for disp in dispatchers:
+            results.append(_evaluate(strat, disp, overlap, chunks, sim, lay, cluster, size, run_cfg,
+                                     T, rate, row_flops, half_rows, dense_time, dense_time_layer,
+                                     overhead, row_bytes, grad_bytes, weight_L))
+    return results
+
+
+def _strategy_loads(strat: Strategy, base_w, trace_steps, lay: Layout, moe, params: BalanceParams,
+                    T: int, rng, step_samples: int, sample_tokens: int) -> dict:
+    """Per-step rank rows, GEMM counts and dispatch dedup ratios of one strategy.
+
+    Without group-limited routing everything is analytic: an expert's inclusion probability
+    ``pi_e`` (Rosen's approximation for synthetic routers, ``K * share`` for a trace) and,
+    treating experts as independent, the probability that a token touches a rank or a node
+    ``1 - prod(1 - pi)`` over what lives there. Group-limited routing couples the experts,
+    so there the dispatch ratios come from sampled tokens.
+    """
+    E, K, R, g, n = moe.num_experts, moe.top_k, lay.ep, lay.ranks_per_node, lay.nodes_per_group
+    group_rows = T * R * K                               # assignments of one EP group
+    grouped = moe.num_groups > 0 and moe.topk_groups < moe.num_groups
+    chosen = None
+    if trace_steps is None:
+        w = temper(base_w, strat.temper)
+        # Loads from the analytic marginals (group limits shift them little and sampled
+        # marginals would add noise that reads as imbalance); with groups the tokens
+        # sampled below give only the dispatch ratios, which the limits change a lot.
+        pi = inclusion_probs(w, K)
+        if grouped:
+            chosen = sample_topk(w, K, sample_tokens, rng, moe.num_groups, moe.topk_groups)
+        counts = rng.poisson((pi / K)[None] * group_rows,
+                             size=(step_samples,) + pi.shape).astype(np.float64)
+    else:
+        steps = temper(trace_steps, strat.temper)
+        counts = steps * group_rows
+        pi = np.minimum(steps.mean(axis=0) * K, 1.0)
+        if grouped:
+            w = fit_weights(pi / K, K, sample_tokens, rng, moe.num_groups, moe.topk_groups)
+            chosen = sample_topk(w, K, sample_tokens, rng, moe.num_groups, moe.topk_groups)
+    L = pi.shape[0]
+    if strat.redundant:
+        phy2log, replicas = redundant_placement(pi / K, R, n, params.redundant_per_rank,
+                                                moe.num_groups)
+    else:
+        phy2log, replicas = contiguous_placement(L, E)
+    P = phy2log.shape[1]
+    spr = P // R
+    slot_rank = np.arange(P) // spr
+    li = np.arange(L)[:, None]
+    # Probability that a token sends a row to each rank / node.
+    if chosen is None:
+        # q[l, e, r]: P(token's copy of expert e is on rank r) = pi_e * copies_on_r / c_e.
+        q = np.zeros((L, E, R))
+        np.add.at(q, (li, phy2log, np.broadcast_to(slot_rank, phy2log.shape)),
+                  (pi / replicas)[li, phy2log])
+        q = np.minimum(q, 1.0)
+        hit_rank = 1 - np.prod(1 - q, axis=1)
+        qn = np.minimum(q.reshape(L, E, n, g).sum(axis=3), 1.0)
+        hit_node = 1 - np.prod(1 - qn, axis=1)
+        share_rank = q.sum(axis=1) / K
+        share_node = qn.sum(axis=1) / K
+    else:
+        order = np.argsort(phy2log, axis=1, kind="stable")        # slots grouped by expert
+        first = np.zeros_like(replicas)
+        first[:, 1:] = np.cumsum(replicas, axis=1)[:, :-1]
+        lk = np.arange(L)[:, None, None]
+        pick = (rng.random(chosen.shape) * replicas[lk, chosen]).astype(np.int64)
+        slot = np.take_along_axis(order, (first[lk, chosen] + pick).reshape(L, -1), axis=1)
+        rank = slot.reshape(chosen.shape) // spr                   # [L, M, K]
+
+        def hit_rate(ids, num):
+            hit = np.zeros(ids.shape[:2] + (num,), dtype=bool)
+            np.put_along_axis(hit, ids, True, axis=2)
+            return hit.mean(axis=1)
+
+        share_rank, hit_rank = shares_of(rank, R), hit_rate(rank, R)
+        share_node, hit_node = shares_of(rank // g, n), hit_rate(rank // g, n)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        dedup_ratio = np.where(share_rank > 0, hit_rank / (K * share_rank), 1.0)
+        node_ratio = np.where(share_node > 0, hit_node / (K * share_node), 1.0)
+    # Per-step slot rows: an expert's rows split evenly over its copies.
+    S = counts.shape[0]
+    slot_rows = np.take_along_axis(counts / replicas[None],
+                                   np.broadcast_to(phy2log, (S,) + phy2log.shape), axis=2)
+    rank_rows = slot_rows.reshape(S, L, R, spr)
+    gemms = (rank_rows > 0).sum(axis=3).astype(np.float64)        # [S, L, R]
+    rows = rank_rows.sum(axis=3)                                   # [S, L, R]
+    spills = np.zeros(rows.shape)                                  # expert weights moved
+    if strat.spill and P == E:     # spill-over plans on the plain contiguous layout
+        from ..placement.llep import plan_spill
+
+        for si in range(S):
+            for layer in range(L):
+                plan = plan_spill(np.rint(counts[si, layer]).astype(np.int64), R,
+                                  params.spill_threshold, params.spill_min_rows)
+                if not plan.active:
+                    continue
+                rows[si, layer] = np.asarray(plan.rank_load_after, dtype=np.float64)
+                for sp in plan.spills:
+                    gemms[si, layer, sp.helper] += 1
+                    spills[si, layer, sp.owner] += 1
+                    spills[si, layer, sp.helper] += 1
+    return {"rows": rows, "gemms": gemms, "dedup_ratio": np.clip(dedup_ratio, 0.0, 1.0),
+            "node_ratio": np.clip(node_ratio, 0.0, 1.0), "spills": spills, "num_slots": P}
+
+
+def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSpec, size, run_cfg,
+              T, rate, row_flops, half_rows, dense_time, dense_time_layer, overhead, row_bytes,
+              grad_bytes, weight_L) -> SimResult:
+    rows, gemms = sim["rows"], sim["gemms"]                       # [S, L, R]
+    S, L, R = rows.shape
+    g, n = lay.ranks_per_node, lay.nodes_per_group
+    # Expert compute per rank (fwd + bwd) per layer.
+    comp = (rows + half_rows * gemms) * row_flops / rate + overhead            # [S, L, R]
+
+    # Rows each source sends to each destination rank (per micro-batch, one transfer).
+    per_src_to = rows / R                                                     # alltoall
+    node_of = np.arange(R) // g
+    if disp in ("dedup", "hierarchical"):
+        per_src_to = per_src_to * sim["dedup_ratio"][None]
+    node_sum = per_src_to.reshape(S, L, n, g).sum(axis=3)                    # [S, L, n]
+    total = per_src_to.sum(axis=2, keepdims=True)
+    if disp == "hierarchical" and n > 1:
+        node_rows = (rows.reshape(S, L, n, g).sum(axis=3) / R) * sim["node_ratio"][None]
+        out_inter = node_rows.sum(axis=2, keepdims=True) - node_rows[..., node_of]
+        in_inter = (n - 1) * node_rows[..., node_of]
+        in_intra = (R - 1) * per_src_to
+        out_intra = np.repeat(in_intra.reshape(S, L, n, g).mean(axis=3), g, axis=2)
+        lat = cluster.inter_latency_us + cluster.intra_latency_us
+    else:
+        same = node_sum[..., node_of]
+        out_intra = same - per_src_to
+        out_inter = total - same
+        in_intra = (g - 1) * per_src_to
+        in_inter = (R - g) * per_src_to
+        lat = cluster.inter_latency_us if n > 1 else cluster.intra_latency_us
+    intra_t = np.maximum(in_intra, out_intra) * row_bytes / (cluster.intra_bw_GBps * 1e9)
+    inter_t = np.maximum(in_inter, out_inter) * row_bytes / (cluster.inter_bw_GBps * 1e9)
+    comm = np.maximum(intra_t, inter_t) + lat * 1e-6                          # one transfer
+    if R == 1:
+        comm = np.zeros_like(comm)
+    # Spill-over: the helper fetches the expert's weights and returns their gradients.
+    if sim["spills"].any():
+        wbytes = expert_params_per_expert(run_cfg.moe) * grad_bytes
+        bw = (cluster.inter_bw_GBps if n > 1 else cluster.intra_bw_GBps) * 1e9
+        comm = comm + (sim["spills"] * wbytes / bw).max(axis=2, keepdims=True) / 2  # /2: 2 of 4 transfers
+
+    comm_max = comm.max(axis=2)                                               # [S, L]
+    comp_max = comp.max(axis=2)
+    if overlap == "chunks":
+        fwd = _pipeline(comm_max, comp_max / 3, comm_max, chunks)
+        layer_time = fwd + _pipeline(comm_max, 2 * comp_max / 3, comm_max, chunks)
+    elif overlap == "full":
+        layer_time = comp_max + np.maximum(0.0, 4 * comm_max - dense_time_layer)
+    else:
+        layer_time = comp_max + 4 * comm_max
+    exposed = layer_time - comp_max
+    idle = comp_max[..., None] - comp                                         # [S, L, R]
+    # Weighted sum over the MoE layers each distribution stands for, mean over steps.
+    wsum = lambda a: float((a.mean(axis=0) * weight_L).sum())  # noqa: E731
+    micro = dense_time + wsum(layer_time)
+    accum = run_cfg.train.grad_accum
+
+    # Data-parallel gradient reduction, once per step.
+    spans_nodes = lay.world > cluster.gpus_per_node
+    bw = (cluster.inter_bw_GBps if spans_nodes else cluster.intra_bw_GBps) * 1e9
+    lat = (cluster.inter_latency_us if spans_nodes else cluster.intra_latency_us) * 1e-6
+    dense_bytes = (size.total_params - size.expert_params) * grad_bytes
+    expert_bytes = size.expert_params / lay.ep * grad_bytes * sim["num_slots"] / run_cfg.moe.num_experts
+    dp_bw = (cluster.inter_bw_GBps * 1e9 if lay.ep >= cluster.gpus_per_node or spans_nodes
+             else cluster.intra_bw_GBps * 1e9)
+    ar = _allreduce_time(dense_bytes, lay.world, bw, lat) + _allreduce_time(expert_bytes, lay.dp, dp_bw, lat)
+    if overlap == "none":
+        dp_exposed = ar
+    else:
+        dp_exposed = max(0.0, ar - 2.0 / 3.0 * micro)
+    step = accum * micro + dp_exposed
+    idle_rank = accum * (idle.mean(axis=0) * weight_L[:, None]).sum(axis=0)   # [R]
+    compute = accum * (dense_time + wsum(comp_max))
+    expert_comm = accum * wsum(exposed)
+    loads = rows.mean(axis=2)
+    max_vio = float(np.mean(rows.max(axis=2) / np.maximum(loads, 1e-12) - 1))
+    per_transfer_intra = out_intra.mean(axis=(0, 2)) * row_bytes if R > 1 else np.zeros(L)
+    per_transfer_inter = out_inter.mean(axis=(0, 2)) * row_bytes if R > 1 else np.zeros(L)
+    layers = [{"dist": int(i), "num_layers": int(weight_L[i]),
+               "expert_compute_max_ms": float(comp_max[:, i].mean() * 1e3),
+               "expert_compute_mean_ms": float(comp[:, i].mean() * 1e3),
+               "transfer_ms": float(comm_max[:, i].mean() * 1e3),
+               "intra_bytes_per_gpu": float(per_transfer_intra[i]),
+               "inter_bytes_per_gpu": float(per_transfer_inter[i])} for i in range(L)]
+    factor = 4 * accum
+    return SimResult(
+        strategy=strat.name, dispatcher=disp, overlap=overlap, step_time_s=step,
+        tokens_per_s_per_gpu=accum * T / step, compute_s=compute, expert_comm_s=expert_comm,
+        dp_comm_s=dp_exposed, comm_share=expert_comm / step, dp_share=dp_exposed / step,
+        worst_idle_share=float(idle_rank.max() / step), mean_idle_share=float(idle_rank.mean() / step),
+        max_vio=max_vio,
+        intra_bytes_per_gpu=factor * float((per_transfer_intra * weight_L).sum()),
+        inter_bytes_per_gpu=factor * float((per_transfer_inter * weight_L).sum()),
+        layers=layers)
