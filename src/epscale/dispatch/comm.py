@@ -101,8 +101,11 @@ class FieldSpec:
 
 
 def _fp8_nbytes(width: int) -> int:
-    num_blocks = -(-width // FP8_BLOCK)
-    return num_blocks * FP8_BLOCK + 4 * num_blocks
+    return _fp8_scale_offset(width) + 4 * (-(-width // FP8_BLOCK))
+
+
+def _fp8_scale_offset(width: int) -> int:
+    return -(-width // 4) * 4  # the fp32 scales follow the payload, 4-byte aligned
 
 
 def plan_fields(dtypes_widths: Sequence[tuple[torch.dtype, int]], fp8_field: int | None
@@ -155,10 +158,10 @@ def pack_rows(fields: Sequence[torch.Tensor], specs: Sequence[FieldSpec], row_by
         return buf
     for t, s in zip(fields, specs):
         if s.fp8:
-            q, scale = quantize_fp8(t)
-            qb = q.shape[1]
-            buf[:, s.offset:s.offset + qb].copy_(q.view(torch.uint8))
-            buf[:, s.offset + qb:s.offset + s.nbytes].view(torch.float32).copy_(scale)
+            q, scale = quantize_fp8(t)  # only the real channels travel, not the block padding
+            buf[:, s.offset:s.offset + s.width].copy_(q[:, :s.width].view(torch.uint8))
+            so = s.offset + _fp8_scale_offset(s.width)
+            buf[:, so:s.offset + s.nbytes].view(torch.float32).copy_(scale)
         else:
             buf[:, s.offset:s.offset + s.nbytes].view(s.dtype).copy_(t.reshape(N, s.width))
     return buf
@@ -170,10 +173,12 @@ def unpack_rows(buf: torch.Tensor, specs: Sequence[FieldSpec]) -> list[torch.Ten
     for s in specs:
         raw = buf[:, s.offset:s.offset + s.nbytes]
         if s.fp8:
-            qb = _fp8_nbytes(s.width) - 4 * (-(-s.width // FP8_BLOCK))
-            q = raw[:, :qb].view(FP8_DTYPE)
-            scale = raw[:, qb:].view(torch.float32)
-            out.append(dequantize_fp8(q, scale, s.width, s.dtype))
+            scale = raw[:, _fp8_scale_offset(s.width):].view(torch.float32)
+            q = raw[:, :s.width]
+            pad = scale.shape[1] * FP8_BLOCK - s.width
+            if pad:
+                q = torch.nn.functional.pad(q, (0, pad))
+            out.append(dequantize_fp8(q.contiguous().view(FP8_DTYPE), scale, s.width, s.dtype))
         else:
             out.append(raw.view(s.dtype))
     return out
