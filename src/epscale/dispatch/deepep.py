@@ -1,13 +1,26 @@
 """``deepep``: an adapter to DeepEP's ``deep_ep.Buffer`` (CUDA + NVLink/RDMA only).
 
-Choosing it where DeepEP or CUDA is missing fails with a message naming the fallback.
+Legend: T tokens, D model dim, K top-k, E global experts, e local experts,
+M received rows (one per (token, rank), as in dedup), R expanded rows.
+
+Written against DeepEP's (v1) ``Buffer`` API: ``get_dispatch_layout``, ``dispatch`` and
+``combine`` with handles; the backward of dispatch is a combine and the backward of
+combine a dispatch, as in DeepEP's own training example. Choosing it where DeepEP or CUDA
+is missing fails with a message naming the fallback ('dedup', the same algorithm over
+torch.distributed). CI has neither, so this path runs only on a GPU cluster
+(benchmarks/gpu_check.sh checks it against dedup there).
 """
 
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 
 import torch
+
+from .comm import CommCounter, GroupInfo
+from .dedup import expand_rows, reduce_rows
+from .ep import EPDispatcher
 
 FALLBACK = "dedup"
 
@@ -27,3 +40,101 @@ def require_deepep() -> None:
         raise RuntimeError(f"dispatcher 'deepep' cannot run here: {why}. Use dispatcher="
                            f"'{FALLBACK}', the portable implementation of the same algorithm "
                            "(DeepEP normal mode) over torch.distributed")
+
+
+# --------------------------------------------------------------------------------------
+# The adapter (deep_ep is imported only when one is built)
+# --------------------------------------------------------------------------------------
+
+@dataclass
+class _DeepEPState:
+    handle: object = None           # deep_ep's communication handle
+    recv_counts_e: list | None = None
+
+
+@dataclass(frozen=True)
+class DeepEPHandle:
+    state: _DeepEPState
+    order_R: torch.Tensor
+    recv_w_MK: torch.Tensor
+    out_dtype: torch.dtype
+
+
+class _Dispatch(torch.autograd.Function):
+    """deep_ep dispatch; its backward is a deep_ep combine with the same handle."""
+
+    @staticmethod
+    def forward(ctx, disp, state, x_TD, topk_idx_TK, topk_weight_TK):
+        buf = disp.buffer
+        (num_per_rank, num_per_rdma_rank, num_per_expert, in_rank, _) = buf.get_dispatch_layout(
+            topk_idx_TK, disp.num_experts)
+        recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
+            x_TD, topk_idx=topk_idx_TK, topk_weights=topk_weight_TK,
+            num_tokens_per_rank=num_per_rank, num_tokens_per_rdma_rank=num_per_rdma_rank,
+            is_token_in_rank=in_rank, num_tokens_per_expert=num_per_expert)
+        state.handle, state.recv_counts_e = handle, list(counts)  # counts: host list (DeepEP's sync)
+        ctx.disp, ctx.state = disp, state
+        ctx.mark_non_differentiable(recv_idx)
+        return recv_x, recv_idx, recv_w
+
+    @staticmethod
+    def backward(ctx, grad_x, _grad_idx, grad_w):
+        gx, gw, _ = ctx.disp.buffer.combine(grad_x.contiguous(), ctx.state.handle,
+                                            topk_weights=grad_w.contiguous())
+        return None, None, gx, None, gw
+
+
+class _Combine(torch.autograd.Function):
+    """deep_ep combine (sums a token's rows); its backward is a deep_ep dispatch."""
+
+    @staticmethod
+    def forward(ctx, disp, state, y_MD):
+        ctx.disp, ctx.state = disp, state
+        out, _, _ = disp.buffer.combine(y_MD.contiguous(), state.handle)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        g, *_ = ctx.disp.buffer.dispatch(grad_TD.contiguous(), handle=ctx.state.handle)
+        return None, None, g
+
+
+class DeepEPDispatcher(EPDispatcher):
+    """Same contract as ``dedup`` (one row per (token, rank); the receiver expands, weights
+    and reduces), with DeepEP's NVLink/RDMA kernels moving the rows. Tokens travel in bf16.
+    ``num_nvl_bytes`` / ``num_rdma_bytes`` size DeepEP's buffers; the defaults follow its
+    config hints for a hidden size of 8192 bf16 (enough for most models)."""
+
+    name = "deepep"
+
+    def __init__(self, num_experts: int, dims, hidden_bytes: int = 8192 * 2):
+        require_deepep()
+        import deep_ep
+
+        info = GroupInfo.of(dims.ep_group, dims.ranks_per_node, CommCounter())
+        super().__init__(num_experts, info, "auto")
+        P = info.size
+        nvl = rdma = 0
+        for cfg in (deep_ep.Buffer.get_dispatch_config(P), deep_ep.Buffer.get_combine_config(P)):
+            nvl = max(nvl, cfg.get_nvl_buffer_size_hint(hidden_bytes, P))
+            if dims.ep_num_nodes > 1:
+                rdma = max(rdma, cfg.get_rdma_buffer_size_hint(hidden_bytes, P))
+        self.buffer = deep_ep.Buffer(dims.ep_group, nvl, rdma)
+
+    def bytes_sent(self) -> int:
+        return 0  # DeepEP moves bytes in its own kernels; they are not counted here
+
+    def dispatch(self, x_TD, topk_idx_TK, topk_weight_TK):
+        state = _DeepEPState()
+        send_TD = x_TD.to(torch.bfloat16)
+        recv_x, recv_idx, recv_w = _Dispatch.apply(self, state, send_TD, topk_idx_TK.long(),
+                                                   topk_weight_TK.float())
+        R = sum(state.recv_counts_e)
+        recv_x_RD, order_R = expand_rows(recv_x, recv_idx, self.num_local_experts, R, x_TD.dtype)
+        counts_e = torch.tensor(state.recv_counts_e, dtype=torch.int64, device=x_TD.device)
+        return recv_x_RD, counts_e, DeepEPHandle(state, order_R, recv_w, x_TD.dtype)
+
+    def _combine_start(self, y_RD, handle: DeepEPHandle, async_op):
+        red_MD = reduce_rows(y_RD, handle.order_R, handle.recv_w_MK).to(torch.bfloat16)
+        out_TD = _Combine.apply(self, handle.state, red_MD).to(handle.out_dtype)
+        return lambda: out_TD
