@@ -184,7 +184,8 @@ def _node_limit_case(runner, rank, dims):
 
 
 BACKENDS = [("alltoall", {}), ("allgather", {}), ("dedup", {}), ("dedup", {"payload": "bf16"}),
-            ("dedup", {"payload": "fp8"}), ("dedup", {"overlap_chunks": 3}), ("hierarchical", {})]
+            ("dedup", {"payload": "fp8"}), ("dedup", {"overlap_chunks": 3}), ("hierarchical", {}),
+            ("dedup", {"payload": "fp8", "overlap_chunks": 2})]
 # 4 ranks as 2 emulated nodes x 2 ranks.
 NODE_BACKENDS = [("hierarchical", {}), ("hierarchical", {"overlap_chunks": 2}),
                  ("hierarchical", {"payload": "fp8"}), ("dedup", {})]

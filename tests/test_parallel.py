@@ -101,12 +101,13 @@ class _TwoLayer(torch.nn.Module):
         return h + self.moe2(h)
 
 
-def _grad_rules(runner: CaseRunner, rank: int, world: int, dp: int, ep: int) -> None:
+def _grad_rules(runner: CaseRunner, rank: int, world: int, dp: int, ep: int,
+                dispatchers=("alltoall", "dedup", "allgather"), ranks_per_node=None) -> None:
     """dp x ep: synced grads equal the unparallelized model's grads of the mean loss."""
     import epscale
 
-    dims = epscale.ParallelDims(dp=dp, ep=ep)
-    for dispatcher in ("alltoall", "dedup", "allgather"):
+    dims = epscale.ParallelDims(dp=dp, ep=ep, ranks_per_node=ranks_per_node)
+    for dispatcher in dispatchers:
         for shared, cap in ((True, None), (False, 1.0)):
             with runner.case(f"grad rules dp={dp} ep={ep} {dispatcher} shared={shared} cap={cap}"):
                 torch.manual_seed(7)
@@ -130,6 +131,8 @@ def _worker(rank: int, world: int):
     if world == 4:
         _grad_rules(runner, rank, world, 2, 2)
         _grad_rules(runner, rank, world, 4, 1)
+        # One rank per emulated node: the hierarchical backend's inter-node stage per DP replica.
+        _grad_rules(runner, rank, world, 2, 2, ("hierarchical",), ranks_per_node=1)
     return runner.failures, runner.num_cases
 
 

@@ -262,15 +262,17 @@ class _RowAllToAll(torch.autograd.Function):
             target = outs[fp8_i]
 
             def finish():
+                # Through detach(): the output is not yet read by anyone, and autograd
+                # forbids in-place writes to outputs of a multi-output function.
                 with torch.no_grad():
-                    target.copy_(unpack_rows(recv, [specs[fp8_i]])[0])
+                    target.detach().copy_(unpack_rows(recv, [specs[fp8_i]])[0])
             ex._finish = finish
         else:
             outs = unpack_rows(recv, specs)
         ex._work = work
         if not ex.async_op:
             ex.wait()
-        outs = [o.view((M,) + shp) for o, shp in zip(outs, ctx.shapes)]
+        outs = [o if o.shape[1:] == shp else o.view((M,) + shp) for o, shp in zip(outs, ctx.shapes)]
         non_diff = [o for i, o in enumerate(outs) if i not in ctx.float_fields]
         if non_diff:
             ctx.mark_non_differentiable(*non_diff)
