@@ -13,6 +13,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("epscale.demo", "route a batch through an MoE layer and print what happened"),
     "describe": ("epscale.describe", "parameters, FLOPs per token and memory per rank of a recipe"),
     "simulate": ("epscale.sim.cli", "cluster-scale model of a training step per balancing strategy and dispatcher"),
+    "calibrate": ("epscale.calibrate", "measure this machine (GEMM rate, all-to-all) and write a cluster file"),
     "monitor": ("epscale.monitor.cli", "HTML report, live view (--follow) and alert check (--check) of a run"),
     "train": ("epscale.train", "train an MoE transformer (EP x DP, checkpoints, resume)"),
     "launch": ("epscale.launch.local", "train on this machine through torchrun (restarts after a rank dies)"),

@@ -355,6 +355,7 @@ def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSp
                "expert_compute_max_ms": float(comp_max[:, i].mean() * 1e3),
                "expert_compute_mean_ms": float(comp[:, i].mean() * 1e3),
                "transfer_ms": float(comm_max[:, i].mean() * 1e3),
+               "layer_time_ms": float(layer_time[:, i].mean() * 1e3),
                "intra_bytes_per_gpu": float(per_transfer_intra[i]),
                "inter_bytes_per_gpu": float(per_transfer_inter[i])} for i in range(L)]
     factor = 4 * accum
