@@ -60,7 +60,7 @@ def test_family_structure_is_what_was_published():
 def test_tiny_keeps_family_and_is_idempotent(name):
     full = load_recipe(name)
     tiny = load_recipe(name, ["scale=tiny"])
-    assert tiny.scale == "tiny" and tiny.name == f"{name}-tiny"
+    assert tiny.scale == "full" and tiny.name == f"{name}-tiny"   # stable when re-loaded
     assert shrink(tiny) == tiny
     f, t = full.moe, tiny.moe
     assert (t.top_k, t.score_func, t.num_shared_experts, t.capacity_factor, t.route_scale,
@@ -102,6 +102,17 @@ def test_describe_json(capsys):
     assert info["memory"]["total"] > info["memory"]["params"] > 0
     assert cli_main(["describe", "qwen3-30b-a3b", "--ep", "16"]) == 0
     assert "ep=16" in capsys.readouterr().out
+
+
+def test_overrides_apply_on_top_of_tiny(tmp_path):
+    cfg = load_recipe("qwen3-30b-a3b", ["scale=tiny", "parallel.ep=2", "train.steps=3",
+                                        "model.dim=32"])
+    assert (cfg.parallel.ep, cfg.train.steps, cfg.model.dim, cfg.moe.dim) == (2, 3, 32, 32)
+    assert cfg.moe.num_experts == 64 and cfg.name == "qwen3-30b-a3b-tiny"
+    # a run's config.yaml of a tiny run re-loads to the same config
+    from epscale.config import dump_yaml, load_config
+    dump_yaml(cfg, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == cfg
 
 
 def test_unknown_recipe_and_bad_scale_are_clear(capsys):

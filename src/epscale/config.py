@@ -261,8 +261,9 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     name: str = "run"
-    # 'tiny' shrinks a published recipe to CPU size keeping its family's structure
-    # (epscale.recipes.shrink, applied by load_config after the overrides).
+    # 'tiny' asks load_config to shrink a published recipe to CPU size keeping its family's
+    # structure (epscale.recipes.apply_scale; the other overrides then apply on top). The
+    # shrunk config says 'full' again, so re-loading it (a run's config.yaml) is stable.
     scale: str = "full"
 
     def __post_init__(self) -> None:
@@ -444,9 +445,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         where = f" (in {path})" if path is not None else ""
         raise ConfigError(f"{e}{where}") from None
     if cls is RunConfig and cfg.scale == "tiny":
-        from .recipes import shrink
+        from .recipes import apply_scale
 
-        cfg = shrink(cfg)
+        cfg = apply_scale(cfg, overrides or [])
     return cfg
 
 

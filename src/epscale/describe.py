@@ -45,7 +45,7 @@ def describe(config: str, overrides: list[str] | None = None, **layout) -> dict:
                      "ep": layout.get("ep") or cfg.parallel.ep,
                      "world": (layout.get("dp") or cfg.parallel.dp) * (layout.get("ep") or cfg.parallel.ep)}
     pub = PUBLISHED.get(cfg.name)
-    if pub is not None and cfg.scale == "full":
+    if pub is not None:
         out["published"] = dict(pub)
         for key in ("total", "active"):
             if pub[key]:

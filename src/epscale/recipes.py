@@ -1,8 +1,8 @@
 """Model-family recipes: where they live, their published sizes, and the CPU-size shrink.
 
 A recipe is a YAML file in ``configs/`` in the :class:`~epscale.config.RunConfig` schema.
-``scale: tiny`` (or the override ``scale=tiny``) runs :func:`shrink` on it after loading,
-which keeps what makes the family what it is (routed/shared experts, top-k, score
+``scale: tiny`` (or the override ``scale=tiny``) runs :func:`shrink` on it after loading
+(command-line overrides then apply on top), which keeps what makes the family what it is (routed/shared experts, top-k, score
 function, group-limited routing, dense layers in front, MoE every n-th layer, attention
 kind and GQA ratio, capacity factor, balancing) and makes every width CPU sized.
 """
@@ -119,4 +119,20 @@ def shrink(cfg: RunConfig) -> RunConfig:
         min_lr=min(max(t.min_lr, 1e-4), max(t.lr, 1e-3)))
     return dataclasses.replace(cfg, model=model, moe=moe, parallel=parallel, train=train,
                                name=cfg.name if cfg.name.endswith("-tiny") else f"{cfg.name}-tiny",
-                               scale="tiny")
+                               scale="full")
+
+
+def apply_scale(cfg: RunConfig, overrides: list[str]) -> RunConfig:
+    """``scale=tiny``: shrink, then apply the command line's other overrides on top, so
+    ``scale=tiny parallel.ep=2 train.steps=5`` keeps the ep and steps asked for."""
+    from .config import ModelConfig, apply_overrides, from_dict, parse_override, to_dict
+
+    tiny = shrink(cfg)
+    rest = [o for o in overrides if parse_override(o)[0] != ["scale"]]
+    if not rest:
+        return tiny
+    data = apply_overrides(to_dict(tiny), rest)
+    keys = [parse_override(o)[0] for o in rest]
+    if ["model", "dim"] in keys and ["moe", "dim"] not in keys:
+        data["moe"]["dim"] = data["model"].get("dim", ModelConfig.dim)
+    return from_dict(RunConfig, data)
