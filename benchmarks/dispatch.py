@@ -206,9 +206,9 @@ def overlapped(moe):
     def fwd(x):
         route = moe.router(x)
         shared = (lambda: moe.shared_experts(x)) if moe.shared_experts is not None else None
-        y, side = moe.dispatcher.dispatch_compute_combine(
-            x, route.topk_idx_TK, route.topk_weight_TK, moe.experts, shared)
-        return y + side if side is not None else y
+        y, _ = moe.dispatcher.dispatch_compute_combine(
+            x, route.topk_idx_TK, route.topk_weight_TK, moe.experts, side_work=shared)
+        return y
     return fwd
 
 

@@ -52,10 +52,10 @@ def _overlapped_forward(moe):
     def fwd(x):
         route = moe.router(x)
         shared = (lambda: moe.shared_experts(x)) if moe.shared_experts is not None else None
-        y, side = moe.dispatcher.dispatch_compute_combine(
-            x, route.topk_idx_TK, route.topk_weight_TK, moe.experts, shared)
+        y, _ = moe.dispatcher.dispatch_compute_combine(
+            x, route.topk_idx_TK, route.topk_weight_TK, moe.experts, side_work=shared)
         moe.aux_loss = torch.zeros(())
-        return y + side if side is not None else y
+        return y
     return fwd
 
 

@@ -58,6 +58,11 @@ def _dims_checks(runner: CaseRunner, rank: int, world: int) -> None:
         bad = epscale.MoEConfig(dim=8, hidden_dim=8, num_experts=2 * world + 1, top_k=2)
         with pytest.raises(ConfigError, match=f"num_experts = {2 * world + 1} is not divisible"):
             epscale.parallelize(epscale.MoE(bad), dims, dispatcher="alltoall")
+    with runner.case("error payload"):
+        with pytest.raises(ConfigError, match="'fp8' needs dispatcher 'dedup' or 'hierarchical'"):
+            epscale.parallelize(epscale.MoE(cfg), dims, dispatcher="alltoall", payload="fp8")
+        with pytest.raises(ConfigError, match="'fp16' is invalid"):
+            epscale.parallelize(epscale.MoE(cfg), dims, dispatcher="dedup", payload="fp16")
     with runner.case("error local with ep>1"):
         with pytest.raises(ConfigError, match="'local' needs ep=1"):
             epscale.parallelize(epscale.MoE(cfg), dims, dispatcher="local")

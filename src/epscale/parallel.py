@@ -169,6 +169,13 @@ def parallelize(module: nn.Module, dims: ParallelDims, dispatcher: str = "dedup"
     if not isinstance(overlap_chunks, int) or overlap_chunks < 1:
         raise ConfigError(f"parallel key 'overlap_chunks' = {overlap_chunks!r} is invalid: "
                           "must be a positive integer")
+    from .dispatch.ep import PAYLOADS
+    if payload not in PAYLOADS:
+        raise ConfigError(f"parallel key 'payload' = {payload!r} is invalid: must be one of "
+                          f"{', '.join(map(repr, PAYLOADS))}")
+    if payload == "fp8" and dispatcher not in ("dedup", "hierarchical"):
+        raise ConfigError(f"parallel key 'payload' = 'fp8' needs dispatcher 'dedup' or "
+                          f"'hierarchical' (got {dispatcher!r})")
     if dispatcher == "deepep":
         from .dispatch.deepep import require_deepep
         require_deepep()

@@ -20,8 +20,9 @@ All chunks share one count exchange and one host sync.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 
@@ -96,6 +97,8 @@ class DedupDispatcher(EPDispatcher):
                  overlap_chunks: int = 1):
         super().__init__(num_experts, info, payload)
         self.overlap_chunks = overlap_chunks
+        # MoE.forward takes dispatch_compute_combine when ``fuse`` is true.
+        self.fuse = overlap_chunks > 1
 
     # ------------------------------------------------------------------ planning
     def _plan(self, topk_idx_TK: torch.Tensor, num_chunks: int) -> _Plan:
@@ -167,25 +170,41 @@ class DedupDispatcher(EPDispatcher):
 
     def dispatch_compute_combine(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor,
                                  topk_weight_TK: torch.Tensor,
-                                 expert_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                                 experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                                 timer: Callable[[str], ContextManager] | None = None,
                                  side_work: Callable[[], torch.Tensor] | None = None
-                                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """dispatch -> ``expert_fn(recv_x_RD, tokens_per_local_expert_e)`` -> combine, in
-        ``overlap_chunks`` pipelined chunks; ``side_work`` (shared experts) runs while the
-        last combines are in flight. Returns (y_TD, side_work's result or None)."""
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """dispatch -> ``experts(recv_x_RD, tokens_per_local_expert_e)`` -> combine, in
+        ``overlap_chunks`` pipelined chunks (the protocol MoE.forward uses when the
+        dispatcher's ``fuse`` is true, which it is here when overlap_chunks > 1).
+
+        ``timer``: optional ``name -> context manager`` ('dispatch', 'experts', 'combine').
+        ``side_work`` (e.g. the shared experts): runs while the last combines are in
+        flight and its output is added to y_TD.
+        Returns y_TD [T, D] in x's dtype and tokens_per_local_expert_e (int64, all chunks).
+        """
+        timer = timer or (lambda name: contextlib.nullcontext())
         C = self.overlap_chunks
         T = x_TD.shape[0]
-        plan = self._plan(topk_idx_TK, C)
-        sent = [self._send(x_TD, topk_idx_TK, topk_weight_TK, plan, 0, True)]
+        with timer("dispatch"):
+            plan = self._plan(topk_idx_TK, C)
+            sent = [self._send(x_TD, topk_idx_TK, topk_weight_TK, plan, 0, True)]
         finishes = []
         for c in range(C):
-            if c + 1 < C:  # keep the next chunk's exchange in flight during this compute
-                sent.append(self._send(x_TD, topk_idx_TK, topk_weight_TK, plan, c + 1, True))
-            recv_x_RD, counts_e, handle = self._receive(sent[c], plan, c, x_TD.dtype, T)
-            sent[c] = None
-            finishes.append(self._combine_start(expert_fn(recv_x_RD, counts_e), handle, True))
-        side = side_work() if side_work is not None else None
-        acc_TD = x_TD.new_zeros(x_TD.shape, dtype=torch.float32)
-        for fin in finishes:
-            acc_TD = fin(acc_TD)
-        return acc_TD.to(x_TD.dtype), side
+            with timer("dispatch"):
+                if c + 1 < C:  # keep the next chunk's exchange in flight during this compute
+                    sent.append(self._send(x_TD, topk_idx_TK, topk_weight_TK, plan, c + 1, True))
+                recv_x_RD, counts_e, handle = self._receive(sent[c], plan, c, x_TD.dtype, T)
+                sent[c] = None
+            with timer("experts"):
+                recv_y_RD = experts(recv_x_RD, counts_e)
+            with timer("combine"):
+                finishes.append(self._combine_start(recv_y_RD, handle, True))
+        with timer("combine"):
+            side = side_work() if side_work is not None else None
+            acc_TD = x_TD.new_zeros(x_TD.shape, dtype=torch.float32)
+            for fin in finishes:
+                acc_TD = fin(acc_TD)
+            if side is not None:
+                acc_TD = acc_TD + side.float()
+        return acc_TD.to(x_TD.dtype), torch.stack(plan.tokens_per_local_expert).sum(0)
