@@ -1,15 +1,22 @@
 """``local``: no communication (ep=1). Permute assignments by expert, unpermute after.
 
-Legend: T tokens, D model dim, K top-k, A = T*K assignments, R kept assignments.
+Legend: T tokens, D model dim, K top-k, E experts, A = T*K assignments, R kept assignments.
+
+Besides the generic ``dispatch``/``combine`` pair, this backend offers
+``dispatch_compute_combine``: with every expert on this rank the gather, the expert
+compute and the weighted combine run as one chunked kernel
+(:class:`epscale.moe.fused.FusedExperts`) and no [R, D] tensor is ever built. The MoE
+layer uses it whenever its dispatcher has it (``fuse=True``).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
-from .base import Dispatcher, permute_by_expert
+from .base import Dispatcher
 
 
 @dataclass(frozen=True)
@@ -19,22 +26,65 @@ class LocalHandle:
     num_tokens: int
 
 
+def sort_by_expert(topk_idx_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kept assignments ordered by expert (stable in token order), and the counts.
+
+    Returns ``order_R`` (int64 indices into the flattened T*K assignments; dropped ones,
+    id -1, are left out) and ``tokens_per_expert_E`` (int64). One host sync: R.
+    """
+    flat_A = topk_idx_TK.reshape(-1)
+    # Dropped assignments get key E so that they sort last and can be cut off.
+    key_A = torch.where(flat_A < 0, num_experts, flat_A)
+    counts = torch.bincount(key_A, minlength=num_experts + 1)
+    num_kept = flat_A.numel() - int(counts[num_experts])  # the one host sync
+    order_A = torch.sort(key_A, stable=True).indices
+    return order_A[:num_kept], counts[:num_experts]
+
+
 class LocalDispatcher(Dispatcher):
-    """Every expert lives on this rank. Rows are one per kept (token, expert) assignment."""
+    """Every expert lives on this rank. Rows are one per kept (token, expert) assignment.
+
+    ``fuse``: offer :meth:`dispatch_compute_combine` to the layer (default True); False
+    makes the layer take the generic dispatch -> experts -> combine path.
+    """
 
     name = "local"
 
-    def __init__(self, num_experts: int):
+    def __init__(self, num_experts: int, fuse: bool = True):
         super().__init__(num_experts, num_experts, 0)
+        self.fuse = fuse
 
     def dispatch(self, x_TD, topk_idx_TK, topk_weight_TK):
         T, K = topk_idx_TK.shape
-        order_R, tokens_per_expert_E, _ = permute_by_expert(topk_idx_TK, self.num_experts)
+        order_R, tokens_per_expert_E = sort_by_expert(topk_idx_TK, self.num_experts)
         recv_x_RD = x_TD.index_select(0, order_R // K)
         return recv_x_RD, tokens_per_expert_E, LocalHandle(order_R, topk_weight_TK, T)
 
     def combine(self, y_RD, handle: LocalHandle):
         return unpermute_weighted(y_RD, handle.order_R, handle.topk_weight_TK)
+
+    def dispatch_compute_combine(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor,
+                                 topk_weight_TK: torch.Tensor, experts,
+                                 timer=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """y_TD = combine(experts(dispatch(x_TD))) in one chunked pass.
+
+        ``experts``: a :class:`epscale.moe.experts.GroupedExperts` holding all E experts.
+        ``timer``: optional ``name -> context manager``; sections 'dispatch' (sort by
+        expert) and 'experts' (gather + compute + combine).
+        Returns y_TD [T, D] in x's dtype and tokens_per_expert_E (kept rows per expert).
+        """
+        timer = timer or (lambda name: contextlib.nullcontext())
+        K = topk_idx_TK.shape[1]
+        with timer("dispatch"):
+            order_R, tokens_per_expert_E = sort_by_expert(topk_idx_TK, self.num_experts)
+            src_R = order_R // K
+            weight_R = topk_weight_TK.reshape(-1).index_select(0, order_R)
+        with timer("experts"):
+            y_TD = experts.forward_scatter(x_TD, src_R, weight_R, tokens_per_expert_E)
+        return y_TD, tokens_per_expert_E
+
+    def __repr__(self) -> str:
+        return f"LocalDispatcher(experts={self.num_experts}, fuse={self.fuse})"
 
 
 def unpermute_weighted(y_RD: torch.Tensor, order_R: torch.Tensor,

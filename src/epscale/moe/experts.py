@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-HAS_GROUPED_MM = hasattr(F, "grouped_mm")
+from .fused import HAS_GROUPED_MM, ExpertPlan, FusedExperts
 
 
 def _grouped_linear(x_RD: torch.Tensor, w_eDF: torch.Tensor, offs_e: torch.Tensor | None,
@@ -51,6 +51,11 @@ class GroupedExperts(nn.Module):
     ``w1`` [e, D, F] (gate proj), ``w3`` [e, D, F] (up proj, SwiGLU only), ``w2`` [e, F, D].
     ``forward(x_RD, tokens_per_expert_e)``: rows grouped by expert in ascending order,
     ``tokens_per_expert_e`` int64 counts summing to R. Returns [R, D] in x's dtype.
+    ``forward_scatter`` is the no-EP fast path that also gathers and combines.
+
+    ``impl``: 'fused' (default; :mod:`epscale.moe.fused`, chunked with a hand-written
+    backward) or 'autograd' (plain autograd over grouped GEMMs; kept as a second,
+    independent implementation for tests and benchmarks).
     """
 
     def __init__(self, num_experts: int, dim: int, hidden_dim: int, activation: str = "swiglu",
@@ -59,6 +64,7 @@ class GroupedExperts(nn.Module):
         self.num_experts = num_experts
         self.dim, self.hidden_dim, self.activation = dim, hidden_dim, activation
         self.use_grouped_mm = HAS_GROUPED_MM and use_grouped_mm == "auto"
+        self.impl = "fused"
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim)) if activation == "swiglu" else None
@@ -70,22 +76,63 @@ class GroupedExperts(nn.Module):
         if self.w3 is not None:
             nn.init.normal_(self.w3, std=self.dim ** -0.5)
 
+    def _weights(self, dtype: torch.dtype):
+        w3 = self.w3.to(dtype) if self.w3 is not None else None
+        return self.w1.to(dtype), w3, self.w2.to(dtype)
+
+    def _check_counts(self, tokens_per_expert_e: torch.Tensor, num_rows: int) -> list[int]:
+        counts = tokens_per_expert_e.tolist()  # the one host sync of the expert compute
+        if len(counts) != self.w1.shape[0] or sum(counts) != num_rows:
+            raise ValueError(f"GroupedExperts: tokens_per_expert has {len(counts)} entries "
+                             f"summing to {sum(counts)}; expected {self.w1.shape[0]} local "
+                             f"experts and {num_rows} rows")
+        return counts
+
     def forward(self, x_RD: torch.Tensor, tokens_per_expert_e: torch.Tensor) -> torch.Tensor:
-        if self.use_grouped_mm and x_RD.dtype in (torch.float32, torch.bfloat16):
+        if self.impl == "autograd":
+            return self._forward_autograd(x_RD, tokens_per_expert_e)
+        counts = self._check_counts(tokens_per_expert_e, x_RD.shape[0])
+        plan = ExpertPlan.build(counts, x_RD.shape[-1] * x_RD.element_size())
+        w1, w3, w2 = self._weights(x_RD.dtype)
+        return FusedExperts.apply(x_RD, None, w1, w3, w2, None, plan, self.activation)
+
+    def forward_scatter(self, x_TD: torch.Tensor, src_R: torch.Tensor, weight_R: torch.Tensor,
+                        tokens_per_expert_e: torch.Tensor) -> torch.Tensor:
+        """y_TD[t] = sum over rows r with src_R[r] == t of weight_R[r] * expert_e(r)(x_TD[t]).
+
+        x_TD: [T, D]; src_R: int64 [R], the token of each row, rows grouped by expert in
+        ascending order; weight_R: float [R] gate weights (differentiable);
+        tokens_per_expert_e: int64 [e] group sizes. Returns [T, D] in x's dtype.
+        """
+        counts = self._check_counts(tokens_per_expert_e, src_R.shape[0])
+        plan = ExpertPlan.build(counts, x_TD.shape[-1] * x_TD.element_size())
+        w1, w3, w2 = self._weights(x_TD.dtype)
+        return FusedExperts.apply(x_TD, weight_R, w1, w3, w2, src_R, plan, self.activation)
+
+    def _forward_autograd(self, x_RD: torch.Tensor, tokens_per_expert_e: torch.Tensor) -> torch.Tensor:
+        use_grouped = (self.use_grouped_mm and x_RD.dtype in (torch.float32, torch.bfloat16)
+                       and _aligned_for_grouped_mm(x_RD, self.hidden_dim))
+        if use_grouped:
             offs_e, splits = torch.cumsum(tokens_per_expert_e, 0).to(torch.int32), None
         else:
             offs_e, splits = None, tokens_per_expert_e.tolist()  # one host sync per layer
-        w1, w2 = self.w1.to(x_RD.dtype), self.w2.to(x_RD.dtype)
+        w1, w3, w2 = self._weights(x_RD.dtype)
         h_RF = _grouped_linear(x_RD, w1, offs_e, splits)
-        if self.w3 is not None:
-            h_RF = F.silu(h_RF) * _grouped_linear(x_RD, self.w3.to(x_RD.dtype), offs_e, splits)
+        if w3 is not None:
+            h_RF = F.silu(h_RF) * _grouped_linear(x_RD, w3, offs_e, splits)
         else:
             h_RF = F.gelu(h_RF)
         return _grouped_linear(h_RF, w2, offs_e, splits)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, dim={self.dim}, hidden={self.hidden_dim}, "
-                f"act={self.activation}, grouped_mm={self.use_grouped_mm}")
+                f"act={self.activation}, impl={self.impl}, grouped_mm={self.use_grouped_mm}")
+
+
+def _aligned_for_grouped_mm(x_RD: torch.Tensor, hidden_dim: int) -> bool:
+    """grouped_mm needs 16-byte aligned row strides for every operand (bf16: widths % 8)."""
+    per = 16 // x_RD.element_size()
+    return x_RD.shape[-1] % per == 0 and hidden_dim % per == 0
 
 
 class FeedForward(nn.Module):

@@ -20,6 +20,13 @@ from .losses import load_balance_loss, router_entropy, sequence_balance_loss, z_
 from .router import TopKRouter
 
 
+def _nonfinite_rows(x_TD: torch.Tensor) -> torch.Tensor:
+    """Bool [T]: rows holding a NaN or inf. One fp32 row sum instead of an element-wise
+    isfinite pass (the sum is non-finite iff an element is, barring fp32 overflow of
+    finite values, which is bad input too)."""
+    return ~torch.isfinite(torch.sum(x_TD, dim=-1, dtype=torch.float32))
+
+
 class MoE(nn.Module):
     """Mixture-of-Experts feed-forward layer.
 
@@ -37,6 +44,9 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: MoEConfig):
         super().__init__()
+        if not isinstance(cfg, MoEConfig):
+            raise TypeError(f"MoE expects an epscale.MoEConfig, got {type(cfg).__name__}; "
+                            "build one with MoEConfig(...) or config.from_dict(MoEConfig, d)")
         self.cfg = cfg
         self.router = TopKRouter(cfg)
         self.experts = GroupedExperts(cfg.num_experts, cfg.dim, cfg.hidden_dim,
@@ -66,7 +76,7 @@ class MoE(nn.Module):
         if x.dtype != wdtype and not torch.is_autocast_enabled(x.device.type):
             raise ValueError(f"MoE.forward: input dtype {x.dtype} differs from the parameters' "
                              f"{wdtype}; cast the module with .to({x.dtype}) or run under autocast")
-        if self.cfg.debug and not bool(torch.isfinite(x).all()):
+        if self.cfg.debug and bool(_nonfinite_rows(x.reshape(-1, x.shape[-1])).any()):
             bad = (~torch.isfinite(x)).nonzero()[0].tolist()
             raise ValueError(f"MoE.forward: non-finite input value at index {bad} "
                              "(moe.debug=true raises; set it false to count it in last_stats)")
@@ -81,14 +91,23 @@ class MoE(nn.Module):
             x_TD = x_TD.to(torch.get_autocast_dtype(x.device.type))
         with self.timer("router"):
             route = self.router(x_TD)
-        with self.timer("dispatch"):
-            recv_x_RD, tokens_per_local_expert_e, handle = self.dispatcher.dispatch(
-                x_TD, route.topk_idx_TK, route.topk_weight_TK)
-        with self.timer("experts"):
-            recv_y_RD = self.experts(recv_x_RD, tokens_per_local_expert_e)
         shared = (lambda: self.shared_experts(x_TD)) if self.shared_experts is not None else None
-        with self.timer("combine"):
-            y_TD, shared_y_TD = self.dispatcher.combine_overlapped(recv_y_RD, handle, shared)
+        fused = getattr(self.dispatcher, "dispatch_compute_combine", None)
+        if fused is not None and getattr(self.dispatcher, "fuse", False):
+            # No expert parallelism: gather, expert compute and combine run as one chunked
+            # kernel (moe/fused.py), timed as 'experts'; 'dispatch' is the sort by expert.
+            y_TD, _ = fused(x_TD, route.topk_idx_TK, route.topk_weight_TK, self.experts,
+                            timer=self.timer)
+            with self.timer("combine"):
+                shared_y_TD = shared() if shared is not None else None
+        else:
+            with self.timer("dispatch"):
+                recv_x_RD, tokens_per_local_expert_e, handle = self.dispatcher.dispatch(
+                    x_TD, route.topk_idx_TK, route.topk_weight_TK)
+            with self.timer("experts"):
+                recv_y_RD = self.experts(recv_x_RD, tokens_per_local_expert_e)
+            with self.timer("combine"):
+                y_TD, shared_y_TD = self.dispatcher.combine_overlapped(recv_y_RD, handle, shared)
         if shared_y_TD is not None:
             y_TD = y_TD + shared_y_TD
         self.aux_loss = self._aux_loss(route, num_sequences)
@@ -110,6 +129,12 @@ class MoE(nn.Module):
     @torch.no_grad()
     def _record_stats(self, x_TD: torch.Tensor, route) -> None:
         counts_E = torch.bincount(route.chosen_TK.reshape(-1), minlength=self.cfg.num_experts)
+        bad_T = _nonfinite_rows(x_TD)
+        if x_TD.device.type == "cpu":
+            # A host branch is free on CPU; isfinite over all of x is not (slow for bf16).
+            num_bad = (~torch.isfinite(x_TD[bad_T])).sum() if bool(bad_T.any()) else bad_T.sum()
+        else:
+            num_bad = (~torch.isfinite(x_TD)).sum()  # no host sync on accelerators
         self.tokens_per_expert += counts_E.to(self.tokens_per_expert.dtype)
         self.dropped_assignments += route.num_dropped
         self.last_stats = {
@@ -117,7 +142,8 @@ class MoE(nn.Module):
             "num_tokens": x_TD.shape[0],
             "num_dropped": route.num_dropped,
             "router_entropy": router_entropy(route.scores_TE),
-            "num_nonfinite_inputs": (~torch.isfinite(x_TD)).sum(),
+            "num_nonfinite_inputs": num_bad,
+            "num_nonfinite_tokens": bad_T.sum(),
         }
 
     def reset_token_counts(self) -> None:

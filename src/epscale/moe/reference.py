@@ -65,7 +65,7 @@ def reference_forward(moe, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
         for e in range(E):
             cands = [(t, k) for t in range(T) for k in range(K) if routes[t][0][k] == e]
             if cfg.drop_policy == "probs":
-                cands.sort(key=lambda tk: (-float(routes[tk[0]][1][tk[1]]), tk[0]))
+                cands.sort(key=lambda tk: (-float(routes[tk[0]][1][tk[1]].detach()), tk[0]))
             kept.update(cands[:cap])
 
     outs = []

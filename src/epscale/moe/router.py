@@ -42,7 +42,7 @@ class TopKRouter(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> RouterOutput:
         cfg = self.cfg
-        logits_TE = torch.nn.functional.linear(x_TD.float(), self.gate.weight.float())
+        logits_TE = GateLinear.apply(x_TD, self.gate.weight)
         if cfg.score_func == "softmax":
             scores_TE = logits_TE.softmax(dim=-1)
         else:
@@ -63,6 +63,25 @@ class TopKRouter(nn.Module):
             weight_TK = weight_TK * keep_TK
             num_dropped = int(keep_TK.numel() - keep_TK.sum().item())  # host sync (stats)
         return RouterOutput(idx_TK, weight_TK, scores_TE, logits_TE, chosen_TK, num_dropped)
+
+
+class GateLinear(torch.autograd.Function):
+    """logits_TE = x_TD @ W_ED^T computed in fp32 (routing decisions are sensitive to
+    rounding); the backward runs in x's dtype, where the gradients end up anyway. In bf16
+    that avoids two fp32 [T, D] GEMMs with a tiny inner dimension E, slow on CPU."""
+
+    @staticmethod
+    def forward(ctx, x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x_TD, w_ED)
+        return torch.mm(x_TD.float(), w_ED.float().t())
+
+    @staticmethod
+    def backward(ctx, g_TE: torch.Tensor):
+        x_TD, w_ED = ctx.saved_tensors
+        g_TE = g_TE.to(x_TD.dtype)
+        gx = torch.mm(g_TE, w_ED.to(x_TD.dtype)) if ctx.needs_input_grad[0] else None
+        gw = torch.mm(g_TE.t(), x_TD).to(w_ED.dtype) if ctx.needs_input_grad[1] else None
+        return gx, gw
 
 
 def select_experts(sel_scores_TE: torch.Tensor, top_k: int, num_groups: int = 0,
