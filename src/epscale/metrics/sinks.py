@@ -182,8 +182,9 @@ class PrometheusSink(Sink):
                 g.labels(r).set(v)
         self._step.labels(r).set(int(record.get("step", 0)))
         self._stamp.labels(r).set(float(record.get("time", time.time())))
+        skipped = self._skipped.labels(r)  # exported (as 0) from the first step on
         if record.get("skipped"):
-            self._skipped.labels(r).inc()
+            skipped.inc()
         for sec, v in (record.get("time_breakdown") or {}).items():
             if _num(v) is not None:
                 self._time.labels(r, sec).set(float(v))
