@@ -14,6 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "describe": ("epscale.describe", "parameters, FLOPs per token and memory per rank of a recipe"),
     "simulate": ("epscale.sim.cli", "cluster-scale model of a training step per balancing strategy and dispatcher"),
     "calibrate": ("epscale.calibrate", "measure this machine (GEMM rate, all-to-all) and write a cluster file"),
+    "sweep": ("epscale.sweep", "measure a grid of experts x capacity x top-k (x dispatcher) around a recipe and recommend one"),
     "monitor": ("epscale.monitor.cli", "HTML report, live view (--follow) and alert check (--check) of a run"),
     "train": ("epscale.train", "train an MoE transformer (EP x DP, checkpoints, resume)"),
     "launch": ("epscale.launch.local", "train on this machine through torchrun (restarts after a rank dies)"),

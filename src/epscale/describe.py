@@ -19,6 +19,9 @@ def configure_parser(p) -> None:
     p.add_argument("--optim-dtype", default="float32", help="AdamW moment dtype (default float32)")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="config overrides, e.g. moe.num_experts=64 scale=tiny")
+    # key=value overrides may follow options (CONFIG --opt X key=value): plain parse_args
+    # stops filling positionals after the first option.
+    p.parse_args = p.parse_intermixed_args
 
 
 def _fmt_count(n: float) -> str:

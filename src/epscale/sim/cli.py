@@ -37,6 +37,9 @@ def configure_parser(p) -> None:
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--json", default=None, help="also write all results (with per-layer detail) here")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides")
+    # key=value overrides may follow options (CONFIG --opt X key=value): plain parse_args
+    # stops filling positionals after the first option.
+    p.parse_args = p.parse_intermixed_args
 
 
 def run(args) -> int:
