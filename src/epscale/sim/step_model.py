@@ -175,14 +175,27 @@ def simulate(run_cfg: RunConfig, cluster: ClusterSpec, routing: RoutingSpec | No
     return results
 
 
+def _miss_prob(q_LEX: np.ndarray, top_k: int) -> np.ndarray:
+    """[L, X] probability that a token picks none of the experts of each rank/node x.
+
+    ``q[l, e, x]`` is the probability that the token's row for expert e goes to x. Picks
+    are K draws without replacement, so each expert already missed makes the rest likelier:
+    ``prod_j (1 - q_j / (1 - sum_{i<j} q_i / K))``, exact for uniform routing
+    (C(E-m, K) / C(E, K)) and the independent-experts product in the limit of many experts.
+    """
+    before = np.cumsum(q_LEX, axis=1) - q_LEX
+    denom = np.maximum(1.0 - before / top_k, 1e-12)
+    return np.prod(np.clip(1.0 - q_LEX / denom, 0.0, 1.0), axis=1)
+
+
 def _strategy_loads(strat: Strategy, base_w, trace_steps, lay: Layout, moe, params: BalanceParams,
                     T: int, rng, step_samples: int, sample_tokens: int) -> dict:
     """Per-step rank rows, GEMM counts and dispatch dedup ratios of one strategy.
 
     Without group-limited routing everything is analytic: an expert's inclusion probability
     ``pi_e`` (Rosen's approximation for synthetic routers, ``K * share`` for a trace) and,
-    treating experts as independent, the probability that a token touches a rank or a node
-    ``1 - prod(1 - pi)`` over what lives there. Group-limited routing couples the experts,
+    the probability that a token touches a rank or a node from the experts living there
+    (:func:`_miss_prob`, draws without replacement). Group-limited routing couples the experts,
     so there the dispatch ratios come from sampled tokens.
     """
     E, K, R, g, n = moe.num_experts, moe.top_k, lay.ep, lay.ranks_per_node, lay.nodes_per_group
@@ -223,9 +236,9 @@ def _strategy_loads(strat: Strategy, base_w, trace_steps, lay: Layout, moe, para
         np.add.at(q, (li, phy2log, np.broadcast_to(slot_rank, phy2log.shape)),
                   (pi / replicas)[li, phy2log])
         q = np.minimum(q, 1.0)
-        hit_rank = 1 - np.prod(1 - q, axis=1)
+        hit_rank = 1 - _miss_prob(q, K)
         qn = np.minimum(q.reshape(L, E, n, g).sum(axis=3), 1.0)
-        hit_node = 1 - np.prod(1 - qn, axis=1)
+        hit_node = 1 - _miss_prob(qn, K)
         share_rank = q.sum(axis=1) / K
         share_node = qn.sum(axis=1) / K
     else:
