@@ -48,7 +48,7 @@ class RunLog:
         if self.steps and self.steps[-1]["step"] == rec["step"]:
             self.steps[-1] = {**self.steps[-1], **rec}  # e.g. a separate val_loss line
             return
-        while self.steps and self.steps[-1]["step"] > rec["step"]:
+        while self.steps and self.steps[-1]["step"] >= rec["step"]:
             self.steps.pop()  # abandoned timeline (rollback / resume)
         self.steps.append(rec)
 
