@@ -299,10 +299,11 @@ def _train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.skipif(_trainer_available() is not None, reason=str(_trainer_available()))
 def test_trained_run_with_collapsed_router_fires_imbalance_and_dead_experts(tmp_path):
-    """The tiny recipe trained on text that is one repeated byte: every token reaches the
-    router with the same hidden state, so top-1 routing sends all of them to one expert
-    (no balance loss to push back). A real collapse, through the real trainer and its
-    metrics.jsonl. The same recipe on ordinary text must fire no alert."""
+    """The tiny recipe (shrunk to 2 layers of width 64, one process) trained on text that
+    is one repeated byte: every token reaches the router with the same hidden state, so
+    top-1 routing sends all of them to one expert (no balance loss to push back). A real
+    collapse, through the real trainer and its metrics.jsonl, caught by the default
+    rules. The same recipe on ordinary text (Python source) must fire no alert."""
     steps = "train.steps=22"
     one_byte = tmp_path / "aaaa.txt"
     one_byte.write_text("a" * 60_000)
@@ -319,8 +320,13 @@ def test_trained_run_with_collapsed_router_fires_imbalance_and_dead_experts(tmp_
     assert re.search(r"ALERT dead_experts: layer \d experts [\d,]+ since step 1: [67] of 8 experts",
                      check.stdout)
 
+    import argparse
+    import textwrap
+
+    text = tmp_path / "python.txt"  # ordinary text: Python source of two stdlib modules
+    text.write_text(Path(argparse.__file__).read_text() + Path(textwrap.__file__).read_text())
     healthy = tmp_path / "healthy"
-    proc = _train(healthy, steps)
+    proc = _train(healthy, steps, f"data.source={text}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     check = subprocess.run([sys.executable, "-m", "epscale", "monitor", str(healthy), "--check"],
                            capture_output=True, text=True, timeout=120)

@@ -30,9 +30,11 @@ class AlertRules:
     """Alert thresholds. Counts of "records" are metrics.jsonl step lines (one per
     logged step).
 
-    imbalance_max_vio (1.0): a layer whose MaxVio (max expert load / mean - 1) stays above
-        this for ``imbalance_steps`` (10) records is imbalanced (1.0: the hottest expert
-        does twice the average work).
+    imbalance_max_vio (2.0): a layer whose MaxVio (max expert load / mean - 1) stays above
+        this for ``imbalance_steps`` (20) records is imbalanced: its hottest expert does
+        over 3x its fair share. A router that is merely uneven early in training does not
+        fire (the tiny byte-level recipe starts near 1); a collapsed one does (all tokens
+        on the same K of E experts gives E/K - 1, e.g. 3 for top-2 of 8, 7 for top-1).
     dead_expert_steps (20): an expert with no tokens for this many consecutive records is
         dead.
     max_drop_frac (0.05): capacity drops above 5% of a layer's assignments for
@@ -52,8 +54,8 @@ class AlertRules:
     recent_records (200): how far back the event rules (spikes, non-finite) look.
     """
 
-    imbalance_max_vio: float = 1.0
-    imbalance_steps: int = 10
+    imbalance_max_vio: float = 2.0
+    imbalance_steps: int = 20
     dead_expert_steps: int = 20
     max_drop_frac: float = 0.05
     drop_steps: int = 10
