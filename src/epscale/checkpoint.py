@@ -17,6 +17,7 @@ mid-save never touches the latest good checkpoint; only the newest ``keep`` are 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -24,6 +25,7 @@ import random
 import re
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -208,6 +210,15 @@ def check_compatible(path: Path, state: dict) -> None:
 # --------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _quiet():
+    """DCP warns that it 'assumes a single process' whenever no process group exists;
+    for a single-process run that is exactly the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        yield
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -245,7 +256,8 @@ def save(run_dir: str | Path, step: int, model: nn.Module, opt, dims, meta: dict
         tmp.mkdir()
     _barrier()
     state = build_state(model, opt, dims)
-    dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+    with _quiet():
+        dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
     torch.save(rng_state(), tmp / f"rank_{rank}.pt")
     _barrier()
     if rank == 0:
@@ -278,7 +290,8 @@ def load(path: Path, model: nn.Module, opt, dims, restore_rng: bool = True) -> d
     if opt is not None and not any(k.startswith("optim.") for k in _saved_keys(path)):
         del state["optim"]  # model-only checkpoint (epscale checkpoint import): fresh AdamW
     try:
-        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+        with _quiet():
+            dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     except Exception as e:  # DCP wraps per-rank failures; name the checkpoint
         raise CheckpointError(f"checkpoint '{path}' could not be loaded: {e}") from e
     _copy_back(model, opt, state)
@@ -315,7 +328,8 @@ def export_full(path: str | Path, out: str | Path) -> dict:
 
     ckpt = resolve(path)
     meta = validate(ckpt)
-    full = _load_state_dict_from_keys(checkpoint_id=str(ckpt))
+    with _quiet():
+        full = _load_state_dict_from_keys(checkpoint_id=str(ckpt))
     full["meta"] = {k: v for k, v in meta.items() if k != "files"}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     torch.save(full, out)
@@ -349,7 +363,8 @@ def import_full(src: str | Path, run_dir: str | Path, step: int | None = None) -
     tmp = final.parent / f".tmp_{final.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
+    with _quiet():
+        dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
     files = {f.name: {"size": f.stat().st_size, "sha256": _sha256(f)}
              for f in sorted(tmp.iterdir()) if f.is_file()}
     meta.update({"format": FORMAT_VERSION, "step": step, "time": time.time(),

@@ -115,11 +115,13 @@ def init_process_group(env: LaunchEnv, device: torch.device) -> None:
                             device_id=device if device.type == "cuda" else None)
 
 
-def shutdown() -> None:
-    """Barrier then destroy (gloo can abort at exit when ranks leave unsynchronised)."""
+def shutdown(clean: bool = True) -> None:
+    """Barrier then destroy (gloo can abort at exit when ranks leave unsynchronised);
+    ``clean=False`` (after an error) skips the barrier, which could wait forever."""
     if dist.is_initialized():
         try:
-            dist.barrier()
+            if clean:
+                dist.barrier()
         finally:
             dist.destroy_process_group()
 

@@ -121,6 +121,8 @@ class Trainer:
         self._resume()
 
     def _print_start(self, layout_note: str | None) -> None:
+        if self.rank != 0:
+            return
         cfg, s = self.cfg, self.size
         m, moe = cfg.model, cfg.moe
         num_moe = len(self.moe_layers)
@@ -296,6 +298,7 @@ class Trainer:
                 set_lr(self.opt, lr)
                 self.opt.step()
         step_time = time.perf_counter() - t0
+        breakdown = T.breakdown()  # before validation, whose forwards use the same sections
         self.step = step
         extra: dict[str, Any] = {}
         if self._eval_due():
@@ -303,7 +306,7 @@ class Trainer:
         rec = self.collector.record(step, step_time_s=step_time,
                                     num_tokens=accum * cfg.train.micro_batch_size * cfg.model.seq_len,
                                     loss=loss_sum, lr=lr, grad_norm=grad_norm,
-                                    breakdown=T.breakdown(), skipped=skip, extra=extra)
+                                    breakdown=breakdown, skipped=skip, extra=extra)
         if not skip and cfg.moe.bias_update_speed > 0:
             from ..train import update_expert_biases
 
@@ -415,25 +418,30 @@ class Trainer:
             self.console.close()
             self._restore_signals()
 
-    def close(self) -> None:
+    def close(self, clean: bool = True) -> None:
         self.collector.close()
         self.writer.close()
         if getattr(self, "_log_file", None) is not None:
             self._log_file.close()
         if self.rank == 0:
             (self.run_dir / STOP_FILE).unlink(missing_ok=True)
-        shutdown()
+        shutdown(clean)
 
 
 def train(cfg: RunConfig, run_dir: str | Path, env: LaunchEnv | None = None,
           stop_at: int | None = None) -> RunResult:
     """Set up, train, tear down. ``env`` None means a single process."""
     trainer = Trainer(cfg, run_dir, env or LaunchEnv("none"), stop_at=stop_at)
+    clean = False
     try:
         trainer.setup()
-        return trainer.run()
+        result = trainer.run()
+        clean = True
+        return result
     finally:
+        # After an error, no barrier: the other ranks may be stuck in a collective, and
+        # the launcher tears them down once this process exits non-zero.
         if hasattr(trainer, "collector"):
-            trainer.close()
+            trainer.close(clean)
         else:
-            shutdown()
+            shutdown(clean)

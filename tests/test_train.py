@@ -1,0 +1,270 @@
+"""The trainer end to end: run directory contents, exact resume, graceful stop, non-finite
+skips, the spike rollback, and (torchrun, gloo) EP x DP runs whose checkpoints resume bit
+for bit and reshard to other layouts with the same loss."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from epscale.config import load_config
+from epscale.model import Transformer
+from epscale.train import update_expert_biases
+from epscale.training.dist import SingleProcessDims
+from epscale.training.loop import train
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def corpus(tmp_path: Path) -> Path:
+    """~150 KB of real Python text, small enough to load instantly."""
+    import argparse as a, string, textwrap
+
+    path = tmp_path / "corpus.txt"
+    if not path.exists():
+        path.write_text("".join(Path(m.__file__).read_text() for m in (a, string, textwrap)))
+    return path
+
+
+def tiny_overrides(tmp_path: Path, **extra) -> list[str]:
+    base = {
+        "model.dim": 64, "model.num_layers": 2, "model.num_heads": 4, "model.seq_len": 64,
+        "model.dense_hidden_dim": 128, "moe.hidden_dim": 64, "moe.num_experts": 8,
+        "moe.top_k": 2, "moe.aux_loss_coeff": 0.01, "parallel.ep": 1, "parallel.dp": 1,
+        "train.steps": 8, "train.micro_batch_size": 4, "train.warmup_steps": 2,
+        "train.lr": 3e-3, "train.min_lr": 3e-4, "train.eval_every": 4, "train.eval_batches": 2,
+        "train.ckpt_every": 4, "data.source": str(corpus(tmp_path)), "name": "t",
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def tiny_cfg(tmp_path: Path, **extra):
+    return load_config(None, tiny_overrides(tmp_path, **extra))
+
+
+def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    steps, events = [], []
+    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        (events if "event" in rec else steps).append(rec)
+    return steps, events
+
+
+def losses_by_step(steps: list[dict]) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in steps}
+
+
+# --------------------------------------------------------------------------------------
+# single process, in-process
+# --------------------------------------------------------------------------------------
+
+
+def test_run_dir_metrics_and_learning(tmp_path):
+    run = tmp_path / "run"
+    result = train(tiny_cfg(tmp_path, **{"moe.bias_update_speed": 0.01}), run)
+    assert result.step == 8 and not result.stopped
+    assert (run / "config.yaml").is_file()
+    assert load_config(run / "config.yaml").model.dim == 64
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000004", "step_00000008"]
+    hb = json.loads((run / "heartbeats" / "rank0.json").read_text())
+    assert hb["rank"] == 0 and hb["step"] == 8
+    assert (run / "logs" / "rank0.log").read_text().count("step ") >= 8
+    steps, events = read_metrics(run)
+    assert [r["step"] for r in steps] == list(range(1, 9))
+    assert [e["event"] for e in events] == ["start", "checkpoint", "checkpoint", "end"]
+    rec = steps[-1]
+    for key in ("time", "loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_proc",
+                "step_time_s", "comm_share", "mfu", "max_vio", "worst_rank_idle",
+                "dropped_frac", "skipped", "rank_step_time_s", "mem_mb", "val_loss"):
+        assert key in rec, key
+    assert set(rec["time_breakdown"]) >= {"data", "forward", "backward", "optimizer", "router",
+                                          "dispatch", "experts", "combine", "attention", "sync"}
+    assert len(rec["layers"]) == 2
+    for lay in rec["layers"]:
+        # every token picks top_k experts: 4 seqs x 64 tokens x 2 assignments
+        assert sum(lay["tokens_per_expert"]) == 4 * 64 * 2
+        assert lay["bias_max"] > lay["bias_min"]  # the loss-free update moved the biases
+    assert "val_loss" in steps[3] and "val_loss" not in steps[4]
+    first, last = steps[0]["loss"], sum(r["loss"] for r in steps[-3:]) / 3
+    assert last < first - 0.5, (first, last)
+    assert steps[0]["lr"] < steps[1]["lr"]  # warm-up
+    assert steps[-1]["lr"] == pytest.approx(3e-4)  # cosine reaches min_lr at the last step
+
+
+def test_exact_resume_is_bitwise(tmp_path):
+    full = train(tiny_cfg(tmp_path), tmp_path / "full")
+    part = train(tiny_cfg(tmp_path), tmp_path / "part", stop_at=3)
+    assert part.stopped and part.step == 3
+    assert (tmp_path / "part" / "checkpoints" / "step_00000003").is_dir()
+    rest = train(tiny_cfg(tmp_path), tmp_path / "part")
+    assert rest.step == 8
+    a = {r["step"]: (r["loss"], r["grad_norm"], r.get("val_loss")) for r in full.records}
+    b = {r["step"]: (r["loss"], r["grad_norm"], r.get("val_loss")) for r in part.records + rest.records}
+    assert a == b  # exact float equality, every step
+    _steps, events = read_metrics(tmp_path / "part")
+    resume = [e for e in events if e["event"] == "resume"]
+    assert len(resume) == 1 and resume[0]["step"] == 3
+
+
+def test_sigterm_stops_after_the_step_with_a_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    cfg = tiny_cfg(tmp_path, **{"train.steps": 200, "train.ckpt_every": 0})
+
+    def send_when_running():
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if (run / "heartbeats" / "rank0.json").exists():
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.05)
+
+    t = threading.Thread(target=send_when_running, daemon=True)
+    before = signal.getsignal(signal.SIGTERM)
+    t.start()
+    result = train(cfg, run)
+    t.join()
+    assert signal.getsignal(signal.SIGTERM) is before  # handlers restored
+    assert result.stopped and 1 <= result.step < 200
+    assert (run / "checkpoints" / f"step_{result.step:08d}").is_dir()
+    _steps, events = read_metrics(run)
+    assert events[-1]["event"] == "end" and events[-1]["stopped"] is True
+
+
+def _patch_loss(monkeypatch, factor_at: dict[int, float]):
+    """Multiply the training loss of the n-th training forward (1-based) by a factor."""
+    original = Transformer.loss
+    calls = {"n": 0}
+
+    def loss(self, tokens, targets):
+        out = original(self, tokens, targets)
+        if self.training:
+            calls["n"] += 1
+            if calls["n"] in factor_at:
+                out = out * factor_at[calls["n"]]
+        return out
+
+    monkeypatch.setattr(Transformer, "loss", loss)
+
+
+def test_nonfinite_step_is_skipped_and_counted(tmp_path, monkeypatch):
+    _patch_loss(monkeypatch, {3: float("nan")})
+    result = train(tiny_cfg(tmp_path, **{"train.steps": 5, "train.ckpt_every": 0}), tmp_path / "r")
+    skipped = [r["step"] for r in result.records if r["skipped"]]
+    assert skipped == [3]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in result.records if r["step"] != 3)
+    _steps, events = read_metrics(tmp_path / "r")
+    skip = [e for e in events if e["event"] == "skip_nonfinite"]
+    assert len(skip) == 1 and skip[0]["step"] == 3 and skip[0]["total_skipped"] == 1
+    assert result.summary["skipped_steps"] == 1
+
+
+def test_loss_spike_rolls_back_and_skips_the_batches(tmp_path, monkeypatch):
+    # Steps 1-4 normal (checkpoint at 4), steps 5 and 6 spike -> rollback to step 4.
+    _patch_loss(monkeypatch, {5: 40.0, 6: 40.0})
+    cfg = tiny_cfg(tmp_path, **{"train.spike_factor": 3.0, "train.spike_window": 4,
+                                "train.spike_patience": 2})
+    result = train(cfg, tmp_path / "r")
+    assert result.step == 8
+    _steps, events = read_metrics(tmp_path / "r")
+    rb = [e for e in events if e["event"] == "rollback"]
+    assert len(rb) == 1 and rb[0]["ok"] and rb[0]["step"] == 6 and rb[0]["to_step"] == 4
+    assert rb[0]["skipped_samples"] == 2 * 4  # the two spiking steps' batches
+    assert [r["step"] for r in result.records] == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8]
+    assert result.summary["rollbacks"] == 1
+
+
+def test_update_expert_biases_moves_toward_balance():
+    cfg = load_config(None, ["model.dim=32", "model.num_layers=1", "model.num_heads=2",
+                             "moe.hidden_dim=16", "moe.num_experts=4"])
+    model = Transformer(cfg.model, cfg.moe)
+    update_expert_biases(model, SingleProcessDims(), 0.1, {0: [10, 0, 5, 5]})
+    bias = model.layers[0].ffn.router.expert_bias
+    assert bias.tolist() == pytest.approx([-0.1, 0.1, 0.0, 0.0])
+
+
+def test_cli_reports_a_missing_data_path(tmp_path, capsys):
+    from epscale.cli import main
+
+    missing = tmp_path / "nope.txt"
+    rc = main(["train", "--run-dir", str(tmp_path / "r"), f"data.source={missing}"])
+    assert rc == 2
+    assert str(missing) in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------
+# several processes through `epscale train --nproc N` (torchrun, gloo)
+# --------------------------------------------------------------------------------------
+
+
+def epscale_train(tmp_path: Path, run_dir: Path, nproc: int, *overrides: str, stop_at=None,
+                  timeout: float = 240) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "epscale", "train", "--nproc", str(nproc), "--run-dir", str(run_dir)]
+    if stop_at is not None:
+        cmd += ["--stop-at", str(stop_at)]
+    cmd += tiny_overrides(tmp_path, **{"train.steps": 4, "train.ckpt_every": 0,
+                                       "train.eval_every": 0}) + list(overrides)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def resume_in_process(tmp_path: Path, run_dir: Path, **extra) -> dict[int, float]:
+    over = {"train.steps": 4, "train.ckpt_every": 0, "train.eval_every": 0}
+    over.update(extra)
+    return losses_by_step(train(tiny_cfg(tmp_path, **over), run_dir).records)
+
+
+@pytest.mark.timeout(900)
+def test_ep2_resume_is_bitwise_and_reshards_to_ep1(tmp_path):
+    """(dp=1, ep=2), 2 processes x 2 sequences: stopped at step 2 and resumed equals the
+    uninterrupted run bit for bit; the step-2 checkpoint loaded by one process (ep=1,
+    4 sequences: the same global batch) gives the same losses up to summation order."""
+    ep2 = ("parallel.ep=2", "train.micro_batch_size=2")
+    epscale_train(tmp_path, tmp_path / "full", 2, *ep2)
+    epscale_train(tmp_path, tmp_path / "part", 2, *ep2, stop_at=2)
+    shutil.copytree(tmp_path / "part", tmp_path / "one")
+    epscale_train(tmp_path, tmp_path / "part", 2, *ep2)
+    full, _ = read_metrics(tmp_path / "full")
+    part, events = read_metrics(tmp_path / "part")
+    assert losses_by_step(full) == losses_by_step(part)  # bitwise, steps 1-4
+    assert [r["step"] for r in part] == [1, 2, 3, 4]
+    assert full[-1]["world_size"] == 2 and len(full[-1]["rank_step_time_s"]) == 2
+    assert all(len(lay["rank_load"]) == 2 for lay in full[-1]["layers"])
+    assert any(e["event"] == "resume" for e in events)
+    meta = json.loads((tmp_path / "one" / "checkpoints" / "step_00000002" / "meta.json").read_text())
+    assert (meta["dp"], meta["ep"], meta["world_size"]) == (1, 2, 2)
+    one = resume_in_process(tmp_path, tmp_path / "one", **{"train.micro_batch_size": 4})
+    ref = losses_by_step(full)
+    assert set(one) == {3, 4}
+    for s in (3, 4):
+        assert one[s] == pytest.approx(ref[s], rel=1e-5, abs=1e-5), (s, one[s], ref[s])
+
+
+@pytest.mark.timeout(900)
+def test_dp2_ep2_checkpoint_loads_at_ep2_and_ep1(tmp_path):
+    """A checkpoint written by 4 processes (dp=2, ep=2) continues at 2 processes (ep=2)
+    and at 1 process with the same loss on the same global batch."""
+    four = ("parallel.dp=2", "parallel.ep=2", "train.micro_batch_size=1")
+    epscale_train(tmp_path, tmp_path / "w4", 4, *four, stop_at=2)
+    shutil.copytree(tmp_path / "w4", tmp_path / "w2")
+    shutil.copytree(tmp_path / "w4", tmp_path / "w1")
+    epscale_train(tmp_path, tmp_path / "w4", 4, *four)
+    epscale_train(tmp_path, tmp_path / "w2", 2, "parallel.ep=2", "train.micro_batch_size=2")
+    ref = losses_by_step(read_metrics(tmp_path / "w4")[0])
+    got2 = losses_by_step(read_metrics(tmp_path / "w2")[0])
+    got1 = resume_in_process(tmp_path, tmp_path / "w1", **{"train.micro_batch_size": 4})
+    for s in (3, 4):
+        assert got2[s] == pytest.approx(ref[s], rel=1e-5, abs=1e-5), (s, got2[s], ref[s])
+        assert got1[s] == pytest.approx(ref[s], rel=1e-5, abs=1e-5), (s, got1[s], ref[s])
