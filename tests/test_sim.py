@@ -189,10 +189,10 @@ def test_simulate_cli(tmp_path, capsys):
     js, png = tmp_path / "out.json", tmp_path / "out.png"
     rc = cli_main(["simulate", "ref-1t-64e", "--cluster", "field-report", "--routing", "uniform",
                    "--routing", "zipf:1.0", "--strategies", "none,loss_free+redundant",
-                   "--json", str(js), "--plot", str(png)])
+                   "--json", str(js), "--plot", str(png), "--layers"])
     assert rc == 0
     out = capsys.readouterr().out
-    assert "routing zipf(s=1)" in out and "fastest:" in out
+    assert "routing zipf(s=1)" in out and "fastest:" in out and "per MoE layer" in out
     data = json.loads(js.read_text())
     assert len(data["runs"]) == 2 and len(data["runs"][0]["results"]) == 6
     assert png.stat().st_size > 10_000

@@ -32,6 +32,8 @@ def configure_parser(p) -> None:
                    help="exponent the aux loss leaves on the router weights (model assumption)")
     p.add_argument("--loss-free-residual", type=float, default=BalanceParams.loss_free_residual)
     p.add_argument("--redundant-per-rank", type=int, default=BalanceParams.redundant_per_rank)
+    p.add_argument("--layers", action="store_true",
+                   help="also print the per-MoE-layer breakdown of the fastest configuration")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=None, help="PNG path (default simulate-RECIPE-CLUSTER.png)")
     p.add_argument("--no-plot", action="store_true")
@@ -75,6 +77,8 @@ def run(args) -> int:
         console.print(f"fastest: [bold]{best.strategy} + {best.dispatcher}[/] "
                       f"{best.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, worst-GPU idle "
                       f"{best.worst_idle_share:.1%}, expert communication {best.comm_share:.1%}")
+        if args.layers:
+            console.print(layers_table(best))
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"recipe": cfg.name, "cluster": cluster.as_dict(),
@@ -99,6 +103,22 @@ def results_table(results: list[SimResult], title: str):
                   f"{r.tokens_per_s_per_gpu:,.0f}", f"{r.comm_share:.1%}", f"{r.dp_share:.1%}",
                   f"{r.worst_idle_share:.1%}", f"{r.mean_idle_share:.1%}", f"{r.max_vio:.2f}",
                   f"{r.inter_bytes_per_gpu / 1e9:.2f}", f"{r.intra_bytes_per_gpu / 1e9:.2f}")
+    return t
+
+
+def layers_table(r: SimResult):
+    """Per-MoE-layer times and bytes of one result (one row per distinct layer routing)."""
+    from rich.table import Table
+
+    t = Table(title=f"per MoE layer: {r.strategy} + {r.dispatcher} (one micro-batch, fwd+bwd)")
+    for col in ("routing #", "MoE layers", "experts slowest ms", "experts mean ms",
+                "one transfer ms", "layer ms", "IB MB/GPU", "NVLink MB/GPU"):
+        t.add_column(col, justify="right")
+    for lay in r.layers:
+        t.add_row(str(lay["dist"]), str(lay["num_layers"]), f"{lay['expert_compute_max_ms']:.2f}",
+                  f"{lay['expert_compute_mean_ms']:.2f}", f"{lay['transfer_ms']:.2f}",
+                  f"{lay['layer_time_ms']:.2f}", f"{lay['inter_bytes_per_gpu'] / 1e6:.1f}",
+                  f"{lay['intra_bytes_per_gpu'] / 1e6:.1f}")
     return t
 
 
