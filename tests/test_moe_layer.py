@@ -14,15 +14,26 @@ import torch
 from epscale import MoE, MoEConfig
 from epscale.dispatch.local import LocalDispatcher
 from epscale.moe.experts import GroupedExperts
+from epscale.moe.fused import ExpertPlan
 from epscale.moe.reference import reference_forward
 from epscale.moe.router import expert_capacity
 
 SMALL = dict(dim=16, hidden_dim=24, num_experts=8, top_k=2)
 
 
-def make_moe(dtype=torch.float32, bias_std: float = 0.0, **kw) -> MoE:
+# The three ways the layer can compute: the fused no-EP kernel (default), the generic
+# dispatch -> experts(x_RD) -> combine path that EP dispatchers take, and that path with
+# plain-autograd experts (an independent second implementation).
+PATHS = ["fused", "rows", "autograd"]
+
+
+def make_moe(dtype=torch.float32, bias_std: float = 0.0, path: str = "fused", **kw) -> MoE:
     cfg = MoEConfig(**{**SMALL, **kw})
     moe = MoE(cfg).to(dtype)
+    if path != "fused":
+        moe.dispatcher = LocalDispatcher(cfg.num_experts, fuse=False)
+    if path == "autograd":
+        moe.experts.impl = "autograd"
     if bias_std:
         moe.router.expert_bias.normal_(0.0, bias_std)
     return moe
@@ -111,25 +122,61 @@ def test_matches_reference_fp32(name):
     compare(moe, (2, 12), tol=1e-5)
 
 
+@pytest.mark.parametrize("path", PATHS[1:])
+@pytest.mark.parametrize("name", ["softmax-norm", "sigmoid-scale", "groups", "cap-probs",
+                                  "cap-position", "gelu-cap-shared", "losses", "deepseek-like"])
+def test_other_paths_match_reference_fp32(name, path):
+    moe = make_moe(path=path, **VARIANTS[name])
+    compare(moe, (2, 12), tol=1e-5)
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("name", ["softmax-norm", "groups", "cap-probs", "gelu-cap-shared",
                                   "losses", "loop", "deepseek-like"])
-def test_matches_reference_bf16(name):
-    moe = make_moe(torch.bfloat16, **VARIANTS[name])
+def test_matches_reference_bf16(name, path):
+    moe = make_moe(torch.bfloat16, path=path, **VARIANTS[name])
     compare(moe, (2, 12), tol=3e-2, dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_dims_not_multiple_of_8(dtype):
+def test_dims_not_multiple_of_8(dtype, path):
     """bf16 grouped GEMM needs 16-byte strides; odd widths must fall back, not crash."""
-    moe = make_moe(dtype, dim=12, hidden_dim=20, num_experts=6, top_k=2)
+    moe = make_moe(dtype, dim=12, hidden_dim=20, num_experts=6, top_k=2, path=path)
     compare(moe, (10,), tol=1e-5 if dtype == torch.float32 else 3e-2, dtype=dtype)
+
+
+@pytest.mark.parametrize("path", ["fused", "rows"])
+@pytest.mark.parametrize("chunk_bytes", [1, 200])
+def test_many_small_chunks(chunk_bytes, path):
+    """Chunk boundaries (one expert per chunk, or a few) change nothing."""
+    moe = make_moe(path=path, num_experts=8, top_k=3, num_shared_experts=1)
+    moe.experts.chunk_bytes = chunk_bytes
+    compare(moe, (20,), tol=1e-5)
+
+
+def test_expert_plan_chunks_whole_experts():
+    counts = [3, 0, 5, 1, 0, 0, 7, 2]
+    plan = ExpertPlan.build(counts, row_bytes=10, chunk_bytes=40)  # target 4 rows
+    assert plan.num_rows == 18 and plan.starts == (0, 3, 3, 8, 9, 9, 9, 16)
+    rows = [r for r0, r1, _, _ in plan.chunks for r in range(r0, r1)]
+    assert rows == list(range(18))  # in order, no gaps, no overlap
+    experts = [e for _, _, e0, e1 in plan.chunks for e in range(e0, e1)]
+    assert experts == sorted(set(experts)) and set(experts) >= {0, 2, 3, 6, 7}
+    for r0, r1, e0, e1 in plan.chunks:
+        assert r0 == plan.starts[e0] and r1 == plan.starts[e1 - 1] + counts[e1 - 1]
+    assert plan.chunks == ((0, 3, 0, 2), (3, 8, 2, 3), (8, 9, 3, 6), (9, 16, 6, 7), (16, 18, 7, 8))
+    for r0, r1, e0, e1 in plan.chunks:  # within the target, or one expert too big for it
+        assert r1 - r0 <= 4 or sum(1 for e in range(e0, e1) if counts[e]) == 1
+    assert plan.max_chunk_rows == 7
+    assert ExpertPlan.build([0, 0], 10).chunks == ()
 
 
 # ------------------------------------------------------------------ edge cases
 
-@pytest.mark.parametrize("loop", [False, True])
-def test_expert_with_no_tokens(loop):
-    moe = make_moe(use_grouped_mm="never" if loop else "auto")
+@pytest.mark.parametrize("path", PATHS)
+def test_expert_with_no_tokens(path):
+    moe = make_moe(path=path)
     moe.router.expert_bias[3] = -100.0  # expert 3 is never selected
     _, grads = compare(moe, (16,), tol=1e-5)
     assert moe.last_stats["tokens_per_expert"][3] == 0
@@ -138,22 +185,25 @@ def test_expert_with_no_tokens(loop):
         assert grads[name].abs().sum() > 0
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("top_k", [1, 2])
-def test_all_tokens_to_one_expert(top_k):
-    moe = make_moe(top_k=top_k, route_norm=top_k > 1)
+def test_all_tokens_to_one_expert(top_k, path):
+    moe = make_moe(top_k=top_k, route_norm=top_k > 1, path=path)
     moe.router.expert_bias[5] = 100.0
     compare(moe, (16,), tol=1e-5)
     counts = moe.last_stats["tokens_per_expert"]
     assert counts[5] == 16 and counts.sum() == 16 * top_k
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("kw", [dict(), dict(capacity_factor=0.1), dict(num_shared_experts=1)])
-def test_single_token(kw):
-    compare(make_moe(**kw), (1,), tol=1e-5)
+def test_single_token(kw, path):
+    compare(make_moe(path=path, **kw), (1,), tol=1e-5)
 
 
-def test_capacity_that_drops_most_tokens():
-    moe = make_moe(capacity_factor=0.1, drop_policy="probs", aux_loss_coeff=0.1)
+@pytest.mark.parametrize("path", PATHS)
+def test_capacity_that_drops_most_tokens(path):
+    moe = make_moe(capacity_factor=0.1, drop_policy="probs", aux_loss_coeff=0.1, path=path)
     y, _ = compare(moe, (32,), tol=1e-5)
     cap = expert_capacity(32, 2, 8, 0.1)
     kept = 64 - moe.last_stats["num_dropped"]
@@ -177,10 +227,12 @@ def test_all_assignments_dropped_dispatcher():
     assert not x_TD.grad.any() and not experts.w1.grad.any()
 
 
-def test_grouped_mm_and_loop_agree():
+@pytest.mark.parametrize("other", [dict(path="autograd", use_grouped_mm="never"),
+                                   dict(path="autograd"), dict(path="rows")])
+def test_paths_agree_with_fused(other):
     torch.manual_seed(1)
     a = make_moe(num_experts=8, top_k=3)
-    b = make_moe(num_experts=8, top_k=3, use_grouped_mm="never")
+    b = make_moe(num_experts=8, top_k=3, **other)
     b.load_state_dict(a.state_dict())
     x = torch.randn(40, 16)
     gy = torch.randn(40, 16)

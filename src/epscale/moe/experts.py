@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fused import HAS_GROUPED_MM, ExpertPlan, FusedExperts
+from .fused import CHUNK_BYTES, HAS_GROUPED_MM, ExpertPlan, FusedExperts
 
 
 def _grouped_linear(x_RD: torch.Tensor, w_eDF: torch.Tensor, offs_e: torch.Tensor | None,
@@ -65,6 +65,7 @@ class GroupedExperts(nn.Module):
         self.dim, self.hidden_dim, self.activation = dim, hidden_dim, activation
         self.use_grouped_mm = HAS_GROUPED_MM and use_grouped_mm == "auto"
         self.impl = "fused"
+        self.chunk_bytes = CHUNK_BYTES  # target size of one [C, D] chunk buffer (fused impl)
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim)) if activation == "swiglu" else None
@@ -92,7 +93,7 @@ class GroupedExperts(nn.Module):
         if self.impl == "autograd":
             return self._forward_autograd(x_RD, tokens_per_expert_e)
         counts = self._check_counts(tokens_per_expert_e, x_RD.shape[0])
-        plan = ExpertPlan.build(counts, x_RD.shape[-1] * x_RD.element_size())
+        plan = ExpertPlan.build(counts, x_RD.shape[-1] * x_RD.element_size(), self.chunk_bytes)
         w1, w3, w2 = self._weights(x_RD.dtype)
         return FusedExperts.apply(x_RD, None, w1, w3, w2, None, plan, self.activation)
 
@@ -105,7 +106,7 @@ class GroupedExperts(nn.Module):
         tokens_per_expert_e: int64 [e] group sizes. Returns [T, D] in x's dtype.
         """
         counts = self._check_counts(tokens_per_expert_e, src_R.shape[0])
-        plan = ExpertPlan.build(counts, x_TD.shape[-1] * x_TD.element_size())
+        plan = ExpertPlan.build(counts, x_TD.shape[-1] * x_TD.element_size(), self.chunk_bytes)
         w1, w3, w2 = self._weights(x_TD.dtype)
         return FusedExperts.apply(x_TD, weight_R, w1, w3, w2, src_R, plan, self.activation)
 

@@ -54,16 +54,17 @@ class ExpertPlan:
             starts.append(acc)
             acc += n
         target = max(1, chunk_bytes // max(row_bytes, 1))
-        chunks, e0, r0 = [], 0, 0
+        chunks, e0, r0, rows = [], 0, 0, 0
         for e, n in enumerate(counts):
-            rows_so_far = starts[e] + n - r0
-            # Close the chunk after expert e once it holds enough rows; an expert larger
-            # than the target forms a chunk of its own (never split: keeps one GEMM per
-            # expert and weight gradients written once).
-            if rows_so_far >= target or e == len(counts) - 1:
-                if rows_so_far > 0:
-                    chunks.append((r0, r0 + rows_so_far, e0, e + 1))
-                e0, r0 = e + 1, r0 + rows_so_far
+            # Close the chunk before an expert that would overflow it. An expert larger
+            # than the target gets a chunk of its own: experts are never split, which
+            # keeps one GEMM per expert and each weight gradient written once.
+            if rows > 0 and rows + n > target:
+                chunks.append((r0, r0 + rows, e0, e))
+                e0, r0, rows = e, r0 + rows, 0
+            rows += n
+        if rows > 0:
+            chunks.append((r0, r0 + rows, e0, len(counts)))
         return ExpertPlan(tuple(counts), tuple(starts), tuple(chunks), acc)
 
     @property
