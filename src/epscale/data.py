@@ -253,8 +253,10 @@ class DataLoader:
 
     def __init__(self, splits: Splits, seq_len: int, micro_batch_size: int, grad_accum: int,
                  rank: int, world_size: int, seed: int):
-        self.train = WindowSampler(splits.train, seq_len, seed, shuffle=True, name="train")
-        self.val = WindowSampler(splits.val, seq_len, seed, shuffle=False, name="validation")
+        self.train = WindowSampler(splits.train, seq_len, seed, shuffle=True,
+                                   name=f"train split of {splits.description}")
+        self.val = WindowSampler(splits.val, seq_len, seed, shuffle=False,
+                                 name=f"validation split of {splits.description}")
         self.B, self.accum, self.rank, self.world = micro_batch_size, grad_accum, rank, world_size
         self.position = 0
         self._micro = 0
