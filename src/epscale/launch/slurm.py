@@ -1,0 +1,315 @@
+"""``epscale slurm render|submit CONFIG --nodes N --gpus-per-node G ...``: sbatch scripts.
+
+The rendered script runs one torchrun agent per node under ``srun`` (``--kill-on-bad-exit``),
+with a c10d rendezvous on the first node of the allocation (``scontrol show hostnames``) and a
+port derived from the job id; it keeps a log directory per job, asks Slurm to requeue it after
+a node failure, and turns the SIGUSR1 that Slurm sends before the time limit into "checkpoint
+at the end of this step, exit, requeue". NCCL/InfiniBand presets are written out with a comment
+each. ``--gpus-per-node 0`` is the CPU mode (no GPU request, gloo, ``--procs-per-node`` worker
+processes per node), which is how the test-suite runs it on a one-node local cluster.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..config import ConfigError, load_config
+from .local import allow_intermixed, train_args
+from .watchdog import NCCL_FLIGHT_RECORDER_ENV
+
+TEMPLATE = Path(__file__).parent / "templates" / "sbatch.sh.in"
+
+# (name, value, why) — written as `export NAME=${NAME:-value}` so a user's setting wins.
+NCCL_PRESETS: list[tuple[str, str, str]] = [
+    ("NCCL_IB_HCA", "mlx5",
+     "InfiniBand adapters NCCL may use ('mlx5' = every ConnectX port). List the GPU-fabric "
+     "ports (mlx5_0,mlx5_1,...) to keep traffic off the storage/management NIC."),
+    ("NCCL_SOCKET_IFNAME", "^lo,docker",
+     "TCP interface for NCCL's bootstrap (and its fallback transport): anything but loopback "
+     "and docker bridges."),
+    ("NCCL_IB_TIMEOUT", "22",
+     "InfiniBand retransmission timeout exponent (4.096 us * 2^22 ~ 17 s): survives short "
+     "fabric hiccups on large clusters instead of failing the collective."),
+    ("NCCL_IB_RETRY_CNT", "10", "InfiniBand retries before NCCL reports a network error."),
+    ("NCCL_DEBUG", "WARN",
+     "WARN prints errors only; run once with INFO to check that NCCL picked IB (NET/IB), "
+     "not sockets (NET/Socket)."),
+    ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1",
+     "a failed or timed-out collective tears the process down instead of hanging; torchrun "
+     "then restarts the group from the last checkpoint."),
+    ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True",
+     "fewer out-of-memory errors from fragmentation: MoE token counts change every step."),
+]
+GLOO_PRESETS: list[tuple[str, str, str]] = [
+    ("GLOO_SOCKET_IFNAME", "",
+     "CPU mode (gloo): the interface gloo uses between nodes; empty = the one the hostname "
+     "resolves to. Set it (e.g. eth0) on machines with several networks."),
+]
+_TIME_RE = re.compile(r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}"
+                      r"|\d+-\d+:\d{1,2}:\d{1,2})$")
+
+
+def _bad(option: str, value, allowed: str) -> ConfigError:
+    return ConfigError(f"{option} = {value!r} is invalid: {allowed}")
+
+
+def time_limit_seconds(text: str) -> int:
+    """Seconds in a Slurm time limit ('90', 'MM:SS', 'HH:MM:SS', 'D-HH', 'D-HH:MM[:SS]')."""
+    if not _TIME_RE.match(text):
+        raise _bad("--time", text, "use a Slurm time limit: minutes, MM:SS, HH:MM:SS, D-HH, "
+                                   "D-HH:MM or D-HH:MM:SS")
+    days = 0
+    if "-" in text:
+        d, text = text.split("-", 1)
+        days = int(d)
+        parts = [int(x) for x in text.split(":")]
+        parts += [0] * (3 - len(parts))  # D-HH[:MM[:SS]]
+        h, m, s = parts
+    else:
+        parts = [int(x) for x in text.split(":")]
+        if len(parts) == 1:
+            h, m, s = 0, parts[0], 0
+        elif len(parts) == 2:
+            h, m, s = 0, parts[0], parts[1]
+        else:
+            h, m, s = parts
+    return ((days * 24 + h) * 60 + m) * 60 + s
+
+
+@dataclass
+class SlurmJob:
+    """Everything the sbatch script needs. Paths are made absolute by :meth:`resolved`.
+
+    nodes: nodes in the allocation. gpus_per_node: GPUs requested per node; 0 is CPU mode.
+    procs_per_node: training processes per node (default: gpus_per_node, or 1 in CPU mode).
+    cpus_per_node: CPUs for the node's torchrun task (``--cpus-per-task``), None = Slurm's default.
+    signal_before: seconds before the time limit at which training is told to checkpoint.
+    max_restarts: torchrun group restarts after a rank fails, within one job attempt.
+    """
+
+    config: str
+    nodes: int = 1
+    gpus_per_node: int = 0
+    procs_per_node: int | None = None
+    cpus_per_node: int | None = None
+    mem: str | None = None
+    partition: str | None = None
+    time: str | None = None
+    exclude: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    exclusive: bool = False
+    job_name: str | None = None
+    run_dir: str | None = None
+    log_root: str | None = None
+    chdir: str | None = None
+    python: str = field(default_factory=lambda: sys.executable)
+    max_restarts: int = 3
+    signal_before: int = 300
+    env: list[str] = field(default_factory=list)
+    overrides: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not Path(self.config).is_file():
+            raise _bad("CONFIG", self.config, "the recipe file does not exist")
+        cfg = load_config(self.config, self.overrides)  # fail at render time, not in the queue
+        for opt, v, low in (("--nodes", self.nodes, 1), ("--gpus-per-node", self.gpus_per_node, 0),
+                            ("--max-restarts", self.max_restarts, 0),
+                            ("--signal-before", self.signal_before, 1)):
+            if not isinstance(v, int) or v < low:
+                raise _bad(opt, v, f"must be an integer >= {low}")
+        if self.signal_before > 65535:
+            raise _bad("--signal-before", self.signal_before, "Slurm allows at most 65535 s")
+        if self.procs_per_node is None:
+            self.procs_per_node = self.gpus_per_node or 1
+        if self.procs_per_node < 1:
+            raise _bad("--procs-per-node", self.procs_per_node, "must be an integer >= 1")
+        if self.gpus_per_node and self.procs_per_node > self.gpus_per_node:
+            raise _bad("--procs-per-node", self.procs_per_node,
+                       f"at most --gpus-per-node ({self.gpus_per_node}): one process per GPU")
+        if self.cpus_per_node is not None and self.cpus_per_node < 1:
+            raise _bad("--cpus-per-node", self.cpus_per_node, "must be an integer >= 1")
+        if self.time is not None:
+            limit = time_limit_seconds(self.time)
+            if self.signal_before >= limit:
+                raise _bad("--signal-before", self.signal_before,
+                           f"must be shorter than the time limit --time={self.time} ({limit} s)")
+        for opt, v in (("--partition", self.partition), ("--exclude", self.exclude),
+                       ("--account", self.account), ("--qos", self.qos), ("--mem", self.mem),
+                       ("--job-name", self.job_name)):
+            if v is not None and (not v or re.search(r"\s", v)):
+                raise _bad(opt, v, "must be a non-empty value without spaces")
+        for item in self.env:
+            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", item):
+                raise _bad("--env", item, "use NAME=VALUE")
+        self.job_name = self.job_name or f"epscale-{cfg.name}"
+        base = Path(self.chdir or Path.cwd()).resolve()
+        self.chdir = str(base)
+        self.run_dir = str((base / (self.run_dir or f"runs/{self.job_name}")).resolve())
+        self.log_root = str((base / (self.log_root or f"{self.run_dir}/slurm")).resolve())
+        self.config = str(Path(self.config).resolve())
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.procs_per_node
+
+
+def _export_block(presets: list[tuple[str, str, str]]) -> list[str]:
+    lines = []
+    for name, value, why in presets:
+        lines.append(f"# {name}: {why}")
+        if value:
+            lines.append(f'export {name}="${{{name}:-{value}}}"')
+        else:
+            lines.append(f"# export {name}=eth0")
+    return lines
+
+
+def render(job: SlurmJob, script_name: str = "job.sbatch") -> str:
+    """The sbatch script for ``job`` (text)."""
+    res = []
+    if job.gpus_per_node:
+        res.append(f"#SBATCH --gpus-per-node={job.gpus_per_node}")
+    if job.cpus_per_node:
+        res.append(f"#SBATCH --cpus-per-task={job.cpus_per_node}")
+    for opt in ("mem", "partition", "time", "exclude", "account", "qos"):
+        value = getattr(job, opt)
+        if value:
+            res.append(f"#SBATCH --{opt}={value}")
+    if job.exclusive:
+        res.append("#SBATCH --exclusive")
+
+    env = ["# --- environment ---------------------------------------------------------------",
+           "# One math thread pool per process, sized so the node's CPUs are not oversubscribed.",
+           f"THREADS=$(( ${{SLURM_CPUS_ON_NODE:-{job.procs_per_node}}} / {job.procs_per_node} ))",
+           '[ "$THREADS" -ge 1 ] || THREADS=1',
+           'export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$THREADS}"']
+    if job.gpus_per_node:
+        env.append("# NCCL / InfiniBand presets (GPU mode)")
+        env += _export_block(NCCL_PRESETS)
+        env.append("# NCCL flight recorder: every rank keeps its last collectives and dumps them "
+                   "when one times out")
+        env += _export_block([(n, v.replace("{dump_dir}", "$LOG_DIR"), w)
+                              for n, v, w in NCCL_FLIGHT_RECORDER_ENV])
+    else:
+        env.append("# CPU mode: gloo between processes, no GPUs requested")
+        env += _export_block(GLOO_PRESETS)
+    extra = [f"export {shlex.quote(e.split('=', 1)[0])}={shlex.quote(e.split('=', 1)[1])}"
+             for e in job.env]
+
+    tr = train_args(job.config, job.run_dir, job.overrides)
+    values = {
+        "script_name": script_name, "job_name": job.job_name, "nodes": str(job.nodes),
+        "procs_per_node": str(job.procs_per_node), "sbatch_resources": "\n".join(res),
+        "chdir": job.chdir, "log_root": shlex.quote(job.log_root),
+        "signal_before": str(job.signal_before), "run_dir": shlex.quote(job.run_dir),
+        "env_presets": "\n".join(env), "extra_env": "\n".join(extra),
+        "python": shlex.quote(job.python), "max_restarts": str(job.max_restarts),
+        "train_args": shlex.join(tr),
+    }
+    text = TEMPLATE.read_text()
+    for key, value in values.items():
+        text = text.replace("{{" + key + "}}", value)
+    assert "{{" not in text, f"unfilled placeholder in {TEMPLATE}"
+    return re.sub(r"\n{3,}", "\n\n", text)
+
+
+def write_script(job: SlurmJob, path: str | Path) -> Path:
+    """Write the script (executable) and create the log root Slurm writes its output to."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(render(job, p.name))
+    p.chmod(0o755)
+    Path(job.log_root).mkdir(parents=True, exist_ok=True)  # sbatch --output needs it to exist
+    return p
+
+
+def submit(script: str | Path, sbatch: str = "sbatch", env: dict | None = None) -> str:
+    """Run ``sbatch --parsable SCRIPT`` and return the job id."""
+    r = subprocess.run([sbatch, "--parsable", str(script)], capture_output=True, text=True,
+                       env=env, stdin=subprocess.DEVNULL)
+    if r.returncode != 0:
+        raise RuntimeError(f"sbatch failed with exit code {r.returncode}: {r.stderr.strip()}")
+    return r.stdout.strip().split(";")[0]  # "<id>;<cluster>" on multi-cluster setups
+
+
+# ---------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------
+
+
+def _add_job_options(p) -> None:
+    allow_intermixed(p)
+    p.add_argument("config", help="recipe YAML, e.g. configs/tiny.yaml")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="trainer config overrides")
+    p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    p.add_argument("--gpus-per-node", type=int, required=True,
+                   help="GPUs per node; 0 = CPU mode (gloo, no GPU request)")
+    p.add_argument("--procs-per-node", "--ntasks-per-node", type=int, default=None,
+                   dest="procs_per_node",
+                   help="training processes per node (default: --gpus-per-node, or 1 on CPU)")
+    p.add_argument("--cpus-per-node", type=int, default=None,
+                   help="CPUs for each node's torchrun task (sbatch --cpus-per-task)")
+    p.add_argument("--mem", default=None, help="memory per node, e.g. 0 (all) or 500G")
+    p.add_argument("--partition", default=None)
+    p.add_argument("--time", default=None, help="time limit, e.g. 2-00:00:00")
+    p.add_argument("--exclude", default=None, help="nodes to avoid, e.g. node[03,17]")
+    p.add_argument("--account", default=None)
+    p.add_argument("--qos", default=None)
+    p.add_argument("--exclusive", action="store_true", help="whole nodes only")
+    p.add_argument("--job-name", default=None, help="default: epscale-<config name>")
+    p.add_argument("--run-dir", default=None, help="default: runs/<job name>")
+    p.add_argument("--log-root", default=None,
+                   help="Slurm output and per-job log directories (default: RUN_DIR/slurm)")
+    p.add_argument("--python", default=sys.executable,
+                   help="Python of the environment epscale is installed in (default: this one)")
+    p.add_argument("--max-restarts", type=int, default=3,
+                   help="torchrun restarts after a rank fails, per job attempt (default 3)")
+    p.add_argument("--signal-before", type=int, default=300,
+                   help="seconds before the time limit to checkpoint and requeue (default 300)")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="extra environment variable for the job (repeatable)")
+    p.add_argument("-o", "--output", default=None,
+                   help="script path (default: RUN_DIR/<job name>.sbatch; '-' prints it)")
+
+
+def configure_parser(p) -> None:
+    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    _add_job_options(sub.add_parser("render", help="write the sbatch script"))
+    _add_job_options(sub.add_parser("submit", help="write the script, run sbatch, print the "
+                                                   "job id"))
+
+
+def _job_from_args(args) -> SlurmJob:
+    return SlurmJob(config=args.config, overrides=args.overrides, nodes=args.nodes,
+                    gpus_per_node=args.gpus_per_node, procs_per_node=args.procs_per_node,
+                    cpus_per_node=args.cpus_per_node, mem=args.mem, partition=args.partition,
+                    time=args.time, exclude=args.exclude, account=args.account, qos=args.qos,
+                    exclusive=args.exclusive, job_name=args.job_name, run_dir=args.run_dir,
+                    log_root=args.log_root, python=args.python, max_restarts=args.max_restarts,
+                    signal_before=args.signal_before, env=args.env)
+
+
+def run(args) -> int:
+    job = _job_from_args(args)
+    if args.output == "-":
+        if args.action == "submit":
+            raise _bad("--output", "-", "submit needs a file to pass to sbatch")
+        sys.stdout.write(render(job))
+        return 0
+    path = write_script(job, args.output or Path(job.run_dir) / f"{job.job_name}.sbatch")
+    if args.action == "render":
+        print(path)
+        return 0
+    try:
+        job_id = submit(path)
+    except (RuntimeError, FileNotFoundError) as e:
+        print(f"epscale slurm submit: {e}", file=sys.stderr)
+        return 1
+    print(job_id)
+    return 0
