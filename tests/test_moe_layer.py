@@ -146,12 +146,15 @@ def test_dims_not_multiple_of_8(dtype, path):
     compare(moe, (10,), tol=1e-5 if dtype == torch.float32 else 3e-2, dtype=dtype)
 
 
+@pytest.mark.parametrize("gemm", ["loop", "grouped"])
 @pytest.mark.parametrize("path", ["fused", "rows"])
-@pytest.mark.parametrize("chunk_bytes", [1, 200])
-def test_many_small_chunks(chunk_bytes, path):
-    """Chunk boundaries (one expert per chunk, or a few) change nothing."""
+@pytest.mark.parametrize("chunk_bytes", [1, 200, 1 << 30])
+def test_many_small_chunks(chunk_bytes, path, gemm):
+    """Chunk boundaries (one expert per chunk, or a few) and the GEMM form change nothing."""
     moe = make_moe(path=path, num_experts=8, top_k=3, num_shared_experts=1)
+    moe.router.expert_bias[2] = -100.0  # an empty expert inside a chunk
     moe.experts.chunk_bytes = chunk_bytes
+    moe.experts.gemm = gemm
     compare(moe, (20,), tol=1e-5)
 
 

@@ -64,6 +64,11 @@ class GroupedExperts(nn.Module):
         self.num_experts = num_experts
         self.dim, self.hidden_dim, self.activation = dim, hidden_dim, activation
         self.use_grouped_mm = HAS_GROUPED_MM and use_grouped_mm == "auto"
+        # Fused impl GEMMs: 'loop' (torch.mm per expert into preallocated slices) or
+        # 'grouped' (grouped_mm per chunk). 'auto' picks grouped_mm on accelerators and
+        # the loop on CPU, where grouped_mm is itself a loop of mm calls and measured
+        # slower (benchmarks/RESULTS.md); moe.use_grouped_mm='never' forces the loop.
+        self.gemm = "auto"
         self.impl = "fused"
         self.chunk_bytes = CHUNK_BYTES  # target size of one [C, D] chunk buffer (fused impl)
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
@@ -81,6 +86,12 @@ class GroupedExperts(nn.Module):
         w3 = self.w3.to(dtype) if self.w3 is not None else None
         return self.w1.to(dtype), w3, self.w2.to(dtype)
 
+    def _grouped(self, x: torch.Tensor) -> bool:
+        if self.gemm == "loop" or not self.use_grouped_mm:
+            return False
+        ok = x.dtype in (torch.float32, torch.bfloat16) and _aligned_for_grouped_mm(x, self.hidden_dim)
+        return ok and (self.gemm == "grouped" or x.device.type != "cpu")
+
     def _check_counts(self, tokens_per_expert_e: torch.Tensor, num_rows: int) -> list[int]:
         counts = tokens_per_expert_e.tolist()  # the one host sync of the expert compute
         if len(counts) != self.w1.shape[0] or sum(counts) != num_rows:
@@ -93,7 +104,8 @@ class GroupedExperts(nn.Module):
         if self.impl == "autograd":
             return self._forward_autograd(x_RD, tokens_per_expert_e)
         counts = self._check_counts(tokens_per_expert_e, x_RD.shape[0])
-        plan = ExpertPlan.build(counts, x_RD.shape[-1] * x_RD.element_size(), self.chunk_bytes)
+        plan = ExpertPlan.build(counts, x_RD.shape[-1] * x_RD.element_size(), self.chunk_bytes,
+                                self._grouped(x_RD))
         w1, w3, w2 = self._weights(x_RD.dtype)
         return FusedExperts.apply(x_RD, None, w1, w3, w2, None, plan, self.activation)
 
@@ -106,7 +118,8 @@ class GroupedExperts(nn.Module):
         tokens_per_expert_e: int64 [e] group sizes. Returns [T, D] in x's dtype.
         """
         counts = self._check_counts(tokens_per_expert_e, src_R.shape[0])
-        plan = ExpertPlan.build(counts, x_TD.shape[-1] * x_TD.element_size(), self.chunk_bytes)
+        plan = ExpertPlan.build(counts, x_TD.shape[-1] * x_TD.element_size(), self.chunk_bytes,
+                                self._grouped(x_TD))
         w1, w3, w2 = self._weights(x_TD.dtype)
         return FusedExperts.apply(x_TD, weight_R, w1, w3, w2, src_R, plan, self.activation)
 
@@ -127,7 +140,8 @@ class GroupedExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, dim={self.dim}, hidden={self.hidden_dim}, "
-                f"act={self.activation}, impl={self.impl}, grouped_mm={self.use_grouped_mm}")
+                f"act={self.activation}, impl={self.impl}, gemm={self.gemm}, "
+                f"grouped_mm={self.use_grouped_mm}")
 
 
 def _aligned_for_grouped_mm(x_RD: torch.Tensor, hidden_dim: int) -> bool:

@@ -46,9 +46,11 @@ class ExpertPlan:
     starts: tuple[int, ...]                     # first row of each expert
     chunks: tuple[tuple[int, int, int, int], ...]  # (row0, row1, expert0, expert1)
     num_rows: int
+    grouped: bool = False                       # grouped_mm per chunk instead of a loop
 
     @staticmethod
-    def build(counts: list[int], row_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> "ExpertPlan":
+    def build(counts: list[int], row_bytes: int, chunk_bytes: int = CHUNK_BYTES,
+              grouped: bool = False) -> "ExpertPlan":
         starts, acc = [], 0
         for n in counts:
             starts.append(acc)
@@ -65,23 +67,48 @@ class ExpertPlan:
             rows += n
         if rows > 0:
             chunks.append((r0, r0 + rows, e0, len(counts)))
-        return ExpertPlan(tuple(counts), tuple(starts), tuple(chunks), acc)
+        return ExpertPlan(tuple(counts), tuple(starts), tuple(chunks), acc, grouped)
 
     @property
     def max_chunk_rows(self) -> int:
         return max((r1 - r0 for r0, r1, _, _ in self.chunks), default=0)
 
 
-def _segments(plan: ExpertPlan, chunk):
-    """(expert, row offset inside the chunk, rows) of the non-empty experts of a chunk."""
-    r0, _, e0, e1 = chunk
-    return [(e, plan.starts[e] - r0, plan.counts[e]) for e in range(e0, e1) if plan.counts[e]]
+@dataclass(frozen=True)
+class _Chunk:
+    r0: int
+    r1: int
+    e0: int
+    e1: int
+    segs: tuple[tuple[int, int, int], ...]  # (expert, row offset in the chunk, rows), non-empty
+    offs: torch.Tensor | None               # int32 [e1 - e0] cumulative rows (grouped GEMM)
 
 
-def _chunk_mm(a_CX: torch.Tensor, w_EXY: torch.Tensor, out_CY: torch.Tensor, segs,
+def _chunks(plan: ExpertPlan, device: torch.device) -> list[_Chunk]:
+    offs_all = None
+    if plan.grouped and plan.chunks:
+        ends = [plan.starts[e] + plan.counts[e] - r0
+                for r0, _, e0, e1 in plan.chunks for e in range(e0, e1)]
+        offs_all = torch.tensor(ends, dtype=torch.int32).to(device)  # one small copy
+    out, at = [], 0
+    for r0, r1, e0, e1 in plan.chunks:
+        segs = tuple((e, plan.starts[e] - r0, plan.counts[e]) for e in range(e0, e1)
+                     if plan.counts[e])
+        offs = offs_all[at:at + e1 - e0] if offs_all is not None else None
+        at += e1 - e0
+        out.append(_Chunk(r0, r1, e0, e1, segs, offs))
+    return out
+
+
+def _chunk_mm(a_CX: torch.Tensor, w_EXY: torch.Tensor, out_CY: torch.Tensor, ch: _Chunk,
               transpose_w: bool = False, accumulate: bool = False) -> None:
-    """out[rows of e] (+)= a[rows of e] @ w[e] (or w[e]^T) for every segment of a chunk."""
-    for e, off, n in segs:
+    """out[rows of e] (+)= a[rows of e] @ w[e] (or w[e]^T) for every expert of a chunk."""
+    if ch.offs is not None:
+        w = w_EXY[ch.e0:ch.e1]
+        res = F.grouped_mm(a_CX, w.transpose(1, 2) if transpose_w else w, offs=ch.offs)
+        out_CY.add_(res) if accumulate else out_CY.copy_(res)
+        return
+    for e, off, n in ch.segs:
         w = w_EXY[e].t() if transpose_w else w_EXY[e]
         if accumulate:
             out_CY[off:off + n].addmm_(a_CX[off:off + n], w)
@@ -89,9 +116,12 @@ def _chunk_mm(a_CX: torch.Tensor, w_EXY: torch.Tensor, out_CY: torch.Tensor, seg
             torch.mm(a_CX[off:off + n], w, out=out_CY[off:off + n])
 
 
-def _weight_grad(a_CX: torch.Tensor, g_CY: torch.Tensor, grad_EXY: torch.Tensor, segs) -> None:
+def _weight_grad(a_CX: torch.Tensor, g_CY: torch.Tensor, grad_EXY: torch.Tensor, ch: _Chunk) -> None:
     """grad[e] = a[rows of e]^T @ g[rows of e]; each expert appears in exactly one chunk."""
-    for e, off, n in segs:
+    if ch.offs is not None:
+        grad_EXY[ch.e0:ch.e1].copy_(F.grouped_mm(a_CX.t(), g_CY, offs=ch.offs))
+        return
+    for e, off, n in ch.segs:
         torch.mm(a_CX[off:off + n].t(), g_CY[off:off + n], out=grad_EXY[e])
 
 
@@ -123,9 +153,9 @@ class FusedExperts(torch.autograd.Function):
             y32_CD = torch.empty((C, D), dtype=acc_dtype, device=dev)
         else:
             out = torch.empty((R, D), dtype=dt, device=dev)
-        for chunk in plan.chunks:
-            r0, r1 = chunk[0], chunk[1]
-            n, segs = r1 - r0, _segments(plan, chunk)
+        for segs in _chunks(plan, dev):
+            r0, r1 = segs.r0, segs.r1
+            n = r1 - r0
             if scatter:
                 xc = torch.index_select(x, 0, src_R[r0:r1], out=x_CD[:n])
             else:
@@ -194,9 +224,9 @@ class FusedExperts(torch.autograd.Function):
             gx_CD = torch.empty((C, D), dtype=dt, device=dev)
             gx32_CD = gx_CD if acc_dtype == dt else torch.empty((C, D), dtype=acc_dtype, device=dev)
 
-        for chunk in plan.chunks:
-            r0, r1 = chunk[0], chunk[1]
-            n, segs = r1 - r0, _segments(plan, chunk)
+        for segs in _chunks(plan, dev):
+            r0, r1 = segs.r0, segs.r1
+            n = r1 - r0
             gyc = (torch.index_select(grad_out, 0, src_R[r0:r1], out=gy_CD[:n]) if scatter
                    else grad_out[r0:r1])
             h1c = h1_RF[r0:r1]
