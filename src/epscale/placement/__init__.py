@@ -1,5 +1,12 @@
-"""Expert placement: redundant experts (EPLB-style) and least-loaded spill-over (LLEP)."""
+"""Expert placement: redundant experts (EPLB-style) and least-loaded spill-over (LLEP),
+the planners and their run time."""
 
 from .eplb import Placement, plan_placement, round_robin_placement
+from .llep import SpillPlan, plan_spill
+from .runtime import (PlacedDispatcher, Rebalancer, apply_placement, get_placement,
+                      move_to_placement, sync_replica_gradients)
+from .spill import SpillDispatcher, apply_spill
 
-__all__ = ["Placement", "plan_placement", "round_robin_placement"]
+__all__ = ["Placement", "plan_placement", "round_robin_placement", "SpillPlan", "plan_spill",
+           "PlacedDispatcher", "Rebalancer", "apply_placement", "get_placement",
+           "move_to_placement", "sync_replica_gradients", "SpillDispatcher", "apply_spill"]

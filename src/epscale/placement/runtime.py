@@ -1,0 +1,507 @@
+"""Redundant experts at run time (EPLB-style): physical expert slots, a dispatcher that
+spreads each logical expert's tokens over its replicas, replica gradient sync, and live
+re-placement that moves expert weights and their optimizer state between ranks without
+changing the model's function.
+
+Legend: T tokens, K top-k, A = T*K assignments, E logical experts, P physical slots in the
+EP group, s = P/R slots per rank, R ranks of the EP group, L MoE layers, M max replicas.
+
+Layout: EP rank r holds the physical slots [r*s, (r+1)*s) of every MoE layer; slot p of
+layer l holds a full copy of logical expert ``phy2log[l, p]`` (the experts module's leading
+dim becomes s). The router, its bias, the token counters and the aux losses stay logical;
+only the dispatcher sees physical ids: it rewrites every logical id to one of the expert's
+slots (the j-th assignment of expert x in this rank's batch goes to replica
+``(j + rank) mod count_x``, so each rank spreads its tokens evenly and the ranks start at
+different replicas) and hands them to an ordinary backend built for P experts. No host
+sync is added; the backend's own one remains the layer's only one.
+
+Replicas of an expert see different tokens, so their gradients differ; summing them over
+the replicas (:func:`sync_replica_gradients`, one all-reduce over the EP group of the
+replicated experts' gradients only) gives every copy the full gradient, and identical
+optimizer steps keep the copies identical.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..dispatch.base import Dispatcher
+from .eplb import Placement, _build, plan_placement
+
+_EXPERT_ATTR = "_epscale_expert"           # parallel.py's marker of sharded expert params
+_PLACEMENT_ATTR = "_epscale_placement"     # the module-level Placement after apply_placement
+_EXPERT_PARAMS = ("w1", "w2", "w3")
+
+
+def _moe_layers(module: nn.Module) -> list[nn.Module]:
+    from ..moe.layer import MoE
+
+    return [m for m in module.modules() if isinstance(m, MoE)]
+
+
+# --------------------------------------------------------------------------------------
+# The dispatcher
+# --------------------------------------------------------------------------------------
+
+
+def rank_within_expert(topk_idx_TK: torch.Tensor, num_experts: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the flattened assignments: ``key_A`` (the expert id, ``num_experts`` where
+    dropped) and ``j_A``, the assignment's index among this batch's assignments of the same
+    expert in token order. One stable sort, no host sync."""
+    E = num_experts
+    flat_A = topk_idx_TK.reshape(-1)
+    key_A = torch.where(flat_A >= 0, flat_A, torch.full_like(flat_A, E))
+    order_A = torch.argsort(key_A, stable=True)
+    counts = torch.bincount(key_A, minlength=E + 1)
+    starts = torch.cumsum(counts, 0) - counts
+    j_sorted = torch.arange(flat_A.numel(), device=flat_A.device) - starts[key_A[order_A]]
+    j_A = torch.empty_like(j_sorted)
+    j_A[order_A] = j_sorted
+    return key_A, j_A
+
+
+def spread_over_replicas(topk_idx_TK: torch.Tensor, slots_by_logical: torch.Tensor,
+                         first_slot_E: torch.Tensor, replicas_E: torch.Tensor,
+                         rotate: int = 0) -> torch.Tensor:
+    """Physical slot ids [T, K] for logical ids ``topk_idx_TK`` (-1 stays -1).
+
+    slots_by_logical: [P] slot ids grouped by logical expert; expert x's replicas are
+    ``slots_by_logical[first_slot_E[x] : first_slot_E[x] + replicas_E[x]]``.
+    The j-th assignment (token order) of expert x takes replica (j + rotate) % count.
+    Vectorised: one stable sort of the assignments, no host sync.
+    """
+    E = replicas_E.numel()
+    key_A, j_A = rank_within_expert(topk_idx_TK, E)
+    valid_A = key_A < E
+    x_A = key_A.clamp(max=E - 1)
+    rep_A = (j_A + rotate) % replicas_E[x_A]
+    phys_A = slots_by_logical[first_slot_E[x_A] + rep_A]
+    return torch.where(valid_A, phys_A, torch.full_like(phys_A, -1)).view_as(topk_idx_TK)
+
+
+class PlacedDispatcher(Dispatcher):
+    """Logical expert ids in, physical slots out: wraps ``inner``, a backend built for
+    ``P`` experts over the EP group (slot p on group rank p // s).
+
+    phy2log_P: int64 [P] logical expert of each slot (this layer's row of the placement).
+    num_experts: E logical experts. rotate: this rank's offset into every replica list.
+    ``set_layout`` swaps the layout (re-placement); everything else is the inner backend's.
+    """
+
+    name = "placed"
+
+    def __init__(self, inner: Dispatcher, phy2log_P: torch.Tensor, num_experts: int,
+                 rotate: int = 0):
+        super().__init__(num_experts, inner.num_local_experts, inner.expert_offset)
+        self.inner = inner
+        self.rotate = int(rotate)
+        self.set_layout(phy2log_P)
+
+    def set_layout(self, phy2log_P: torch.Tensor) -> None:
+        phy2log_P = torch.as_tensor(phy2log_P, dtype=torch.int64).reshape(-1)
+        if phy2log_P.numel() != self.inner.num_experts:
+            raise ValueError(f"PlacedDispatcher: {phy2log_P.numel()} slots, the inner dispatcher "
+                             f"is built for {self.inner.num_experts}")
+        counts_E = torch.bincount(phy2log_P, minlength=self.num_experts)
+        if counts_E.numel() != self.num_experts or int(counts_E.min()) < 1:
+            raise ValueError("PlacedDispatcher: every logical expert needs at least one slot "
+                             f"(replica counts {counts_E.tolist()})")
+        self.phy2log_P = phy2log_P.clone()
+        self.slots_by_logical = torch.argsort(phy2log_P, stable=True)
+        self.replicas_E = counts_E
+        self.first_slot_E = torch.cumsum(counts_E, 0) - counts_E
+        self._device_cache: dict = {}
+
+    def _tables(self, device: torch.device):
+        if device not in self._device_cache:
+            self._device_cache[device] = tuple(t.to(device) for t in (
+                self.slots_by_logical, self.first_slot_E, self.replicas_E))
+        return self._device_cache[device]
+
+    def map_ids(self, topk_idx_TK: torch.Tensor) -> torch.Tensor:
+        """Logical ids [T, K] -> physical slot ids [T, K] (-1 kept)."""
+        return spread_over_replicas(topk_idx_TK, *self._tables(topk_idx_TK.device), self.rotate)
+
+    # -- the Dispatcher contract, on physical ids
+    def dispatch(self, x_TD, topk_idx_TK, topk_weight_TK):
+        return self.inner.dispatch(x_TD, self.map_ids(topk_idx_TK), topk_weight_TK)
+
+    def combine(self, y_RD, handle):
+        return self.inner.combine(y_RD, handle)
+
+    def combine_overlapped(self, y_RD, handle, side_work):
+        return self.inner.combine_overlapped(y_RD, handle, side_work)
+
+    @property
+    def fuse(self) -> bool:
+        return bool(getattr(self.inner, "fuse", False))
+
+    def dispatch_compute_combine(self, x_TD, topk_idx_TK, topk_weight_TK, experts, **kwargs):
+        return self.inner.dispatch_compute_combine(x_TD, self.map_ids(topk_idx_TK),
+                                                   topk_weight_TK, experts, **kwargs)
+
+    def bytes_sent(self) -> int:
+        return self.inner.bytes_sent()
+
+    def inter_node_bytes_sent(self) -> int:
+        fn = getattr(self.inner, "inter_node_bytes_sent", None)
+        return fn() if fn is not None else 0
+
+    def __repr__(self) -> str:
+        return (f"PlacedDispatcher(logical={self.num_experts}, slots={self.inner.num_experts}, "
+                f"max_replicas={int(self.replicas_E.max())}, inner={self.inner!r})")
+
+
+# --------------------------------------------------------------------------------------
+# Applying a placement
+# --------------------------------------------------------------------------------------
+
+
+def get_placement(module: nn.Module) -> Placement | None:
+    """The placement ``apply_placement`` (or a re-placement) put on ``module``, or None."""
+    return getattr(module, _PLACEMENT_ATTR, None)
+
+
+def _check_placement(layers, dims, placement: Placement) -> None:
+    if not isinstance(placement, Placement):
+        raise TypeError(f"placement must be an epscale.placement.Placement (from plan_placement), "
+                        f"got {type(placement).__name__}")
+    L, P = placement.phy2log.shape
+    if L != len(layers):
+        raise ValueError(f"placement has {L} layer(s), the module has {len(layers)} MoE layer(s)")
+    if placement.num_ranks != dims.ep:
+        raise ValueError(f"placement was planned for {placement.num_ranks} ranks, the EP group "
+                         f"has ep={dims.ep}")
+    E = placement.replica_count.shape[1]
+    for i, m in enumerate(layers):
+        if m.cfg.num_experts != E:
+            raise ValueError(f"placement is for {E} experts, MoE layer {i} has "
+                             f"{m.cfg.num_experts}")
+
+
+def apply_placement(module: nn.Module, dims, placement: Placement, dispatcher: str = "dedup",
+                    overlap_chunks: int = 1, payload: str = "auto") -> nn.Module:
+    """Shard every MoE layer of an *unparallelized* ``module`` over the EP group by
+    ``placement`` (``plan_placement(load_LE, P, num_nodes, dims.ep)``), in place.
+
+    Each rank's experts module gets its s = P/ep slots (copies of the logical experts'
+    weights; parameter names unchanged, leading dim s) and a :class:`PlacedDispatcher` over
+    the named backend built for P experts. Layers are matched to placement rows in
+    registration order. Call :func:`sync_replica_gradients` after ``sync_gradients``.
+    Returns ``module``.
+    """
+    from ..parallel import make_dispatcher
+
+    layers = _moe_layers(module)
+    _check_placement(layers, dims, placement)
+    P, R = placement.num_physical_experts, dims.ep
+    s = P // R
+    lo = dims.ep_rank * s
+    for i, moe in enumerate(layers):
+        experts = moe.experts
+        if getattr(experts, _EXPERT_ATTR + "_shard", None) is not None:
+            raise ValueError("apply_placement: this MoE layer is already parallelized; apply the "
+                             "placement to the unparallelized module")
+        slots = placement.phy2log[i, lo:lo + s]
+        for pname in _EXPERT_PARAMS:
+            p = getattr(experts, pname, None)
+            if p is None:
+                continue
+            shard = nn.Parameter(p.detach().index_select(0, slots.to(p.device)).clone(),
+                                 requires_grad=p.requires_grad)
+            setattr(shard, _EXPERT_ATTR, True)
+            setattr(experts, pname, shard)
+        experts.num_experts = s
+        setattr(experts, _EXPERT_ATTR + "_shard", (lo, s))
+        if R == 1 and dispatcher != "deepep":
+            from ..dispatch.local import LocalDispatcher
+            inner = LocalDispatcher(P)
+        else:
+            inner = make_dispatcher(dispatcher, P, dims, payload, overlap_chunks)
+        moe.dispatcher = PlacedDispatcher(inner, placement.phy2log[i], moe.cfg.num_experts,
+                                          rotate=dims.rank)
+    setattr(module, _PLACEMENT_ATTR, placement)
+    return module
+
+
+def local_slots(placement: Placement, layer: int, ep_rank: int) -> torch.Tensor:
+    """Logical expert of each of ``ep_rank``'s slots in ``layer`` (int64 [s])."""
+    s = placement.slots_per_rank
+    return placement.phy2log[layer, ep_rank * s:(ep_rank + 1) * s]
+
+
+# --------------------------------------------------------------------------------------
+# Gradients
+# --------------------------------------------------------------------------------------
+
+
+def _placed_layers(module: nn.Module):
+    placement = get_placement(module)
+    if placement is None:
+        return None, []
+    return placement, _moe_layers(module)
+
+
+def sync_replica_gradients(module: nn.Module, dims) -> None:
+    """Sum the gradients of every replicated logical expert over its copies, so each copy
+    holds the full gradient. ONE all-reduce over the EP group, of the replicated experts'
+    gradients only (experts with a single copy send nothing). A no-op without a placement
+    or without replicas. Call on every rank after ``sync_gradients`` (the two sums commute).
+    """
+    placement, layers = _placed_layers(module)
+    if placement is None:
+        return
+    counts_LE = placement.replica_count
+    parts, plan = [], []
+    for i, moe in enumerate(layers):
+        rep_ids = torch.nonzero(counts_LE[i] > 1).flatten()
+        if rep_ids.numel() == 0:
+            continue
+        pos_E = torch.full((counts_LE.shape[1],), -1, dtype=torch.int64)
+        pos_E[rep_ids] = torch.arange(rep_ids.numel())
+        slot_pos = pos_E[local_slots(placement, i, dims.ep_rank)]       # [s], -1: not replicated
+        mine = torch.nonzero(slot_pos >= 0).flatten()
+        for pname in _EXPERT_PARAMS:
+            p = getattr(moe.experts, pname, None)
+            if p is None or not p.requires_grad:
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            g = p.grad.reshape(p.shape[0], -1)
+            buf = g.new_zeros((rep_ids.numel(), g.shape[1]))
+            dev_mine = mine.to(g.device)
+            buf.index_add_(0, slot_pos[mine].to(g.device), g.index_select(0, dev_mine))
+            parts.append(buf.reshape(-1))
+            plan.append((p, buf.shape, dev_mine, slot_pos[mine].to(g.device)))
+    if not parts:
+        return
+    flat = torch.cat(parts)
+    if dims.ep > 1:
+        dist.all_reduce(flat, group=dims.ep_group)  # the one collective
+    off = 0
+    for p, shape, dev_mine, pos in plan:
+        n = shape[0] * shape[1]
+        buf = flat[off:off + n].view(shape)
+        off += n
+        g = p.grad.reshape(p.shape[0], -1)
+        g.index_copy_(0, dev_mine, buf.index_select(0, pos))
+
+
+def expert_grad_sq_norm(module: nn.Module, dims=None) -> torch.Tensor:
+    """This rank's share of the squared norm of the *logical* expert gradients: each slot's
+    squared norm divided by its expert's replica count, so the sum over the EP group counts
+    every logical expert once (what a model without replicas would report). Without a
+    placement: the plain squared norm of the expert gradients."""
+    placement, layers = _placed_layers(module)
+    total = None
+    for i, moe in enumerate(layers or _moe_layers(module)):
+        if placement is not None and dims is not None:
+            weight_s = 1.0 / placement.replica_count[i][local_slots(placement, i, dims.ep_rank)]
+        else:
+            weight_s = None
+        for pname in _EXPERT_PARAMS:
+            p = getattr(moe.experts, pname, None)
+            if p is None or p.grad is None:
+                continue
+            sq_s = p.grad.float().pow(2).reshape(p.shape[0], -1).sum(1)
+            if weight_s is not None:
+                sq_s = sq_s * weight_s.to(sq_s.device, sq_s.dtype)
+            total = sq_s.sum() if total is None else total + sq_s.sum()
+    return total if total is not None else torch.zeros(())
+
+
+# --------------------------------------------------------------------------------------
+# Live re-placement
+# --------------------------------------------------------------------------------------
+
+
+def _movement(old_p2l: np.ndarray, new_p2l: np.ndarray, R: int):
+    """Where each new slot's contents come from.
+
+    Returns, per destination slot p (global), (source rank, source local slot): the
+    destination rank itself when it already holds the expert, else one of the expert's old
+    replicas, chosen by the destination rank so that the senders are spread.
+    """
+    P = len(old_p2l)
+    s = P // R
+    by_logical: dict[int, list[int]] = {}
+    for p, x in enumerate(old_p2l):
+        by_logical.setdefault(int(x), []).append(p)
+    src = np.empty((P, 2), dtype=np.int64)
+    for p, x in enumerate(new_p2l):
+        d = p // s
+        olds = by_logical[int(x)]
+        here = [q for q in olds if q // s == d]
+        q = here[0] if here else olds[d % len(olds)]
+        src[p] = (q // s, q % s)
+    return src
+
+
+@torch.no_grad()
+def move_to_placement(module: nn.Module, dims, new: Placement,
+                      optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Re-place the experts of a module placed by :func:`apply_placement`: every rank's
+    slots take the weights, and the optimizer's per-parameter state (every state tensor
+    shaped like the parameter, e.g. AdamW's exp_avg / exp_avg_sq; scalar 'step' entries are
+    shared by all slots and stay), of the logical experts ``new`` puts there.
+
+    An expert that a rank already holds is copied locally; the others travel in ONE
+    all-to-all per layer over the EP group. The model's function is unchanged (the copies of
+    an expert are identical), and so is training when the optimizer state moves along.
+    Collective: every rank of the world calls it with the same ``new``.
+    Returns {'copies_sent': n, 'copies_received': n} for this rank.
+    """
+    from ..dispatch.comm import Exchange
+
+    old = get_placement(module)
+    if old is None:
+        raise ValueError("move_to_placement: the module has no placement; use apply_placement")
+    layers = _moe_layers(module)
+    _check_placement(layers, dims, new)
+    if new.num_physical_experts != old.num_physical_experts:
+        raise ValueError(f"move_to_placement: the new placement has {new.num_physical_experts} "
+                         f"slots, the module {old.num_physical_experts}; the slot count is fixed")
+    R, me = dims.ep, dims.ep_rank
+    s = old.slots_per_rank
+    info = dims.group_info("ep")
+    sent = received = 0
+    for i, moe in enumerate(layers):
+        old_p2l, new_p2l = old.phy2log[i].numpy(), new.phy2log[i].numpy()
+        if np.array_equal(old_p2l, new_p2l):
+            continue
+        src = _movement(old_p2l, new_p2l, R)
+        dst_rank = np.arange(len(new_p2l)) // s
+        # Sends: (dest rank, dest slot) order; receives: (source rank, my slot) order,
+        # which is the order each source sends them in.
+        send = [(int(d), p) for p, d in enumerate(dst_rank) if src[p, 0] == me and d != me]
+        send.sort()
+        recv = [(int(src[p, 0]), p) for p in range(me * s, (me + 1) * s) if src[p, 0] != me]
+        recv.sort()
+        local = [(p - me * s, int(src[p, 1])) for p in range(me * s, (me + 1) * s)
+                 if src[p, 0] == me]
+        send_splits = np.bincount([d for d, _ in send], minlength=R).tolist()
+        recv_splits = np.bincount([q for q, _ in recv], minlength=R).tolist()
+        send_rows = torch.tensor([int(src[p, 1]) for _, p in send], dtype=torch.int64)
+        recv_slots = torch.tensor([p - me * s for _, p in recv], dtype=torch.int64)
+        local_dst = torch.tensor([a for a, _ in local], dtype=torch.int64)
+        local_src = torch.tensor([b for _, b in local], dtype=torch.int64)
+
+        tensors = []
+        for pname in _EXPERT_PARAMS:
+            p = getattr(moe.experts, pname, None)
+            if p is None:
+                continue
+            tensors.append(p.data)
+            if optimizer is not None and p in optimizer.state:
+                st = optimizer.state[p]
+                for key in sorted(st):
+                    t = st[key]
+                    if isinstance(t, torch.Tensor) and t.shape == p.shape:
+                        tensors.append(t)
+        dev = tensors[0].device
+        fields = [t.index_select(0, send_rows.to(dev)) for t in tensors]
+        if R > 1:
+            got = Exchange(info, send_splits, recv_splits)(*fields)
+        else:
+            got = fields
+        for t, g in zip(tensors, got):
+            new_t = torch.empty_like(t)
+            if local_dst.numel():
+                new_t.index_copy_(0, local_dst.to(dev), t.index_select(0, local_src.to(dev)))
+            if recv_slots.numel():
+                new_t.index_copy_(0, recv_slots.to(dev), g.to(t.dtype))
+            t.copy_(new_t)
+        sent += len(send)
+        received += len(recv)
+        disp = moe.dispatcher
+        if isinstance(disp, PlacedDispatcher):
+            disp.set_layout(new.phy2log[i])
+    setattr(module, _PLACEMENT_ATTR, new)
+    return {"copies_sent": sent, "copies_received": received}
+
+
+def broadcast_placement(placement: Placement, src: int = 0, group=None) -> Placement:
+    """Rank ``src``'s placement on every rank (one broadcast of phy2log): insurance that all
+    ranks move to exactly the same layout even if their load windows differed."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return placement
+    buf = placement.phy2log.clone()
+    dist.broadcast(buf, src=src, group=group)
+    if torch.equal(buf, placement.phy2log):
+        return placement
+    E = placement.replica_count.shape[1]
+    counts = np.stack([np.bincount(row, minlength=E) for row in buf.numpy()])
+    return _build(buf.numpy(), counts, placement.num_ranks, placement.num_nodes)
+
+
+class Rebalancer:
+    """Live re-placement every ``every`` steps from a moving window of observed loads.
+
+    module: placed by :func:`apply_placement`. dims: the ParallelDims. every: steps between
+    re-plans. window: steps of loads the plan uses (default ``every``). optimizer: moved
+    along with the weights. num_groups: expert groups for the hierarchical policy.
+
+    Each step call ``observe(counts)`` with the step's all-reduced logical loads ([L, E], or
+    {layer: counts} as the metrics record holds them; identical on every rank), then
+    ``maybe_replace(step)``; it returns the new Placement when it moved, else None.
+    """
+
+    def __init__(self, module: nn.Module, dims, every: int, window: int | None = None,
+                 optimizer: torch.optim.Optimizer | None = None, num_groups: int = 1):
+        if get_placement(module) is None:
+            raise ValueError("Rebalancer: the module has no placement; call apply_placement first")
+        if every < 1:
+            raise ValueError(f"Rebalancer: every={every} must be >= 1")
+        self.module, self.dims, self.every, self.optimizer = module, dims, every, optimizer
+        self.num_groups = num_groups
+        self.loads: deque = deque(maxlen=window or every)
+        self.num_moves = 0
+
+    def observe(self, counts_LE: Any) -> None:
+        if isinstance(counts_LE, dict):
+            counts_LE = [counts_LE[k] for k in sorted(counts_LE)]
+        self.loads.append(np.asarray(counts_LE.tolist() if isinstance(counts_LE, torch.Tensor)
+                                     else counts_LE, dtype=np.float64))
+
+    def plan(self) -> Placement:
+        cur = get_placement(self.module)
+        load_LE = np.sum(self.loads, axis=0)
+        return plan_placement(load_LE, cur.num_physical_experts, self.dims.ep_num_nodes,
+                              self.dims.ep, self.num_groups)
+
+    def maybe_replace(self, step: int) -> Placement | None:
+        if step % self.every or not self.loads:
+            return None
+        new = broadcast_placement(self.plan())
+        if torch.equal(new.phy2log, get_placement(self.module).phy2log):
+            return None
+        move_to_placement(self.module, self.dims, new, self.optimizer)
+        self.num_moves += 1
+        return new
+
+
+def placement_to_dict(placement: Placement) -> dict[str, Any]:
+    """JSON-able form (for checkpoint metadata): phy2log rows and the layout."""
+    return {"phy2log": placement.phy2log.tolist(), "num_ranks": placement.num_ranks,
+            "num_nodes": placement.num_nodes,
+            "num_experts": int(placement.replica_count.shape[1])}
+
+
+def placement_from_dict(d: dict[str, Any]) -> Placement:
+    phy2log = np.asarray(d["phy2log"], dtype=np.int64)
+    E = int(d["num_experts"])
+    counts = np.stack([np.bincount(row, minlength=E) for row in phy2log])
+    return _build(phy2log, counts, int(d["num_ranks"]), int(d["num_nodes"]))
+
+
+def placement_rank_loads(placement: Placement, load_LE: Sequence) -> torch.Tensor:
+    """[L, R] rows each EP rank computes under ``placement`` (tokens split evenly over
+    replicas), for the balance metrics."""
+    return placement.rank_loads(torch.as_tensor(np.asarray(load_LE, dtype=np.float64)))
