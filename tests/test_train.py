@@ -268,3 +268,32 @@ def test_dp2_ep2_checkpoint_loads_at_ep2_and_ep1(tmp_path):
     for s in (3, 4):
         assert got2[s] == pytest.approx(ref[s], rel=1e-5, abs=1e-5), (s, got2[s], ref[s])
         assert got1[s] == pytest.approx(ref[s], rel=1e-5, abs=1e-5), (s, got1[s], ref[s])
+
+
+def test_launch_env_from_torchrun_and_srun(monkeypatch):
+    from epscale.training.dist import detect_env, resolve_layout
+    from epscale.config import ConfigError, ParallelConfig
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(k, raising=False)
+    assert detect_env().launcher == "none"
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2(x2)")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "node[07-08]")
+    monkeypatch.setenv("MASTER_ADDR", "node07")
+    env = detect_env()
+    assert (env.launcher, env.rank, env.world_size, env.local_rank, env.local_world_size,
+            env.master_addr) == ("srun", 3, 4, 1, 2, "node07")
+    monkeypatch.setenv("RANK", "1")  # torchrun inside srun wins
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    env = detect_env()
+    assert (env.launcher, env.rank, env.world_size) == ("torchrun", 1, 2)
+    # dp follows the process count when it does not fit; ep must divide it and E
+    assert resolve_layout(ParallelConfig(ep=2), 4, 8)[:2] == (2, 2)
+    with pytest.raises(ConfigError, match="parallel.ep"):
+        resolve_layout(ParallelConfig(ep=3), 3, 8)
+    with pytest.raises(ConfigError, match="multiple of it"):
+        resolve_layout(ParallelConfig(ep=2), 3, 8)

@@ -72,7 +72,10 @@ def detect_env() -> LaunchEnv:
     ntasks = _int_env("SLURM_NTASKS", 1)
     if os.environ.get("SLURM_PROCID") is not None and ntasks > 1:
         addr = os.environ.get("MASTER_ADDR") or first_slurm_host(os.environ.get("SLURM_JOB_NODELIST", "127.0.0.1"))
-        per_node = _int_env("SLURM_NTASKS_PER_NODE", None)
+        # SLURM_TASKS_PER_NODE looks like '4' or '4(x2)' (4 tasks on each of 2 nodes)
+        m = re.match(r"^(\d+)", os.environ.get("SLURM_NTASKS_PER_NODE")
+                     or os.environ.get("SLURM_TASKS_PER_NODE") or "")
+        per_node = int(m.group(1)) if m else None
         if per_node is None:
             nodes = _int_env("SLURM_NNODES", 1) or 1
             per_node = max(1, ntasks // nodes)
@@ -108,8 +111,11 @@ def init_process_group(env: LaunchEnv, device: torch.device) -> None:
     if env.world_size == 1 or dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
-    os.environ.setdefault("MASTER_ADDR", env.master_addr)
-    os.environ.setdefault("MASTER_PORT", str(env.master_port))
+    # Under srun these are not set yet; ParallelDims and other code read them.
+    for key, value in (("MASTER_ADDR", env.master_addr), ("MASTER_PORT", env.master_port),
+                       ("RANK", env.rank), ("WORLD_SIZE", env.world_size),
+                       ("LOCAL_RANK", env.local_rank), ("LOCAL_WORLD_SIZE", env.local_world_size)):
+        os.environ.setdefault(key, str(value))
     dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
                             timeout=timedelta(minutes=10),
                             device_id=device if device.type == "cuda" else None)

@@ -1,0 +1,120 @@
+"""Trainer throughput: the default recipe and a larger one, each next to the same model
+with a dense FFN of equal active parameters, and the share of step time spent in
+dispatch/combine, all measured in one run (side by side, same machine, same moment).
+
+    python benchmarks/train.py [--steps 12] [--nproc 2] [--only tiny] [--keep DIR]
+
+Every configuration runs through ``epscale train --nproc N`` (torchrun, gloo on CPU, NCCL
+on CUDA) on the stdlib text; tokens/s and the breakdown are medians over the steps after
+the first third (warm-up) read back from each run's metrics.jsonl. The dense twin replaces
+every MoE layer by a dense FFN of hidden width top_k x expert hidden (the same active
+parameters per token, up to the router) and runs data-parallel on the same processes.
+
+Judged by: MoE tokens/s / dense tokens/s (how close sparse training gets to the dense
+model it costs the same FLOPs as) and the dispatch+combine share of the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+REPO = Path(__file__).resolve().parents[1]
+
+# name -> overrides on top of configs/tiny.yaml
+RECIPES = {
+    "tiny": [],
+    "larger": ["model.dim=384", "model.num_layers=6", "model.num_heads=6",
+               "moe.hidden_dim=768", "moe.num_experts=16", "train.micro_batch_size=2"],
+}
+
+
+def dense_twin(over: list[str], cfg) -> list[str]:
+    """Same model, every layer a dense FFN of top_k x expert hidden width."""
+    return over + [f"model.num_dense_layers={cfg.model.num_layers}",
+                   f"model.dense_hidden_dim={cfg.moe.top_k * cfg.moe.hidden_dim}",
+                   "parallel.ep=1"]
+
+
+def run_one(run_dir: Path, nproc: int, steps: int, over: list[str]) -> list[dict]:
+    cmd = [sys.executable, "-m", "epscale", "train", "--config", str(REPO / "configs" / "tiny.yaml"),
+           "--nproc", str(nproc), "--run-dir", str(run_dir), f"train.steps={steps}",
+           "train.eval_every=0", "train.ckpt_every=0", "train.warmup_steps=2", *over]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    if proc.returncode != 0:
+        raise SystemExit(f"run failed: {' '.join(cmd)}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in recs if "event" not in r]
+
+
+def summarize(recs: list[dict]) -> dict:
+    steady = recs[len(recs) // 3:]
+    med = lambda f: statistics.median(f(r) for r in steady)  # noqa: E731
+    return {
+        "tokens_per_s": med(lambda r: r["tokens_per_s"]),
+        "tokens_per_s_per_proc": med(lambda r: r["tokens_per_s_per_proc"]),
+        "step_ms": 1e3 * med(lambda r: r["step_time_s"]),
+        "dispatch_combine": med(lambda r: (r["time_breakdown"]["dispatch"]
+                                           + r["time_breakdown"]["combine"]) / r["step_time_s"]),
+        "comm": med(lambda r: r["comm_share"]),
+        "mfu": med(lambda r: r["mfu"]),
+        "loss": recs[-1]["loss"],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--only", choices=sorted(RECIPES), action="append")
+    ap.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
+    args = ap.parse_args()
+    sys.path.insert(0, str(REPO / "src"))
+    from epscale.config import load_config
+    from epscale.sizing import model_size
+
+    console = Console()
+    base_dir = args.keep or Path(tempfile.mkdtemp(prefix="epscale-bench-train-"))
+    table = Table(title=f"Training throughput, {args.nproc} processes, {args.steps} steps each "
+                        f"(medians after warm-up)")
+    for col in ("recipe", "FFN", "params", "active", "tokens/s", "tok/s/proc", "ms/step",
+                "dispatch+combine", "all comm", "MFU", "MoE/dense"):
+        table.add_column(col, justify="right" if col not in ("recipe", "FFN") else "left")
+    ratios = {}
+    for name in args.only or list(RECIPES):
+        over = RECIPES[name] + [f"parallel.ep={args.nproc}"]
+        cfg = load_config(REPO / "configs" / "tiny.yaml", over)
+        results = {}
+        for kind, o in (("MoE", over), ("dense", dense_twin(over, cfg))):
+            c = load_config(REPO / "configs" / "tiny.yaml", o)
+            size = model_size(c, dp=args.nproc if kind == "dense" else 1,
+                              ep=1 if kind == "dense" else args.nproc)
+            recs = run_one(base_dir / f"{name}-{kind}", args.nproc, args.steps, o)
+            results[kind] = (size, summarize(recs))
+        ratio = results["MoE"][1]["tokens_per_s"] / results["dense"][1]["tokens_per_s"]
+        ratios[name] = ratio
+        for kind in ("MoE", "dense"):
+            size, s = results[kind]
+            table.add_row(name, kind, f"{size.total_params / 1e6:.1f}M", f"{size.active_params / 1e6:.1f}M",
+                          f"{s['tokens_per_s']:,.0f}", f"{s['tokens_per_s_per_proc']:,.0f}",
+                          f"{s['step_ms']:.0f}", f"{100 * s['dispatch_combine']:.1f}%",
+                          f"{100 * s['comm']:.1f}%", f"{100 * s['mfu']:.2f}%",
+                          f"{ratio:.2f}" if kind == "MoE" else "")
+    console.print(table)
+    for name, r in ratios.items():
+        console.print(f"{name}: MoE tokens/s / dense tokens/s at equal active params = {r:.2f}")
+    console.print(f"run directories: {base_dir}")
+
+
+if __name__ == "__main__":
+    main()
