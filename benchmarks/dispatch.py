@@ -223,23 +223,28 @@ def bench_layer(args, device, rank, world, rpn):
     base = epscale.MoE(cfg).to(device)
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(args.layer_tokens, cfg.dim, generator=g).to(device)
-    variants = [("alltoall", 1), ("allgather", 1), ("dedup", 1), ("hierarchical", 1),
-                ("dedup", args.overlap_chunks)]
-    rows = []
-    for backend, chunks in variants:
+    variants = [("alltoall", 1, "auto"), ("allgather", 1, "auto"), ("dedup", 1, "auto"),
+                ("hierarchical", 1, "auto"), ("dedup", 1, "fp8"), ("dedup", args.overlap_chunks, "auto")]
+    rows, ref = [], None
+    for backend, chunks, payload in variants:
         moe = epscale.parallelize(copy.deepcopy(base), dims, dispatcher=backend,
-                                  overlap_chunks=chunks)
+                                  overlap_chunks=chunks, payload=payload)
         fwd = overlapped(moe) if chunks > 1 else moe
         times = []
         for it in range(args.iters + 1):
             dist.barrier()
             sync(device)
             t0 = time.perf_counter()
-            fwd(x.detach().requires_grad_(True)).square().mean().backward()
+            y = fwd(x.detach().requires_grad_(True))
+            y.square().mean().backward()
             sync(device)
             if it:
                 times.append(time.perf_counter() - t0)
-        rows.append(dict(backend=backend, chunks=chunks, ms=1e3 * slowest(statistics.median(times), device)))
+        ref = y.detach() if ref is None else ref
+        err = float((y.detach() - ref).norm() / ref.norm())
+        rows.append(dict(backend=backend + ("+fp8" if payload == "fp8" else ""), chunks=chunks,
+                         ms=1e3 * slowest(statistics.median(times), device),
+                         rel_err=slowest(err, device)))
     return rows
 
 
@@ -250,7 +255,8 @@ def print_layer(rows, args, world):
     base = rows[0]["ms"]
     for r in rows:
         r["ratio"] = r["ms"] / base
-        print(f"{r['backend']:>13} chunks={r['chunks']}  {r['ms']:9.1f} ms   x{r['ratio']:.3f} vs alltoall")
+        print(f"{r['backend']:>13} chunks={r['chunks']}  {r['ms']:9.1f} ms   x{r['ratio']:.3f} vs alltoall"
+              f"   output rel. err vs alltoall {r['rel_err']:.1e}")
     plain = next(r for r in rows if r["backend"] == "dedup" and r["chunks"] == 1)["ms"]
     over = rows[-1]["ms"]
     verdict = ("overlap helped" if over < 0.95 * plain else

@@ -72,6 +72,6 @@ class AllGatherDispatcher(EPDispatcher):
         return recv_x_RD, local_e, AllGatherHandle(order_R, w_all, T)
 
     def _combine_start(self, y_RD, handle: AllGatherHandle, async_op):
-        partial_PD = reduce_rows(y_RD, handle.order_R, handle.w_all_PK).to(y_RD.dtype)
+        partial_PD = reduce_rows(y_RD, handle.order_R, handle.w_all_PK)
         mine_TD = ReduceScatterRows.apply(self.info, partial_PD)[:handle.num_tokens]
         return lambda: mine_TD

@@ -52,8 +52,7 @@ class AllToAllDispatcher(EPDispatcher):
         S, R = sum(send_splits), sum(recv_splits)
 
         order_S = torch.argsort(key_A, stable=True)[:S]
-        payload_TD, _ = self._payload_cast(x_TD)
-        send_x_SD = payload_TD.index_select(0, order_S // K)
+        send_x_SD, _ = self._payload_cast(x_TD.index_select(0, order_S // K))
         exchange = Exchange(self.info, send_splits, recv_splits)
         (recv_raw_RD,) = exchange(send_x_SD)
         # Received rows come source-major (source q, then its rows for my expert j);

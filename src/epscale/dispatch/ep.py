@@ -60,11 +60,11 @@ class EPDispatcher(Dispatcher):
         return finish(), side
 
     # ----------------------------------------------------------------- helpers
-    def _payload_cast(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    def _payload_cast(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """The tensor to send and whether its first field travels as fp8."""
-        if self.payload == "bf16" and x_TD.dtype != torch.bfloat16:
-            return x_TD.to(torch.bfloat16), False
-        return x_TD, self.payload == "fp8"
+        if self.payload == "bf16" and x_ND.dtype != torch.bfloat16:
+            return x_ND.to(torch.bfloat16), False
+        return x_ND, self.payload == "fp8"
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(experts={self.num_experts}, local={self.num_local_experts}, "

@@ -103,12 +103,11 @@ class HierarchicalDispatcher(DedupDispatcher):
         sel_N1 = select_true(plan.in_node_TN[c].t(), sum(plan.inter_send[c]))
         Tc = max(t - s, 1)
         tok_N1, node_N1 = sel_N1 % Tc + s, sel_N1 // Tc
-        payload_TD, fp8 = self._payload_cast(x_TD)
+        send_ND, fp8 = self._payload_cast(x_TD.index_select(0, tok_N1))
         nid_N1K = relative_expert_ids(topk_idx_TK.index_select(0, tok_N1), node_N1 * (L * e), L * e)
         inter = Exchange(self.inter, plan.inter_send[c], plan.inter_recv[c],
                          fp8_field=0 if fp8 else None, async_op=async_op)
-        recv = inter(payload_TD.index_select(0, tok_N1), nid_N1K,
-                     topk_weight_TK.index_select(0, tok_N1))
+        recv = inter(send_ND, nid_N1K, topk_weight_TK.index_select(0, tok_N1))
         return tok_N1, inter, recv, fp8
 
     def _receive(self, sent, plan: _HPlan, c, dtype, num_tokens):
@@ -131,7 +130,7 @@ class HierarchicalDispatcher(DedupDispatcher):
 
     def _combine_start(self, y_RD, handle: HierarchicalHandle, async_op):
         out_dtype, D = y_RD.dtype, y_RD.shape[1]
-        red_M2D = reduce_rows(y_RD, handle.order_R, handle.recv_w_MK).to(out_dtype)
+        red_M2D = reduce_rows(y_RD, handle.order_R, handle.recv_w_MK)
         (back_N2D,) = handle.intra.reversed()(red_M2D)
         red_M1D = torch.zeros((handle.num_forwarder_rows, D), dtype=torch.float32,
                               device=y_RD.device).index_add(0, handle.row_N2, back_N2D.float())
