@@ -11,12 +11,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 OUT=${OUT:-benchmarks/out}
-mkdir -p "$OUT"
+
 
 if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
     echo "gpu_check: no CUDA device visible to torch; nothing to do" >&2
     exit 1
 fi
+mkdir -p "$OUT"
 NGPU=${NGPU:-$("$PY" -c 'import torch; print(torch.cuda.device_count())')}
 "$PY" - <<'PY'
 import torch, torch.distributed as dist
