@@ -91,7 +91,22 @@ JS = r"""
     if (a < 1e-3) return v.toExponential(1);
     return String(+v.toPrecision(3));
   }
-  function pct(v) { return isNum(v) ? (100 * v).toFixed(1) + "%" : "—"; }
+  function pct(v) {
+    if (!isNum(v)) return "—";
+    var x = 100 * v, a = Math.abs(x);
+    if (a === 0) return "0%";
+    return (a >= 10 ? x.toFixed(0) : a >= 1 ? x.toFixed(1) : String(+x.toPrecision(2))) + "%";
+  }
+  // tick labels with as many decimals as the tick step needs (no "485, 485, 486")
+  function axisFmt(step, percent) {
+    var s = percent ? step * 100 : step;
+    var dec = Math.max(0, Math.min(6, Math.ceil(-Math.log10(s) - 1e-9)));
+    return function (v) {
+      var x = percent ? v * 100 : v;
+      if (!percent && Math.abs(x) >= 1e4) return fmt(x);
+      return (Math.abs(x) < 1e-12 ? "0" : x.toFixed(dec)) + (percent ? "%" : "");
+    };
+  }
   function ticks(lo, hi, n) {
     if (!(hi > lo)) { hi = lo + 1; }
     var step = Math.pow(10, Math.floor(Math.log10((hi - lo) / n)));
@@ -122,7 +137,7 @@ JS = r"""
   // o: {x:[steps], series:[{name, y:[..|null], color, dash}], stacked, ymin, ymax, yfmt,
   //     hlines:[{y, label}], marks:[{x, label}], points:[{x, y, name}]}
   function lineChart(box, o) {
-    var W = 900, H = o.height || 250, m = { l: 62, r: 14, t: 10, b: 28 };
+    var W = 640, H = o.height || 230, m = { l: 58, r: 12, t: 10, b: 26 };
     var x = o.x, n = x.length, series = o.series.filter(function (s) { return s.y; });
     if (!n || !series.length) throw new Error("no data to draw");
     var ys = series.map(function (s) { return s.y.slice(); });
@@ -151,15 +166,17 @@ JS = r"""
     function sx(v) { return m.l + (v - xlo) / (xhi - xlo) * (W - m.l - m.r); }
     function sy(v) { return H - m.b - (v - lo) / (hi - lo) * (H - m.t - m.b); }
     var svg = svgEl("svg", { viewBox: "0 0 " + W + " " + H, preserveAspectRatio: "xMidYMid meet" });
-    ticks(lo, hi, 5).forEach(function (t) {
+    var yt = ticks(lo, hi, 5), ystep = yt.length > 1 ? yt[1] - yt[0] : 1;
+    var yfmt = o.yfmt === "pct" ? axisFmt(ystep, true) : (o.yfmt || axisFmt(ystep, false));
+    yt.forEach(function (t) {
       svgEl("line", { x1: m.l, x2: W - m.r, y1: sy(t), y2: sy(t), stroke: "#eef0f3" }, svg);
-      svgEl("text", { x: m.l - 6, y: sy(t) + 4, "text-anchor": "end", "font-size": 11, fill: "#667085" }, svg)
-        .textContent = (o.yfmt || fmt)(t);
+      svgEl("text", { x: m.l - 6, y: sy(t) + 4, "text-anchor": "end", "font-size": 12, fill: "#667085" }, svg)
+        .textContent = yfmt(t);
     });
     ticks(xlo, xhi, 8).forEach(function (t) {
       if (t < xlo || t > xhi) return;
       svgEl("line", { x1: sx(t), x2: sx(t), y1: H - m.b, y2: H - m.b + 4, stroke: "#98a2b3" }, svg);
-      svgEl("text", { x: sx(t), y: H - m.b + 16, "text-anchor": "middle", "font-size": 11, fill: "#667085" }, svg)
+      svgEl("text", { x: sx(t), y: H - m.b + 16, "text-anchor": "middle", "font-size": 12, fill: "#667085" }, svg)
         .textContent = fmt(t);
     });
     svgEl("line", { x1: m.l, x2: W - m.r, y1: H - m.b, y2: H - m.b, stroke: "#98a2b3" }, svg);
@@ -195,7 +212,7 @@ JS = r"""
     });
     (o.hlines || []).forEach(function (h) {
       svgEl("line", { x1: m.l, x2: W - m.r, y1: sy(h.y), y2: sy(h.y), stroke: "#b42318", "stroke-dasharray": "6 4" }, svg);
-      svgEl("text", { x: W - m.r - 4, y: sy(h.y) - 4, "text-anchor": "end", "font-size": 11, fill: "#b42318" }, svg)
+      svgEl("text", { x: W - m.r - 4, y: sy(h.y) - 4, "text-anchor": "end", "font-size": 12, fill: "#b42318" }, svg)
         .textContent = h.label;
     });
     (o.marks || []).forEach(function (mk) {
@@ -234,9 +251,9 @@ JS = r"""
   function heatmap(box, o) {
     var cols = o.z.length, rows = o.rows;
     if (!cols || !rows) throw new Error("no data to draw");
-    var m = { l: 62, r: 14, t: 6, b: 28 };
-    var cell = Math.max(2, Math.min(16, Math.floor(300 / rows)));
-    var W = 900, H = m.t + m.b + cell * rows;
+    var m = { l: 58, r: 12, t: 6, b: 26 };
+    var cell = Math.max(2, Math.min(14, Math.floor(220 / rows)));
+    var W = 640, H = m.t + m.b + cell * rows;
     var cv = document.createElement("canvas");
     var dpr = 2; cv.width = W * dpr; cv.height = H * dpr;
     var ctx = cv.getContext("2d"); ctx.scale(dpr, dpr);
@@ -250,7 +267,7 @@ JS = r"""
         painted++;
       }
     }
-    ctx.fillStyle = "#667085"; ctx.font = "11px sans-serif"; ctx.textAlign = "right";
+    ctx.fillStyle = "#667085"; ctx.font = "12px sans-serif"; ctx.textAlign = "right";
     var every = Math.max(1, Math.ceil(12 / cell));
     for (var rr = 0; rr < rows; rr += every) ctx.fillText(String(rr), m.l - 6, m.t + rr * cell + cell / 2 + 4);
     ctx.save(); ctx.translate(12, m.t + rows * cell / 2); ctx.rotate(-Math.PI / 2);
@@ -309,18 +326,18 @@ JS = r"""
       var s = [S("tokens/s (all processes)", T.tokens_per_s, 0)];
       return lineChart(box, { x: X, series: s, ymin: 0 });
     },
-    mfu: function (box) { return lineChart(box, { x: X, series: [S("MFU", T.mfu, 1)], ymin: 0, yfmt: pct, tipfmt: pct }); },
+    mfu: function (box) { return lineChart(box, { x: X, series: [S("MFU", T.mfu, 1)], ymin: 0, yfmt: "pct", tipfmt: pct }); },
     comm: function (box) {
       var s = [S("communication share", T.comm_share, 3)];
       if (T.worst_rank_idle) s.push(S("worst-rank idle", T.worst_rank_idle, 7, { dash: true }));
-      return lineChart(box, { x: X, series: s, ymin: 0, yfmt: pct, tipfmt: pct,
+      return lineChart(box, { x: X, series: s, ymin: 0, yfmt: "pct", tipfmt: pct,
         hlines: D.rules.max_comm_share ? [{ y: D.rules.max_comm_share, label: "alert " + pct(D.rules.max_comm_share) }] : [] });
     },
     breakdown: function (box) {
       var names = Object.keys(D.breakdown);
       return lineChart(box, { x: X, stacked: true, series: names.map(function (k, i) { return S(k, D.breakdown[k], i); }),
         tipfmt: function (v) { return isNum(v) ? (v * 1e3).toFixed(1) + " ms" : "—"; },
-        yfmt: function (v) { return (v * 1e3).toPrecision(3) + " ms"; } });
+        yfmt: function (v) { return fmt(v * 1e3) + " ms"; } });
     },
     memory: function (box) { return lineChart(box, { x: X, series: [S("memory (MB, max over ranks)", T.mem_mb, 5)] }); },
     expert_load: function (box) {
@@ -329,14 +346,14 @@ JS = r"""
     },
     max_vio: perLayer("max_vio", { ymin: 0,
       hlines: [{ y: D.rules.imbalance_max_vio, label: "alert > " + D.rules.imbalance_max_vio }] }),
-    drop_rate: perLayer("dropped_frac", { ymin: 0, yfmt: pct, tipfmt: pct }),
+    drop_rate: perLayer("dropped_frac", { ymin: 0, yfmt: "pct", tipfmt: pct }),
     entropy: perLayer("router_entropy", { ymin: 0 }),
     bias_range: perLayer("bias_range", { ymin: 0 }),
     rank_load: function (box) {
       return heatmap(box, { x: D.layer_x, z: D.ranks.load, rows: D.ranks.num_ep, rowLabel: "EP rank" });
     },
     rank_idle: function (box) {
-      return lineChart(box, { x: D.layer_x, ymin: 0, yfmt: pct, tipfmt: pct, series: D.ranks.idle.map(function (y, i) {
+      return lineChart(box, { x: D.layer_x, ymin: 0, yfmt: "pct", tipfmt: pct, series: D.ranks.idle.map(function (y, i) {
         return S(D.ranks.idle_names[i], y, i); }) });
     },
     rank_time: function (box) {

@@ -1,0 +1,121 @@
+"""What the step metrics cost: the same training steps with and without them, side by side.
+
+"with": StepTimers sections around data/forward/backward/optimizer plus the model's own
+attention/router/dispatch/experts/combine sections, the StepStatsCollector forward hooks
+and its per-step record (pack, one all_reduce when distributed, one host copy), and a
+JsonlSink line per step. "without": the timers disabled (shared no-op sections), no
+hooks, no record, no sink. Steps alternate A/B/A/B on one model so drift and neighbours'
+load hit both; the claim (issue #6) is that the metrics cost under 2% of step time.
+
+    python benchmarks/metrics_overhead.py [--steps 40] [--config configs/tiny.yaml] [key=value ...]
+
+Prints a table of median step times and the ratio with/without (and the per-step cost in
+ms measured directly around the record + sink call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+from epscale.config import load_config  # noqa: E402
+from epscale.metrics import JsonlSink, StepStatsCollector, StepTimers, flops_per_token  # noqa: E402
+from epscale.model import build_model  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=40, help="timed steps per variant (default 40)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--config", default=str(REPO / "configs" / "tiny.yaml"))
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("overrides", nargs="*", metavar="key=value")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = load_config(args.config, args.overrides)
+    model = build_model(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    B, S = cfg.train.micro_batch_size, cfg.model.seq_len
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, cfg.model.vocab_size, (B, S + 1), generator=g) for _ in range(8)]
+
+    on_timers, off_timers = StepTimers(), StepTimers(enabled=False)
+    collector = StepStatsCollector(model, ep=1, flops_per_token=flops_per_token(cfg))
+    collector.close()  # hooks are attached only during "with" steps (below)
+    tmp = tempfile.TemporaryDirectory()
+    sink = JsonlSink(Path(tmp.name) / "metrics.jsonl")
+    record_cost: list[float] = []
+
+    def step(i: int, with_metrics: bool) -> float:
+        T = on_timers if with_metrics else off_timers
+        model.set_timer(T.section)
+        T.reset()
+        x = batches[i % len(batches)]
+        t0 = time.perf_counter()
+        with T.section("data"):
+            inp, tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
+        with T.section("forward"):
+            loss = model.loss(inp, tgt) + model.aux_loss()
+        with T.section("backward"):
+            loss.backward()
+        with T.section("optimizer"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if with_metrics:
+            r0 = time.perf_counter()
+            rec = collector.record(i, step_time_s=r0 - t0, num_tokens=B * S, loss=loss.detach(),
+                                   lr=1e-3, grad_norm=1.0, breakdown=T.breakdown())
+            sink.write(rec)
+            record_cost.append(time.perf_counter() - r0)
+        return time.perf_counter() - t0
+
+    def attach(on: bool) -> None:
+        collector.close()
+        if on:
+            collector._hooks = [m.register_forward_hook(collector._make_hook(k))
+                                for k, (_l, _n, m) in enumerate(collector.layers)]
+
+    for i in range(args.warmup):
+        attach(True), step(i, True)
+        attach(False), step(i, False)
+    with_t, without_t, pair_ratio = [], [], []
+    for i in range(args.steps):
+        order = (True, False) if i % 2 == 0 else (False, True)
+        got = {}
+        for on in order:
+            attach(on)
+            got[on] = step(i, on)
+        with_t.append(got[True])
+        without_t.append(got[False])
+        pair_ratio.append(got[True] / got[False])
+    sink.close()
+    tmp.cleanup()
+
+    med_on, med_off = statistics.median(with_t), statistics.median(without_t)
+    rec_ms = statistics.median(record_cost) * 1e3
+    print(f"metrics overhead: {cfg.name} recipe, {cfg.model.num_layers} layers "
+          f"({len(collector.layers)} MoE x {cfg.moe.num_experts} experts), batch {B}x{S} tokens, "
+          f"{torch.get_num_threads()} threads, {args.steps} interleaved step pairs")
+    print(f"{'variant':<34}{'median step (ms)':>18}{'mean step (ms)':>16}")
+    print(f"{'without metrics':<34}{med_off * 1e3:>18.2f}{statistics.mean(without_t) * 1e3:>16.2f}")
+    print(f"{'with timers + stats + jsonl':<34}{med_on * 1e3:>18.2f}{statistics.mean(with_t) * 1e3:>16.2f}")
+    print(f"record() + jsonl write alone: {rec_ms:.3f} ms per step "
+          f"({100 * rec_ms / (med_off * 1e3):.2f}% of the step)")
+    print(f"ratio with/without (median of medians): {med_on / med_off:.4f}  "
+          f"median per-pair ratio: {statistics.median(pair_ratio):.4f}  "
+          f"-> overhead {100 * (statistics.median(pair_ratio) - 1):+.2f}% (claim: < 2%)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
