@@ -295,15 +295,15 @@ def print_table(res: dict) -> None:
           f"{res['dtype']}  dense {res['dense_gflops']:.0f} GF/s  peak {res['peak_gflops']:.0f} GF/s")
     ref = {r["impl"]: r for r in res["results"]}
     tt = ref.get("torchtitan MoE")
-    print(f"{'implementation':34s} {'ms/step':>8s} {'tokens/s':>9s} {'GF/s':>6s} {'eff':>5s} "
+    print(f"{'implementation':38s} {'ms/step':>8s} {'tokens/s':>9s} {'GF/s':>6s} {'eff':>5s} "
           f"{'vs peak':>7s} {'peak MB':>8s} {'x titan':>7s}")
     for r in res["results"]:
         ratio = f"{r['tokens_per_s'] / tt['tokens_per_s']:.2f}" if tt else "n/a"
-        print(f"{r['impl']:34s} {r['step_ms']:8.1f} {r['tokens_per_s']:9.0f} "
+        print(f"{r['impl']:38s} {r['step_ms']:8.1f} {r['tokens_per_s']:9.0f} "
               f"{r['useful_gflops']:6.0f} {r['efficiency']:5.2f} {r['eff_vs_peak']:7.2f} "
               f"{r['peak_mb']:8.0f} {ratio:>7s}" + (f"  ({r['note']})" if r["note"] else ""))
     for name, why in res["skipped"].items():
-        print(f"{name:34s} unavailable: {why}")
+        print(f"{name:38s} unavailable: {why}")
 
 
 def main(argv=None) -> int:

@@ -26,19 +26,22 @@ class LocalHandle:
     num_tokens: int
 
 
-def sort_by_expert(topk_idx_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sort_by_expert(topk_idx_TK: torch.Tensor, num_experts: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """Kept assignments ordered by expert (stable in token order), and the counts.
 
     Returns ``order_R`` (int64 indices into the flattened T*K assignments; dropped ones,
-    id -1, are left out) and ``tokens_per_expert_E`` (int64). One host sync: R.
+    id -1, are left out), ``tokens_per_expert_E`` (int64 tensor) and the same counts as a
+    host list. One host sync (the counts), which the expert compute needs anyway.
     """
     flat_A = topk_idx_TK.reshape(-1)
     # Dropped assignments get key E so that they sort last and can be cut off.
     key_A = torch.where(flat_A < 0, num_experts, flat_A)
     counts = torch.bincount(key_A, minlength=num_experts + 1)
-    num_kept = flat_A.numel() - int(counts[num_experts])  # the one host sync
+    counts_list = counts.tolist()  # the one host sync
     order_A = torch.sort(key_A, stable=True).indices
-    return order_A[:num_kept], counts[:num_experts]
+    num_kept = flat_A.numel() - counts_list[num_experts]
+    return order_A[:num_kept], counts[:num_experts], counts_list[:num_experts]
 
 
 class LocalDispatcher(Dispatcher):
@@ -56,7 +59,7 @@ class LocalDispatcher(Dispatcher):
 
     def dispatch(self, x_TD, topk_idx_TK, topk_weight_TK):
         T, K = topk_idx_TK.shape
-        order_R, tokens_per_expert_E = sort_by_expert(topk_idx_TK, self.num_experts)
+        order_R, tokens_per_expert_E, _ = sort_by_expert(topk_idx_TK, self.num_experts)
         recv_x_RD = x_TD.index_select(0, order_R // K)
         return recv_x_RD, tokens_per_expert_E, LocalHandle(order_R, topk_weight_TK, T)
 
@@ -76,11 +79,11 @@ class LocalDispatcher(Dispatcher):
         timer = timer or (lambda name: contextlib.nullcontext())
         K = topk_idx_TK.shape[1]
         with timer("dispatch"):
-            order_R, tokens_per_expert_E = sort_by_expert(topk_idx_TK, self.num_experts)
+            order_R, tokens_per_expert_E, counts = sort_by_expert(topk_idx_TK, self.num_experts)
             src_R = order_R // K
             weight_R = topk_weight_TK.reshape(-1).index_select(0, order_R)
         with timer("experts"):
-            y_TD = experts.forward_scatter(x_TD, src_R, weight_R, tokens_per_expert_E)
+            y_TD = experts.forward_scatter(x_TD, src_R, weight_R, counts)
         return y_TD, tokens_per_expert_E
 
     def __repr__(self) -> str:

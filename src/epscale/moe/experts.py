@@ -92,8 +92,9 @@ class GroupedExperts(nn.Module):
         ok = x.dtype in (torch.float32, torch.bfloat16) and _aligned_for_grouped_mm(x, self.hidden_dim)
         return ok and (self.gemm == "grouped" or x.device.type != "cpu")
 
-    def _check_counts(self, tokens_per_expert_e: torch.Tensor, num_rows: int) -> list[int]:
-        counts = tokens_per_expert_e.tolist()  # the one host sync of the expert compute
+    def _check_counts(self, tokens_per_expert_e: torch.Tensor | list[int], num_rows: int) -> list[int]:
+        counts = (tokens_per_expert_e.tolist() if isinstance(tokens_per_expert_e, torch.Tensor)
+                  else list(tokens_per_expert_e))  # the one host sync of the expert compute
         if len(counts) != self.w1.shape[0] or sum(counts) != num_rows:
             raise ValueError(f"GroupedExperts: tokens_per_expert has {len(counts)} entries "
                              f"summing to {sum(counts)}; expected {self.w1.shape[0]} local "
@@ -110,12 +111,13 @@ class GroupedExperts(nn.Module):
         return FusedExperts.apply(x_RD, None, w1, w3, w2, None, plan, self.activation)
 
     def forward_scatter(self, x_TD: torch.Tensor, src_R: torch.Tensor, weight_R: torch.Tensor,
-                        tokens_per_expert_e: torch.Tensor) -> torch.Tensor:
+                        tokens_per_expert_e: torch.Tensor | list[int]) -> torch.Tensor:
         """y_TD[t] = sum over rows r with src_R[r] == t of weight_R[r] * expert_e(r)(x_TD[t]).
 
         x_TD: [T, D]; src_R: int64 [R], the token of each row, rows grouped by expert in
         ascending order; weight_R: float [R] gate weights (differentiable);
-        tokens_per_expert_e: int64 [e] group sizes. Returns [T, D] in x's dtype.
+        tokens_per_expert_e: int64 [e] group sizes (a tensor, or a host list when the
+        caller already synced). Returns [T, D] in x's dtype.
         """
         counts = self._check_counts(tokens_per_expert_e, src_R.shape[0])
         plan = ExpertPlan.build(counts, x_TD.shape[-1] * x_TD.element_size(), self.chunk_bytes,
