@@ -20,7 +20,7 @@ $(STAMP): $(PY) pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/epscale demo
+	$(VENV)/bin/epscale train --config configs/tiny.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -111,6 +111,17 @@ def run(args) -> int:
     return 0 if result is not None else 1
 
 
+def _die_with_parent() -> None:
+    """In the torchrun child (Linux): get SIGTERM when this launcher dies, so its workers
+    never outlive it."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def launch_local(args, nproc: int, run_dir: Path) -> int:
     """Run this same command as ``nproc`` torchrun workers. SIGINT/SIGTERM/SIGUSR1 here
     become a graceful stop there (the RUN_DIR/STOP file); a second one kills them."""
@@ -127,7 +138,9 @@ def launch_local(args, nproc: int, run_dir: Path) -> int:
     if not torch.cuda.is_available():
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     run_dir.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    (run_dir / STOP_FILE).unlink(missing_ok=True)  # a stale one would stop the new run
+    # Own session: a terminal's Ctrl-C reaches only us (and becomes a graceful stop).
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
     signals = {"count": 0}
 
     def forward(signum, _frame):

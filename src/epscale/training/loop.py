@@ -84,7 +84,6 @@ class Trainer:
             for sub in ("checkpoints", "logs", "heartbeats"):
                 (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
             dump_yaml(cfg, self.run_dir / "config.yaml")
-            (self.run_dir / STOP_FILE).unlink(missing_ok=True)
         self._barrier()
         self._log_file = open(self.run_dir / "logs" / f"rank{self.rank}.log", "a")
 
