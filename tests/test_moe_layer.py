@@ -386,3 +386,12 @@ def test_nan_counted_otherwise():
     assert int(moe.last_stats["num_nonfinite_inputs"]) == 2
     assert int(moe.last_stats["num_nonfinite_tokens"]) == 2
     assert torch.isfinite(y[[0, 1, 3, 5]]).all()
+
+
+def test_grouped_experts_inconsistent_counts():
+    experts = GroupedExperts(4, 8, 16)
+    with pytest.raises(ValueError, match=r"tokens_per_expert has 4 entries summing to 5; "
+                                         r"expected 4 local experts and 6 rows"):
+        experts(torch.randn(6, 8), torch.tensor([1, 2, 2, 0]))
+    with pytest.raises(ValueError, match="has 3 entries"):
+        experts(torch.randn(6, 8), torch.tensor([1, 2, 3]))
