@@ -62,7 +62,7 @@ def test_render_gpu_script(tmp_path):
     for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
                  "#SBATCH --partition=gpu", "#SBATCH --time=1-00:00:00",
                  "#SBATCH --exclude=node[03,17]", "#SBATCH --requeue",
-                 "#SBATCH --signal=B:USR1@600"):
+                 "#SBATCH --signal=B:USR1@600", "#SBATCH --exclusive"):
         assert line in text, line
     assert 'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in text
     assert "RDZV_PORT=$((20000 + SLURM_JOB_ID % 20000))" in text
@@ -77,6 +77,9 @@ def test_render_gpu_script(tmp_path):
                  "TORCH_NCCL_ENABLE_MONITORING"):
         assert re.search(rf"# {name}: \S.*\nexport {name}=", text), name
     assert "train.steps=50" in text and "-m epscale train --config" in text
+    assert "-m epscale preflight" in text  # before training, on every rank
+    assert text.index("-m epscale preflight") < text.index("-m epscale train")
+    assert "-m epscale preflight" not in slurm.render(_job(tmp_path, preflight=False))
     if shutil.which("bash"):
         p = tmp_path / "job.sbatch"
         p.write_text(text)
@@ -87,6 +90,7 @@ def test_render_gpu_script(tmp_path):
 def test_render_cpu_mode_has_no_gpu_request(tmp_path):
     text = slurm.render(_job(tmp_path, gpus_per_node=0, procs_per_node=2))
     assert "--gpus" not in text and "--gres" not in text and "NCCL_IB_HCA" not in text
+    assert "--exclusive" not in text
     assert "--nproc-per-node=2" in text and "GLOO_SOCKET_IFNAME" in text
 
 
@@ -216,5 +220,5 @@ def test_preflight_command_under_torchrun():
                         "--numel", "512", "--timeout", "30"],
                        capture_output=True, text=True, timeout=240, env=env,
                        stdin=subprocess.DEVNULL)
-    assert r.returncode in (0, 1), r.stderr[-2000:]  # 1 = a rank looked slow on a busy machine
+    assert r.returncode == 0, r.stderr[-2000:]  # slow ranks are reported, not fatal by default
     assert "preflight: 2 ranks (gloo)" in r.stdout, r.stdout + r.stderr[-2000:]

@@ -93,6 +93,13 @@ def test_sbatch_trains_checkpoints_and_resumes_after_preemption(slurm_cluster, t
             f"job ended {info.get('JobState')} instead of requeueing" + diag()
         assert time.monotonic() < deadline, f"job not requeued: {info.get('JobState')}" + diag()
         time.sleep(0.5)
+    # ... once the first attempt's processes are gone from the node (slurmd refuses to start a
+    # job it is still cleaning up: "Job N already killed, do not launch batch job").
+    while cluster.run("sinfo", "-h", "-N", "-o", "%T", "-n", cluster.hostname).stdout.strip() \
+            != "idle":
+        assert time.monotonic() < deadline, "node did not become idle after the requeue" + diag()
+        time.sleep(0.5)
+    time.sleep(1)
     cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
     state = cluster.wait(job_id, timeout=240)
     info = cluster.job_info(job_id)
@@ -120,6 +127,8 @@ def test_sbatch_trains_checkpoints_and_resumes_after_preemption(slurm_cluster, t
     # 4. logs: Slurm's output plus a directory per job with one log per attempt and node
     text = out_file.read_text()
     assert "SIGUSR1" in text and f"requeueing job {job_id}" in text, text[-2000:]
+    # the preflight ran before each attempt and reported both ranks
+    assert text.count("preflight: 2 ranks (gloo)") == 2, text[-3000:]
     job_logs = sorted(p.name for p in (run_dir / "slurm" / job_id).glob("attempt*.log"))
     assert job_logs == [f"attempt0-{cluster.hostname}.log",
                         f"attempt1-{cluster.hostname}.log"], job_logs

@@ -14,7 +14,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from ..config import ConfigError, load_config
+from ..config import ConfigError
 
 
 def _positive(key: str, value: int, allow_zero: bool = False) -> None:

@@ -11,6 +11,7 @@ processes per node), which is how the test-suite runs it on a one-node local clu
 
 from __future__ import annotations
 
+import argparse
 import re
 import shlex
 import subprocess
@@ -88,8 +89,11 @@ class SlurmJob:
     nodes: nodes in the allocation. gpus_per_node: GPUs requested per node; 0 is CPU mode.
     procs_per_node: training processes per node (default: gpus_per_node, or 1 in CPU mode).
     cpus_per_node: CPUs for the node's torchrun task (``--cpus-per-task``), None = Slurm's default.
+    exclusive: whole nodes; None means yes with GPUs (training owns the node), no on CPU.
     signal_before: seconds before the time limit at which training is told to checkpoint.
     max_restarts: torchrun group restarts after a rank fails, within one job attempt.
+    preflight: before training, run ``epscale preflight`` on every rank of the allocation
+    (timed all-reduce/all-to-all); a missing or failing rank ends the job with its host named.
     """
 
     config: str
@@ -103,7 +107,7 @@ class SlurmJob:
     exclude: str | None = None
     account: str | None = None
     qos: str | None = None
-    exclusive: bool = False
+    exclusive: bool | None = None
     job_name: str | None = None
     run_dir: str | None = None
     log_root: str | None = None
@@ -111,6 +115,7 @@ class SlurmJob:
     python: str = field(default_factory=lambda: sys.executable)
     max_restarts: int = 3
     signal_before: int = 300
+    preflight: bool = True
     env: list[str] = field(default_factory=list)
     overrides: list[str] = field(default_factory=list)
 
@@ -147,6 +152,8 @@ class SlurmJob:
         for item in self.env:
             if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", item):
                 raise _bad("--env", item, "use NAME=VALUE")
+        if self.exclusive is None:
+            self.exclusive = self.gpus_per_node > 0
         self.job_name = self.job_name or f"epscale-{cfg.name}"
         base = Path(self.chdir or Path.cwd()).resolve()
         self.chdir = str(base)
@@ -168,6 +175,28 @@ def _export_block(presets: list[tuple[str, str, str]]) -> list[str]:
         else:
             lines.append(f"# export {name}=eth0")
     return lines
+
+
+def _preflight_block(job: SlurmJob) -> str:
+    if not job.preflight:
+        return ""
+    return f"""\
+# Preflight: every rank joins a short timed all-reduce/all-to-all before training; the report
+# (slow ranks by host and rank) goes to this job's output. A rank that does not join or fails
+# the check ends the job here, before hours are spent waiting on it (exclude its node).
+srun --kill-on-bad-exit=1 --ntasks-per-node=1 --nodes={job.nodes} \\
+    --cpus-per-task="{job.cpus_per_node or '$SLURM_CPUS_ON_NODE'}" \\
+    {shlex.quote(job.python)} -m torch.distributed.run \\
+    --nnodes={job.nodes} --nproc-per-node={job.procs_per_node} \\
+    --rdzv-backend=c10d --rdzv-endpoint="$HEAD_NODE:$((RDZV_PORT + 20000))" \\
+    --rdzv-id="preflight-$SLURM_JOB_ID-$ATTEMPT" --max-restarts=0 \\
+    -m epscale preflight --timeout 120
+PREFLIGHT_RC=$?
+if [ "$PREFLIGHT_RC" != 0 ]; then
+    echo "[epscale] preflight failed (exit code $PREFLIGHT_RC): see the ranks and hosts named above"
+    exit "$PREFLIGHT_RC"
+fi
+"""
 
 
 def render(job: SlurmJob, script_name: str = "job.sbatch") -> str:
@@ -211,6 +240,10 @@ def render(job: SlurmJob, script_name: str = "job.sbatch") -> str:
         "env_presets": "\n".join(env), "extra_env": "\n".join(extra),
         "python": shlex.quote(job.python), "max_restarts": str(job.max_restarts),
         "train_args": shlex.join(tr),
+        # Since Slurm 22.05 srun does not inherit sbatch's --cpus-per-task: give the node's
+        # one torchrun task every CPU the job holds there, else its workers share one core.
+        "preflight_block": _preflight_block(job),
+        "srun_cpus": str(job.cpus_per_node) if job.cpus_per_node else "$SLURM_CPUS_ON_NODE",
     }
     text = TEMPLATE.read_text()
     for key, value in values.items():
@@ -261,7 +294,8 @@ def _add_job_options(p) -> None:
     p.add_argument("--exclude", default=None, help="nodes to avoid, e.g. node[03,17]")
     p.add_argument("--account", default=None)
     p.add_argument("--qos", default=None)
-    p.add_argument("--exclusive", action="store_true", help="whole nodes only")
+    p.add_argument("--exclusive", action=argparse.BooleanOptionalAction, default=None,
+                   help="whole nodes (default: yes with GPUs, no in CPU mode)")
     p.add_argument("--job-name", default=None, help="default: epscale-<config name>")
     p.add_argument("--run-dir", default=None, help="default: runs/<job name>")
     p.add_argument("--log-root", default=None,
@@ -272,6 +306,9 @@ def _add_job_options(p) -> None:
                    help="torchrun restarts after a rank fails, per job attempt (default 3)")
     p.add_argument("--signal-before", type=int, default=300,
                    help="seconds before the time limit to checkpoint and requeue (default 300)")
+    p.add_argument("--preflight", action=argparse.BooleanOptionalAction, default=True,
+                   help="timed all-reduce/all-to-all check of every rank before training "
+                        "(default: on)")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="extra environment variable for the job (repeatable)")
     p.add_argument("-o", "--output", default=None,
@@ -292,7 +329,7 @@ def _job_from_args(args) -> SlurmJob:
                     time=args.time, exclude=args.exclude, account=args.account, qos=args.qos,
                     exclusive=args.exclusive, job_name=args.job_name, run_dir=args.run_dir,
                     log_root=args.log_root, python=args.python, max_restarts=args.max_restarts,
-                    signal_before=args.signal_before, env=args.env)
+                    signal_before=args.signal_before, preflight=args.preflight, env=args.env)
 
 
 def run(args) -> int:
