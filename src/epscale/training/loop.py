@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import signal
 import socket
@@ -36,7 +35,7 @@ from ..sizing import model_size
 from .console import TrainConsole
 from .dist import LaunchEnv, init_process_group, make_dims, pick_device, set_threads, shutdown
 from .guard import SpikeGuard
-from .optim import build_optimizer, ensure_optimizer_state, is_expert_param, lr_at, set_lr
+from .optim import build_optimizer, ensure_optimizer_state, grad_norm_and_flags, lr_at, set_lr
 
 STOP_FILE = "STOP"  # touch RUN_DIR/STOP to stop gracefully (what `--nproc` forwards signals as)
 
@@ -230,35 +229,6 @@ class Trainer:
         return self._signalled or (self.run_dir / STOP_FILE).exists()
 
     # ================================================================== one step
-    def _grad_norm_and_flags(self, loss: torch.Tensor) -> tuple[float, bool, bool]:
-        """Global grad norm, clipped in place; one all-reduce over the world of
-        [expert norm^2 / dp, stop flag, non-finite loss flag] (expert grads are equal on
-        the dp replicas of a shard, so the world sum / dp is the sum over the ep group)."""
-        dense, expert = [], []
-        for p in self.model.parameters():
-            if p.grad is not None:
-                (expert if is_expert_param(p) else dense).append(p.grad)
-
-        def sq(grads):
-            if not grads:
-                return torch.zeros((), device=self.device, dtype=torch.float32)
-            return torch.stack([n.float() ** 2 for n in torch._foreach_norm(grads)]).sum()
-
-        dense_sq = sq(dense)
-        flags = torch.stack([sq(expert) / self.dims.dp,
-                             torch.tensor(float(self._stop_requested()), device=self.device),
-                             (~torch.isfinite(loss)).float().to(self.device)])
-        if self.world > 1:
-            dist.all_reduce(flags)
-        total = (dense_sq + flags[0]).sqrt()
-        clip = self.cfg.train.grad_clip
-        finite = bool(torch.isfinite(total))  # host sync: decides skip/clip on every rank
-        if clip > 0 and finite:
-            coef = torch.clamp(clip / (total + 1e-6), max=1.0)
-            torch._foreach_mul_(dense + expert, coef)
-        vals = flags.tolist()
-        return float(total), vals[1] > 0, vals[2] > 0 or not finite
-
     def train_step(self) -> dict[str, Any]:
         """Runs step ``self.step + 1`` on this rank; returns the all-reduced step record."""
         cfg, T = self.cfg, self.timers
@@ -288,7 +258,8 @@ class Trainer:
                 from ..parallel import sync_gradients
 
                 sync_gradients(self.model, self.dims)
-            grad_norm, stop, skip = self._grad_norm_and_flags(loss_sum)
+            grad_norm, stop, skip = grad_norm_and_flags(
+                self.model, self.dims, cfg.train.grad_clip, self._stop_requested(), loss_sum)
         lr = lr_at(step, cfg.train)
         with T.section("optimizer"):
             if skip:

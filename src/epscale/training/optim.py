@@ -1,5 +1,5 @@
-"""AdamW with decay groups, the warm-up + cosine schedule, and gradient clipping that
-knows which gradients are sharded over expert parallelism.
+"""AdamW with decay groups, the warm-up + cosine schedule, gradient clipping that knows
+which gradients are sharded over expert parallelism, and AdamW state helpers.
 """
 
 from __future__ import annotations
@@ -47,32 +47,38 @@ def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
 
 
 @torch.no_grad()
-def grad_norm_and_clip(model: nn.Module, max_norm: float, ep_group=None) -> torch.Tensor:
-    """Global L2 norm of all gradients (fp32 scalar; identical on every rank), clipping
-    them to ``max_norm`` (0 disables clipping) when it is finite.
+def grad_norm_and_flags(model: nn.Module, dims, max_norm: float, stop: bool,
+                        loss: torch.Tensor) -> tuple[float, bool, bool]:
+    """(global grad norm, any rank asked to stop, skip this step), clipping the grads to
+    ``max_norm`` (0: no clipping) when the norm is finite. Same answer on every rank.
 
-    After gradient sync, non-expert grads are equal on every rank and expert grads on
-    the dp replicas of an expert shard, so the norm is the local non-expert part plus the
-    expert part summed over the ep group: one all-reduce of one scalar.
+    After sync_gradients, non-expert grads are equal on every rank and expert grads on the
+    dp replicas of a shard, so the squared norm is the local non-expert part plus the
+    expert part summed over the ep group. ONE all-reduce over the world carries
+    [expert norm^2 / dp, stop flag, non-finite loss flag]: the world sum of the first is
+    the ep-group sum, and a rank's signal or NaN loss reaches every rank.
     """
     dense, expert = [], []
     for p in model.parameters():
         if p.grad is not None:
             (expert if is_expert_param(p) else dense).append(p.grad)
-    device = next(model.parameters()).device
-    zero = torch.zeros((), device=device, dtype=torch.float32)
-    dense_sq = torch.stack([n.float() ** 2 for n in torch._foreach_norm(dense)]).sum() if dense else zero
-    expert_sq = (torch.stack([n.float() ** 2 for n in torch._foreach_norm(expert)]).sum()
-                 if expert else zero.clone())
-    if ep_group is not None and dist.is_initialized():
-        dist.all_reduce(expert_sq, group=ep_group)
-    total = (dense_sq + expert_sq).sqrt()
-    if max_norm > 0 and bool(torch.isfinite(total)):
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        grads = dense + expert
-        if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
-    return total
+    device = loss.device
+
+    def sq(grads):
+        if not grads:
+            return torch.zeros((), device=device, dtype=torch.float32)
+        return torch.stack([n.float() ** 2 for n in torch._foreach_norm(grads)]).sum()
+
+    flags = torch.stack([sq(expert) / dims.dp, torch.tensor(float(stop), device=device),
+                         (~torch.isfinite(loss)).float()])
+    if dims.world_size > 1 and dist.is_initialized():
+        dist.all_reduce(flags)
+    total = (sq(dense) + flags[0]).sqrt()
+    finite = bool(torch.isfinite(total))  # host sync: decides clip/skip on every rank
+    if max_norm > 0 and finite and (dense or expert):
+        torch._foreach_mul_(dense + expert, torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    vals = flags.tolist()
+    return float(total), vals[1] > 0, vals[2] > 0 or not finite
 
 
 def ensure_optimizer_state(opt: torch.optim.AdamW) -> None:
