@@ -83,7 +83,7 @@ def main() -> None:
     from epscale.config import load_config
     from epscale.sizing import model_size
 
-    console = Console()
+    console = Console(width=160)
     base_dir = args.keep or Path(tempfile.mkdtemp(prefix="epscale-bench-train-"))
     table = Table(title=f"Training throughput, {args.nproc} processes, {args.steps} steps each "
                         f"(medians after warm-up)")
