@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from epscale import checkpoint as ckpt
-from epscale.config import load_config
+from epscale.config import load_config, to_dict
 from epscale.model import build_model
 from epscale.training.dist import SingleProcessDims
 from epscale.training.optim import build_optimizer
@@ -114,7 +114,7 @@ def test_mismatched_model_is_a_clear_error(tmp_path):
 def test_export_and_import_full_state_dict(tmp_path):
     c = cfg()
     m1, o1 = trained(c)
-    ckpt.save(tmp_path / "run", 5, m1, o1, DIMS, {"data": {"position": 80}})
+    ckpt.save(tmp_path / "run", 5, m1, o1, DIMS, {"data": {"position": 80}, "config": to_dict(c)})
     out = tmp_path / "full.pt"
     rc = subprocess.run([sys.executable, "-m", "epscale", "checkpoint", "export",
                          str(tmp_path / "run"), str(out)], capture_output=True, text=True)
@@ -128,6 +128,7 @@ def test_export_and_import_full_state_dict(tmp_path):
     # import it into another run directory and load it back with the optimizer
     path = ckpt.import_full(out, tmp_path / "run2")
     assert path.name == "step_00000005"
+    assert load_config(tmp_path / "run2" / "config.yaml").model == c.model  # for --run-dir resumes
     m2, o2 = trained(c, steps=1, seed=3)
     meta = ckpt.load(path, m2, o2, DIMS)
     assert meta["data"]["position"] == 80

@@ -215,7 +215,7 @@ def _quiet():
     """DCP warns that it 'assumes a single process' whenever no process group exists;
     for a single-process run that is exactly the intent."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to.*single process.*")
         yield
 
 
@@ -375,4 +375,9 @@ def import_full(src: str | Path, run_dir: str | Path, step: int | None = None) -
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
+    cfg_path = Path(run_dir) / "config.yaml"
+    if isinstance(meta.get("config"), dict) and not cfg_path.exists():
+        import yaml  # so `epscale train --run-dir RUN_DIR` rebuilds the same model
+
+        cfg_path.write_text(yaml.safe_dump(meta["config"], sort_keys=False))
     return final
