@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from epscale.launch.watchdog import (HANG_EXIT_CODE, FlightRecorder, OpRecord, hang_report,
+from epscale.launch.watchdog import (HANG_EXIT_CODE, FlightRecorder, hang_report,
                                      read_flight_dumps)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -216,3 +216,71 @@ def test_sigkill_rank_restarts_and_resumes_to_the_same_loss(tmp_path, corpus):
         beat = json.loads((run / "heartbeats" / f"rank{r}.json").read_text())
         assert beat["rank"] == r and beat["step"] == steps and beat["host"] == socket.gethostname()
         assert time.time() - beat["time"] < 300
+
+
+# ------------------------------------------------------------------ a frozen rank in the trainer
+
+
+def _trainer_has_watchdog() -> bool:
+    from dataclasses import fields
+
+    from epscale.config import TrainConfig
+
+    return "collective_timeout_s" in {f.name for f in fields(TrainConfig)}
+
+
+@pytest.mark.skipif(not _trainer_has_watchdog(),
+                    reason="the trainer does not start epscale.launch.watchdog yet (it needs "
+                           "the config key train.collective_timeout_s and the Watchdog calls in "
+                           "training/loop.py; see docs/slurm.md)")
+def test_frozen_rank_in_training_ends_with_named_timeout(tmp_path, corpus):
+    """SIGSTOP freezes rank 1 mid-training: rank 0 blocks in a collective, the watchdog
+    names rank 0, the operation and the step, and the job ends (no restarts left)."""
+    import re
+
+    run = tmp_path / "frozen"
+    cmd = [sys.executable, "-m", "epscale", "launch", "--nproc", "2", TINY, "--run-dir", str(run),
+           "--max-restarts", "0", "train.steps=100000", "train.ckpt_every=0",
+           "train.collective_timeout_s=5", f"data.source={corpus}", *SMALL]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            stdin=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
+    reader.start()
+    pid = None
+    try:
+        deadline = time.monotonic() + 240
+        while pid is None and time.monotonic() < deadline and proc.poll() is None:
+            try:
+                beat = json.loads((run / "heartbeats" / "rank1.json").read_text())
+            except (OSError, ValueError):
+                beat = None
+            if beat and beat["step"] >= 3:
+                pid, frozen_at = beat["pid"], beat["step"]
+                assert _parent(pid) == proc.pid
+                os.kill(pid, signal.SIGSTOP)
+            time.sleep(0.01)
+        assert pid is not None, "training never reached step 3:\n" + "".join(output)[-3000:]
+        while proc.poll() is None and time.monotonic() < deadline:
+            if "Full dumps:" in "".join(output):  # the report is out: spare torchrun the 30 s
+                os.kill(pid, signal.SIGKILL)      # it waits before it SIGKILLs a frozen rank
+                break
+            time.sleep(0.1)
+        assert proc.wait(timeout=180) != 0
+    finally:
+        if pid is not None:
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(5)
+    text = "".join(output)
+    m = re.search(r"epscale watchdog: rank 0 \(host \S+\) timed out in collective '(\w+)' "
+                  r"\(#\d+\) at step (\d+)", text)
+    assert m, text[-4000:]
+    assert int(m.group(2)) >= frozen_at
+    assert re.search(r"rank 1 .*(behind the others|stopped updating)", text), text[-4000:]
+    assert (run / "logs" / "flight_rank0.json").exists()

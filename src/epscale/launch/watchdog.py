@@ -109,7 +109,7 @@ class FlightRecorder:
         self._ops: collections.deque[OpRecord] = collections.deque(maxlen=capacity)
         self._seq = 0
         self._lock = threading.Lock()
-        self.version = 0  # bumped on every change, so the flusher writes only when needed
+        self.version = 0  # bumped on every change (lets a reader tell two snapshots apart)
 
     def begin(self, op: str, blocking: bool = True, **info: Any) -> OpRecord:
         now = time.time()
@@ -181,8 +181,10 @@ def read_flight_dumps(log_dir: str | Path, world_size: int) -> dict[int, dict | 
 
 
 def hang_report(rank: int, host: str, rec: OpRecord, timeout_s: float,
-                dumps: dict[int, dict | None], log_dir: str | Path, what: str = "") -> str:
-    """The message printed on a hang: who, what, when, then every rank's last operations."""
+                dumps: dict[int, dict | None], log_dir: str | Path, what: str = "",
+                stale_s: float = float("inf")) -> str:
+    """The message printed on a hang: who, what, when, then every rank's last operations.
+    A rank whose record is older than ``stale_s`` seconds is flagged as frozen."""
     now = time.time()
     head = (f"epscale watchdog: rank {rank} (host {host}) timed out in collective "
             f"'{rec.op}' (#{rec.seq}) at step {rec.step}: not finished after "
@@ -207,7 +209,11 @@ def hang_report(rank: int, host: str, rec: OpRecord, timeout_s: float,
         last = d["ops"][-1] if d.get("ops") else None
         age = now - d.get("time", now)
         note = ""
-        if progress(d) < lead:
+        if age > stale_s:
+            note = ("  <- its record stopped updating: the process is frozen, dead or holds "
+                    "the GIL")
+            behind.append(r)
+        elif progress(d) < lead:
             note = "  <- behind the others: likely the rank that holds the group up"
             behind.append(r)
         lines.append(f"  rank {r} (host {d.get('host')}, pid {d.get('pid')}, step "
@@ -381,7 +387,6 @@ class Watchdog:
     # -- detection ------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        written = -1
         last_flush = 0.0
         while not self._stop.wait(self.poll_s):
             now = time.time()
@@ -397,8 +402,9 @@ class Watchdog:
                                  f"{now - self.recorder.step_time:.1f} s "
                                  f"(step timeout {self.step_timeout_s:g} s)")
                 return
-            if self.recorder.version != written and now - last_flush >= self.flush_s:
-                written = self.recorder.version
+            # Rewrite at least every flush_s even when nothing changed: the file's time then
+            # tells the other ranks whether this one is alive (a frozen rank's file goes stale).
+            if now - last_flush >= self.flush_s:
                 last_flush = now
                 try:
                     self.recorder.dump(self.path)
@@ -415,7 +421,7 @@ class Watchdog:
         dumps = read_flight_dumps(self.log_dir, self.recorder.world_size)
         dumps[self.recorder.rank] = self.recorder.snapshot()
         msg = hang_report(self.recorder.rank, self.recorder.host, rec, self.timeout_s, dumps,
-                          self.log_dir, what)
+                          self.log_dir, what, stale_s=max(4 * self.flush_s, 5.0))
         (self.log_dir / f"hang_rank{self.recorder.rank}.txt").write_text(msg + "\n")
         print(msg, file=sys.stderr, flush=True)
         return msg
