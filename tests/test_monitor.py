@@ -301,7 +301,7 @@ def _train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
 def test_trained_run_with_collapsed_router_fires_imbalance_and_dead_experts(tmp_path):
     """The tiny recipe (shrunk to 2 layers of width 64, one process) trained on text that
     is one repeated byte: every token reaches the router with the same hidden state, so
-    top-1 routing sends all of them to one expert (no balance loss to push back). A real
+    top-1 routing sends all of them to one expert (balance loss and bias update off). A real
     collapse, through the real trainer and its metrics.jsonl, caught by the default
     rules. The same recipe on ordinary text (Python source) must fire no alert."""
     steps = "train.steps=22"
@@ -309,7 +309,7 @@ def test_trained_run_with_collapsed_router_fires_imbalance_and_dead_experts(tmp_
     one_byte.write_text("a" * 60_000)
     collapsed = tmp_path / "collapsed"
     proc = _train(collapsed, steps, "moe.top_k=1", "moe.aux_loss_coeff=0",
-                  f"data.source={one_byte}")
+                  "moe.bias_update_speed=0", f"data.source={one_byte}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     check = subprocess.run([sys.executable, "-m", "epscale", "monitor", str(collapsed), "--check"],
                            capture_output=True, text=True, timeout=120)
