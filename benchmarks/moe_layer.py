@@ -57,11 +57,15 @@ class Impl:
 
 # ------------------------------------------------------------------ implementations
 
-def build_epscale(shape, dtype, fuse: bool = True) -> Impl:
+def build_epscale(shape, dtype, fuse: bool = True, gemm: str = "auto") -> Impl:
     cfg = epscale.MoEConfig(dim=shape["D"], hidden_dim=shape["F"], num_experts=shape["E"],
                             top_k=shape["K"], score_func="softmax", route_norm=True)
     torch.manual_seed(0)
     moe = epscale.MoE(cfg).to(dtype)
+    moe.experts.gemm = gemm
+    if gemm == "grouped":
+        return Impl("epscale (grouped_mm GEMMs)", moe, moe,
+                    "grouped_mm per chunk instead of the per-expert mm loop")
     if not fuse:
         moe.dispatcher = LocalDispatcher(cfg.num_experts, fuse=False)
         return Impl("epscale (rows path)", moe, moe,
@@ -244,8 +248,9 @@ def bench_one(label: str, shape, dtype, args) -> dict:
     skipped: dict[str, str] = {}
     wanted = set(args.impls.split(","))
     if "rows" in wanted:
-        rows = build_epscale(shape, dtype, fuse=False)
-        impls.append(rows)
+        impls.append(build_epscale(shape, dtype, fuse=False))
+    if "grouped" in wanted:
+        impls.append(build_epscale(shape, dtype, gemm="grouped"))
     for key, build in (("torchtitan", lambda: build_torchtitan(ours.module, shape, dtype)),
                        ("mixtral", lambda: build_mixtral(ours.module, shape, dtype, None)),
                        ("mixtral-grouped", lambda: build_mixtral(ours.module, shape, dtype,
@@ -319,8 +324,8 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default="coarse,fine", help="comma list of: " + ", ".join(CONFIGS))
     p.add_argument("--shape", default=None, help="custom E,K,D,F,T instead of --configs")
     p.add_argument("--dtypes", default="bfloat16,float32")
-    p.add_argument("--impls", default="rows,torchtitan,mixtral,mixtral-grouped",
-                   help="others beside epscale: rows, torchtitan, mixtral, mixtral-grouped")
+    p.add_argument("--impls", default="rows,grouped,torchtitan,mixtral,mixtral-grouped",
+                   help="others beside epscale: rows, grouped, torchtitan, mixtral, mixtral-grouped")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds over implementations")
     p.add_argument("--reps", type=int, default=2, help="timed steps per implementation per round")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")

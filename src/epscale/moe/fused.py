@@ -25,6 +25,7 @@ with ``grouped_mm`` over a chunk when that is available and allowed.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +35,7 @@ HAS_GROUPED_MM = hasattr(F, "grouped_mm")
 
 # Bytes of one [C, D] chunk buffer the planner aims for: a few MB stays in the cache
 # hierarchy of a CPU socket between the GEMM and the element-wise passes that follow it.
-CHUNK_BYTES = 4 << 20
+CHUNK_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,25 @@ def _weight_grad(a_CX: torch.Tensor, g_CY: torch.Tensor, grad_EXY: torch.Tensor,
         torch.mm(a_CX[off:off + n].t(), g_CY[off:off + n], out=grad_EXY[e])
 
 
+_WORKSPACE = threading.local()
+
+
+def _accumulator(key: str, shape, acc_dtype, out_dtype, device) -> torch.Tensor:
+    """A zeroed [T, D] accumulator. When it is only a temporary (it gets converted to
+    ``out_dtype`` before returning), it is reused across calls: a fresh 10+ MB buffer
+    costs page faults on every step, more than zeroing one that is already mapped.
+    Per thread, so that concurrent callers never share one."""
+    if acc_dtype == out_dtype:  # the accumulator is the result itself: must be fresh
+        return torch.zeros(shape, dtype=acc_dtype, device=device)
+    bufs = getattr(_WORKSPACE, "bufs", None)
+    if bufs is None:
+        bufs = _WORKSPACE.bufs = {}
+    buf = bufs.get(key)
+    if buf is None or buf.shape != torch.Size(shape) or buf.dtype != acc_dtype or buf.device != device:
+        buf = bufs[key] = torch.empty(shape, dtype=acc_dtype, device=device)
+    return buf.zero_()
+
+
 class FusedExperts(torch.autograd.Function):
     """See the module docstring. Arguments of ``forward``:
 
@@ -149,7 +169,7 @@ class FusedExperts(torch.autograd.Function):
             x_CD = torch.empty((C, D), dtype=dt, device=dev)
             y_CD = torch.empty((C, D), dtype=dt, device=dev)
             acc_dtype = torch.float32 if dt != torch.float64 else dt
-            out = torch.zeros((x.shape[0], D), dtype=acc_dtype, device=dev)
+            out = _accumulator("fwd", (x.shape[0], D), acc_dtype, dt, dev)
             y32_CD = torch.empty((C, D), dtype=acc_dtype, device=dev)
         else:
             out = torch.empty((R, D), dtype=dt, device=dev)
@@ -209,7 +229,7 @@ class FusedExperts(torch.autograd.Function):
         g_weight_R = torch.empty(R, dtype=torch.float32, device=dev) if need_wt and scatter else None
         acc_dtype = torch.float32 if dt != torch.float64 else dt
         if need_x:
-            gx = (torch.zeros((x.shape[0], D), dtype=acc_dtype, device=dev) if scatter
+            gx = (_accumulator("bwd", (x.shape[0], D), acc_dtype, dt, dev) if scatter
                   else torch.empty((R, D), dtype=dt, device=dev))
         else:
             gx = None
