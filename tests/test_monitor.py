@@ -235,6 +235,13 @@ def test_live_render_shows_layers_ranks_and_alerts(tmp_path):
     assert "MoE layers" in text and "ALERT imbalance: layer 0" in text
     assert "ALERT silent_rank: rank 1 (node00)" in text and "3,600s ago (step 30)" in text
     assert "7.00" in text  # layer 0 MaxVio
+    big = load_run(make_run(tmp_path / "big", layers=20, ep=32, experts=64, steps=3,
+                            straggler_rank=17))
+    con = Console(record=True, width=200, file=io.StringIO())
+    con.print(render(big, [], now=NOW, max_rows=5))
+    text = con.export_text()
+    assert "the 5 of 20 with the highest MaxVio" in text and "the 5 slowest of 32" in text
+    assert re.search(r"^│\s+17\s", text, re.M)  # the straggler is among the shown ranks
     assert sparkline([1, 2, 3, None, float("nan"), 4]) == "▁▃▆█"
     bar = load_bar([0, 10, 30]).plain
     assert bar[0] == "·" and bar[2] == "█"

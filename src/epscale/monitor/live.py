@@ -70,8 +70,18 @@ def _f(v: Any, pct: bool = False, ms: bool = False) -> str:
     return f"{x:,.0f}" if abs(x) >= 1e4 else f"{x:.4g}"
 
 
-def render(run: RunLog, alerts: list[Alert], now: float | None = None) -> Group:
-    """The dashboard for the current state of ``run``."""
+def _layer_vio(L: dict[str, Any]) -> float:
+    v = num(L.get("max_vio"))
+    if v is None:
+        counts = [num(c) or 0.0 for c in (L.get("tokens_per_expert") or [])]
+        v = max(counts) / (sum(counts) / len(counts)) - 1 if counts and sum(counts) > 0 else 0.0
+    return v
+
+
+def render(run: RunLog, alerts: list[Alert], now: float | None = None,
+           max_rows: int = 12) -> Group:
+    """The dashboard for the current state of ``run``; at most ``max_rows`` layer and rank
+    rows (the worst ones) so it fits a terminal."""
     now = time.time() if now is None else now
     recs = run.steps
     last = recs[-1] if recs else {}
@@ -111,11 +121,13 @@ def render(run: RunLog, alerts: list[Alert], now: float | None = None) -> Group:
     lay = Table(show_header=True, header_style="bold", box=None, padding=(0, 1))
     for c in ("layer", "MaxVio", "entropy", "dropped", "bias range", "dead", "tokens per expert"):
         lay.add_column(c)
-    for L in layers_of(last):
+    all_layers = list(layers_of(last))
+    shown_layers = all_layers
+    if len(all_layers) > max_rows:  # keep the dashboard on one screen: worst layers first
+        shown_layers = sorted(all_layers, key=_layer_vio, reverse=True)[:max_rows]
+    for L in shown_layers:
         counts = [num(c) or 0.0 for c in (L.get("tokens_per_expert") or [])]
-        mv = num(L.get("max_vio"))
-        if mv is None and counts and sum(counts) > 0:
-            mv = max(counts) / (sum(counts) / len(counts)) - 1
+        mv = _layer_vio(L)
         bias = (num(L.get("bias_max")) - num(L.get("bias_min"))
                 if num(L.get("bias_max")) is not None and num(L.get("bias_min")) is not None else None)
         dead = L.get("dead_experts")
@@ -124,11 +136,14 @@ def render(run: RunLog, alerts: list[Alert], now: float | None = None) -> Group:
         lay.add_row(str(L["layer"]), _f(mv), _f(L.get("router_entropy")),
                     _f(L.get("dropped_frac"), pct=True), _f(bias), dead_txt, load_bar(counts))
     if lay.row_count:
-        parts.append(Panel(lay, title="MoE layers (dead*: no tokens this step)",
+        more = (f", the {len(shown_layers)} of {len(all_layers)} with the highest MaxVio"
+                if len(shown_layers) < len(all_layers) else "")
+        parts.append(Panel(lay, title=f"MoE layers (dead*: no tokens this step{more})",
                            title_align="left"))
 
     ranks = Table(show_header=True, header_style="bold", box=None, padding=(0, 1))
-    for c in ("rank", "host", "load", "idle", "step/busy", "heartbeat"):
+    busy = isinstance(last.get("rank_wait_frac"), list)
+    for c in ("rank", "host", "load", "idle", "busy" if busy else "step time", "heartbeat"):
         ranks.add_column(c)
     loads: list[float] = []
     for L in layers_of(last):
@@ -136,10 +151,18 @@ def render(run: RunLog, alerts: list[Alert], now: float | None = None) -> Group:
         if isinstance(rl, list) and rl:
             loads = [a + b for a, b in zip(loads, rl)] if len(loads) == len(rl) else list(rl)
     times = last.get("rank_step_time_s") if isinstance(last.get("rank_step_time_s"), list) else []
+    waits = last.get("rank_wait_frac")
+    if isinstance(waits, list) and len(waits) == len(times):  # busy = step time minus waits
+        times = [t * (1 - w) if num(t) is not None and num(w) is not None else t
+                 for t, w in zip(times, waits)]
     idle = last.get("rank_idle") if isinstance(last.get("rank_idle"), list) else []
     world = max(len(times), len(loads), len(run.heartbeats), run.world_size or 0)
     mean_load = sum(loads) / len(loads) if loads else 0
-    for r in range(min(world, 64)):
+    rank_ids = list(range(world))
+    if world > max_rows:  # the slowest ranks, then the most loaded
+        rank_ids = sorted(rank_ids, key=lambda r: (-(times[r] if r < len(times) else 0),
+                                                   -(loads[r] if r < len(loads) else 0)))[:max_rows]
+    for r in rank_ids:
         hb = run.heartbeats.get(r, {})
         hb_age = now - num(hb.get("time")) if num(hb.get("time")) is not None else None
         ranks.add_row(str(r), str(hb.get("host", "—")),
@@ -149,7 +172,9 @@ def render(run: RunLog, alerts: list[Alert], now: float | None = None) -> Group:
                       (f"{hb_age:,.0f}s ago (step {hb.get('step', '?')})" if hb_age is not None
                        else "none"))
     if ranks.row_count:
-        parts.append(Panel(ranks, title="ranks", title_align="left"))
+        title = ("ranks" if len(rank_ids) == world
+                 else f"ranks (the {len(rank_ids)} slowest of {world})")
+        parts.append(Panel(ranks, title=title, title_align="left"))
 
     if alerts:
         body = Text("\n".join(a.line() for a in alerts), style="bold red")
