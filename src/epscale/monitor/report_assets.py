@@ -252,7 +252,7 @@ JS = r"""
     var cols = o.z.length, rows = o.rows;
     if (!cols || !rows) throw new Error("no data to draw");
     var m = { l: 58, r: 12, t: 6, b: 26 };
-    var cell = Math.max(2, Math.min(14, Math.floor(220 / rows)));
+    var cell = Math.max(2, Math.min(26, Math.floor(220 / rows)));
     var W = 640, H = m.t + m.b + cell * rows;
     var cv = document.createElement("canvas");
     var dpr = 2; cv.width = W * dpr; cv.height = H * dpr;
