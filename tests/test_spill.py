@@ -115,6 +115,18 @@ def _worker(rank, world):
                     plan = spills[0].last_plan
                     assert plan.imbalance(after=True) < plan.imbalance(after=False)
                     assert {s.helper for s in plan.spills} - {0}, "no helper took rows"
+    with runner.case(f"ws={world} input without grad (first layer)"):
+        from epscale.parallel import sync_gradients
+
+        full = _build(dict(num_experts=8, top_k=2), (0, 1), 1)
+        par = apply_spill(epscale.parallelize(copy.deepcopy(full), dims, "dedup"), dims,
+                          threshold=1.2, min_rows=2)
+        xs, gs = make_inputs(world, [24] * world, 32, torch.float32, seed=5)
+        _ref_y, _ref_dx, ref_pg = reference_grads(full, xs, gs)
+        ((par(xs[rank]) * gs[rank]).sum()).backward()
+        sync_gradients(par, dims)
+        assert par.dispatcher.last_plan.active
+        compare_grads(par, ref_pg, dims, atol=3e-5, rtol=1e-4)
     with runner.case("errors"):
         with pytest.raises(ValueError, match="not an EP backend"):
             apply_spill(epscale.MoE(epscale.MoEConfig(dim=8, hidden_dim=8, num_experts=8,

@@ -188,10 +188,12 @@ class _HelperExperts(torch.autograd.Function):
         x_in, w_in, y, n_recv = ctx.graph
         ship: _Shipping = ctx.ship
         inputs = [x_in] + w_in
-        if y.requires_grad and y.numel():
-            grads = torch.autograd.grad(y, inputs, grad_y, allow_unused=True)
-        else:
-            grads = [None] * len(inputs)
+        grads = [None] * len(inputs)
+        want = [i for i, t in enumerate(inputs) if t.requires_grad]
+        if y.requires_grad and y.numel() and want:
+            got = torch.autograd.grad(y, [inputs[i] for i in want], grad_y, allow_unused=True)
+            for i, g in zip(want, got):
+                grads[i] = g
         gx = grads[0] if grads[0] is not None else torch.zeros_like(x_in)
         gws = [g if g is not None else torch.zeros_like(w) for g, w in zip(grads[1:], w_in)]
         dev = grad_y.device
