@@ -100,8 +100,9 @@ def pick_device(env: LaunchEnv) -> torch.device:
 
 
 def set_threads(env: LaunchEnv, device: torch.device) -> None:
-    """Split the CPU cores between the processes of this node (unless OMP_NUM_THREADS says)."""
-    if device.type != "cpu" or os.environ.get("OMP_NUM_THREADS"):
+    """Split the CPU cores between the processes of this node (unless OMP_NUM_THREADS says;
+    a single process keeps torch's own setting)."""
+    if device.type != "cpu" or os.environ.get("OMP_NUM_THREADS") or env.local_world_size <= 1:
         return
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, env.local_world_size)))
 
