@@ -18,7 +18,6 @@ them on without a config change: ``EPSCALE_TENSORBOARD=1``, ``EPSCALE_PROMETHEUS
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from pathlib import Path
@@ -281,9 +280,3 @@ class MetricsWriter:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-
-def finite_or_none(v: Any) -> Any:
-    """NaN/inf -> None (for consumers that need strict JSON, such as browsers)."""
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    return v

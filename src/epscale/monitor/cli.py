@@ -23,6 +23,15 @@ from .runlog import load_run
 
 
 def configure_parser(p) -> None:
+    import argparse
+    from dataclasses import fields
+
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    defaults = AlertRules()
+    keys = ", ".join(f"{f.name}={getattr(defaults, f.name):g}" for f in fields(AlertRules))
+    p.epilog = ("alert rules and their defaults (override with --rule key=value, --rules "
+                "FILE or RUN_DIR/alerts.yaml):\n  " + "\n  ".join(_wrap(keys, 88)) +
+                "\nexit status: 0 fine, 1 alerts fired (--check), 2 bad arguments or no run")
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (holds metrics.jsonl)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--check", action="store_true",
@@ -40,6 +49,12 @@ def configure_parser(p) -> None:
                    help="report: most columns per plot; longer runs are bucketed (default 1000)")
     p.add_argument("--exit-on-end", action="store_true",
                    help="--follow: stop when the run writes its 'end' event")
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width)
 
 
 def load_rules(args) -> AlertRules:
@@ -62,6 +77,11 @@ def run(args) -> int:
         raise ConfigError(f"--max-points {args.max_points!r} is invalid: must be >= 10")
     if args.follow:
         from .live import follow
+
+        if not Path(args.run_dir).is_dir():
+            print(f"epscale monitor: error: run directory '{args.run_dir}' does not exist",
+                  file=sys.stderr)
+            return 2
 
         return follow(Path(args.run_dir), rules, interval=args.interval,
                       exit_on_end=args.exit_on_end)
