@@ -313,14 +313,13 @@ def render_html(run: RunLog, data: dict[str, Any], alerts: list[Alert], now: flo
     out += panels + ["</div>"]
 
     if data["layers"]:
-        out.append("<h2>Experts</h2>")
+        out.append('<h2>Experts</h2><div class="grid">')
         for L in data["layers"]:
             if L["num_experts"]:
                 out.append(_panel(f"Expert load, layer {L['layer']}", "expert_load",
                                   "assignments per expert over steps, relative to the mean "
                                   "(white = balanced, red = hot, blue = cold, black = none)",
                                   layer=L["layer"]))
-        out.append('<div class="grid" style="margin-top:14px">')
         out.append(_panel("MaxVio per layer", "max_vio", "max expert load / mean - 1 "
                                                          "(bucket maximum)"))
         if any(v is not None for L in data["layers"] for v in L["dropped_frac"]):
@@ -336,11 +335,10 @@ def render_html(run: RunLog, data: dict[str, Any], alerts: list[Alert], now: flo
 
     rk = data["ranks"]
     if rk:
-        out.append("<h2>Ranks</h2>")
+        out.append('<h2>Ranks</h2><div class="grid">')
         if "load" in rk:
             out.append(_panel("Load per EP rank", "rank_load",
                               "assignments computed per rank (all MoE layers), relative to the mean"))
-        out.append('<div class="grid" style="margin-top:14px">')
         if "idle" in rk:
             out.append(_panel("Idle per EP rank", "rank_idle",
                               "1 - load / busiest rank's load, mean over layers"))
