@@ -234,8 +234,14 @@ class TrainConfig:
     spike_factor: float = 0.0
     spike_window: int = 50
     spike_patience: int = 3
+    # A collective blocked longer than this ends the job with a report naming the rank,
+    # the operation and the step (epscale.launch.watchdog); 0 disables the watchdog.
+    collective_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
+        if not self.collective_timeout_s >= 0:
+            _fail("train.collective_timeout_s", self.collective_timeout_s,
+                  "must be >= 0 seconds (0 disables the watchdog)")
         for name in ("steps", "micro_batch_size", "grad_accum", "eval_batches", "log_every",
                      "ckpt_keep", "spike_window", "spike_patience"):
             v = getattr(self, name)
