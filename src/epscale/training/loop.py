@@ -85,6 +85,14 @@ class Trainer:
             dump_yaml(cfg, self.run_dir / "config.yaml")
         self._barrier()
         self._log_file = open(self.run_dir / "logs" / f"rank{self.rank}.log", "a")
+        self.watchdog = None
+        if self.world > 1 and cfg.train.collective_timeout_s > 0:
+            from ..launch.watchdog import Watchdog
+
+            # Records every collective; one blocked past the timeout ends the job with a
+            # report naming the rank, the operation and the step.
+            self.watchdog = Watchdog(self.run_dir, timeout_s=cfg.train.collective_timeout_s)
+            self.watchdog.start().install()
 
         self.use_bf16 = cfg.train.dtype == "bfloat16" or (cfg.train.dtype == "auto"
                                                             and self.device.type == "cuda")
@@ -233,6 +241,8 @@ class Trainer:
         """Runs step ``self.step + 1`` on this rank; returns the all-reduced step record."""
         cfg, T = self.cfg, self.timers
         step = self.step + 1
+        if self.watchdog is not None:
+            self.watchdog.set_step(step)
         T.reset()
         t0 = time.perf_counter()
         self.model.train()
@@ -389,6 +399,8 @@ class Trainer:
             self._restore_signals()
 
     def close(self, clean: bool = True) -> None:
+        if getattr(self, "watchdog", None) is not None:
+            self.watchdog.stop()
         self.collector.close()
         self.writer.close()
         if getattr(self, "_log_file", None) is not None:
