@@ -184,8 +184,12 @@ class ParallelConfig:
     dispatcher: str = "dedup"
     ranks_per_node: int | None = None
     overlap_chunks: int = 1
+    # dispatch payload: 'auto' (the activations' dtype), 'bf16', or 'fp8' (e4m3 with
+    # per-128-channel scales; dedup and hierarchical only).
+    payload: str = "auto"
 
     def __post_init__(self) -> None:
+        _choice("parallel.payload", self.payload, ("auto", "bf16", "fp8"))
         for name in ("dp", "ep", "overlap_chunks"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -237,6 +241,9 @@ class TrainConfig:
     # A collective blocked longer than this ends the job with a report naming the rank,
     # the operation and the step (epscale.launch.watchdog); 0 disables the watchdog.
     collective_timeout_s: float = 600.0
+    # Before training, every rank joins a short timed all-reduce/all-to-all; a slow or
+    # missing rank is reported by host and rank (multi-process runs only).
+    preflight: bool = True
 
     def __post_init__(self) -> None:
         if not self.collective_timeout_s >= 0:

@@ -231,7 +231,9 @@ def render(job: SlurmJob, script_name: str = "job.sbatch") -> str:
     extra = [f"export {shlex.quote(e.split('=', 1)[0])}={shlex.quote(e.split('=', 1)[1])}"
              for e in job.env]
 
-    tr = train_args(job.config, job.run_dir, job.overrides)
+    # The script's own preflight step already checked every rank: the trainer skips its own.
+    overrides = job.overrides + (["train.preflight=false"] if job.preflight else [])
+    tr = train_args(job.config, job.run_dir, overrides)
     values = {
         "script_name": script_name, "job_name": job.job_name, "nodes": str(job.nodes),
         "procs_per_node": str(job.procs_per_node), "sbatch_resources": "\n".join(res),

@@ -93,6 +93,12 @@ class Trainer:
             # report naming the rank, the operation and the step.
             self.watchdog = Watchdog(self.run_dir, timeout_s=cfg.train.collective_timeout_s)
             self.watchdog.start().install()
+        if self.world > 1 and cfg.train.preflight:
+            from ..launch.preflight import run_preflight
+
+            report = run_preflight(timeout_s=60, device=self.device)
+            self.console.print(report.format())
+            self._log(report.format())
 
         self.use_bf16 = cfg.train.dtype == "bfloat16" or (cfg.train.dtype == "auto"
                                                             and self.device.type == "cuda")
@@ -101,7 +107,8 @@ class Trainer:
             from ..parallel import parallelize
 
             parallelize(self.model, self.dims, dispatcher=cfg.parallel.dispatcher,
-                        overlap_chunks=cfg.parallel.overlap_chunks)
+                        overlap_chunks=cfg.parallel.overlap_chunks,
+                        payload=cfg.parallel.payload)
         self.moe_layers = self.model.moe_layers()
         self.opt = build_optimizer(self.model, cfg.train)
         ensure_optimizer_state(self.opt)
