@@ -265,6 +265,27 @@ class TrainConfig:
 
 
 @dataclass
+class MetricsConfig:
+    """Where step metrics go besides RUN_DIR/metrics.jsonl (always written).
+
+    tensorboard: also write TensorBoard events to RUN_DIR/tensorboard (the 'monitor'
+    extra). prometheus_port: rank 0 serves /metrics there for a cluster's Prometheus
+    (null: off; 0: any free port). dead_after_steps: an expert with no tokens for this many
+    steps counts as dead in the metrics and alerts.
+    """
+
+    tensorboard: bool = False
+    prometheus_port: int | None = None
+    dead_after_steps: int = 50
+
+    def __post_init__(self) -> None:
+        if self.prometheus_port is not None and not 0 <= self.prometheus_port <= 65535:
+            _fail("metrics.prometheus_port", self.prometheus_port, "must be a port in [0, 65535] or null")
+        if self.dead_after_steps < 1:
+            _fail("metrics.dead_after_steps", self.dead_after_steps, "must be >= 1")
+
+
+@dataclass
 class RunConfig:
     """A whole recipe: the YAML file's top-level sections."""
 
@@ -273,6 +294,7 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     name: str = "run"
     # 'tiny' asks load_config to shrink a published recipe to CPU size keeping its family's
     # structure (epscale.recipes.apply_scale; the other overrides then apply on top). The

@@ -124,8 +124,12 @@ class Trainer:
         dtype = torch.bfloat16 if self.use_bf16 else torch.float32
         self.collector = StepStatsCollector(self.model, ep=self.dims.ep, device=self.device,
                                             flops_per_token=self.size.flops_per_token,
-                                            peak_flops=peak_flops(self.device, dtype))
-        self.writer = MetricsWriter.open(self.run_dir, rank=self.rank, run_name=cfg.name)
+                                            peak_flops=peak_flops(self.device, dtype),
+                                            dead_after_steps=cfg.metrics.dead_after_steps)
+        self.writer = MetricsWriter.open(
+            self.run_dir, rank=self.rank, run_name=cfg.name,
+            tensorboard=cfg.metrics.tensorboard or None,  # None: the environment decides
+            prometheus_port=cfg.metrics.prometheus_port)
         self.guard = SpikeGuard(cfg.train.spike_factor, cfg.train.spike_window,
                                 cfg.train.spike_patience)
         self.step, self.num_skipped, self.num_rollbacks = 0, 0, 0
