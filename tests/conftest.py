@@ -1,7 +1,8 @@
 """Shared pytest set-up: a fixed seed for every test and a bounded thread count.
 
 The machine that runs the suite is shared and small; tests use small shapes, so more
-threads than cores only adds contention. ``EPSCALE_TEST_THREADS`` overrides the count.
+threads only add contention (tests in spawned processes share the same cores). One thread
+by default; ``EPSCALE_TEST_THREADS`` overrides the count.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import random
 import pytest
 import torch
 
-torch.set_num_threads(int(os.environ.get("EPSCALE_TEST_THREADS", min(2, os.cpu_count() or 1))))
+torch.set_num_threads(int(os.environ.get("EPSCALE_TEST_THREADS", "1")))
 
 
 @pytest.fixture(autouse=True)
