@@ -1,0 +1,463 @@
+"""Load balancing side by side, in one run (not a test).
+
+    python benchmarks/balance.py                       # both parts (spawns its own processes)
+    python benchmarks/balance.py --part synthetic      # part 1 only
+    python benchmarks/balance.py --part train          # part 2 only (runs `epscale train` 3x)
+
+Part 1 (synthetic skew): EP ranks run the real MoE layer (real dispatch, grouped experts,
+combine, forward and backward) on routing drawn from a Zipf law over the experts whose
+ranking drifts every step (a random walk of each expert's popularity score), for Zipf
+exponents 0.8 and 1.2. What is synthetic: the router's preference (Zipf log-popularity
+plus Gumbel noise, so the top-k is a draw without replacement from the Zipf law, plus a
+small real gate). What is real: everything from the top-k on, and the balancing:
+  none       contiguous EP, routing left alone
+  aux        the Switch aux loss (coefficient --aux-coeff) through the real layer, trained
+             into the router (gate + a per-expert logit offset) by SGD (--aux-lr); there is
+             no language-model loss pulling the other way, so this is its best case
+  loss-free  epscale.balancing.update_expert_biases after every step (u = --u)
+  +N slots   redundant experts: apply_placement + Rebalancer re-planning every --every
+             steps from the last --every steps' loads (weights move between ranks)
+  spill      apply_spill (threshold 1.3, min 32 rows per piece)
+Per step and rank it records the rows each rank's experts compute, the CPU time of its
+expert forward (thread time, so it is not distorted by processes sharing cores), the CPU
+time of the whole step, and the wall time of the step; worst-rank idle = max over ranks
+of 1 - t_r / max_r t_r, averaged over the measured steps.
+
+Part 2 (real training): ``epscale train --config configs/tiny.yaml`` with no balancing,
+the aux loss (0.01) and loss-free balancing (u = 1e-3), same seed and data: MaxVio_batch
+per step (from metrics.jsonl) and the final validation loss.
+
+Outputs: tables on stdout, benchmarks/out/balance_*.json and balance_*.png.
+Legend: T tokens per rank, D model dim, F expert hidden dim, E experts, K top-k.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "benchmarks" / "out"
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--part", choices=["all", "synthetic", "train"], default="all")
+    p.add_argument("--ep", type=int, default=4)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=512, help="tokens per rank per step")
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--steps", type=int, default=30, help="measured steps per strategy")
+    p.add_argument("--warmup", type=int, default=5,
+                   help="unmeasured steps (>= --every, so placement is measured after its first re-plan)")
+    p.add_argument("--zipf", default="0.8,1.2")
+    p.add_argument("--drift", type=float, default=0.03,
+                   help="std of the popularity walk per step (scores start N(0, 1))")
+    p.add_argument("--dispatcher", default="alltoall")
+    p.add_argument("--u", type=float, default=0.1,
+                   help="loss-free step; this router's bias is in logit units, where the Zipf "
+                        "log-popularity spans ~s*ln(E), so u is larger than the 1e-3 used on "
+                        "softmax/sigmoid scores")
+    p.add_argument("--aux-coeff", type=float, default=0.01)
+    p.add_argument("--aux-lr", type=float, default=20.0)
+    p.add_argument("--every", type=int, default=5, help="re-placement period (steps)")
+    p.add_argument("--extra-slots", default="1,2", help="redundant slots per rank")
+    p.add_argument("--strategies", default="none,aux,loss-free,placement,spill,spill@1.1",
+                   help="spill@X: spill-over with threshold X (plain spill: the default 1.3)")
+    p.add_argument("--train-steps", type=int, default=300)
+    p.add_argument("--train-runs", default="none,aux,loss-free")
+    return p.parse_args()
+
+
+# ====================================================================== part 1
+class DriftingZipfRouter(nn.Module):
+    """Router whose preference follows a drifting Zipf law (see the module docstring).
+
+    Selection: top-k of (log p_zipf(step) + gate(x) + offset + Gumbel) + expert_bias.
+    Gate weights: softmax of (log p + gate(x) + offset), renormalised over the k chosen.
+    ``offset`` is what the aux loss trains; ``expert_bias`` is what loss-free moves.
+    """
+
+    def __init__(self, cfg, zipf_s: float, drift: float, rank: int, seed: int = 0):
+        super().__init__()
+        self.cfg = cfg
+        E = cfg.num_experts
+        self.gate = nn.Linear(cfg.dim, E, bias=False)
+        nn.init.normal_(self.gate.weight, std=0.02)
+        self.offset = nn.Parameter(torch.zeros(E))
+        self.register_buffer("expert_bias", torch.zeros(E))
+        self.zipf_s, self.drift, self.rank, self.seed = zipf_s, drift, rank, seed
+        self.step = 0
+        g = torch.Generator().manual_seed(seed)          # same walk on every rank
+        self._walk = g
+        self._score = torch.randn(E, generator=g)
+
+    def advance(self) -> None:
+        self.step += 1
+        self._score += self.drift * torch.randn(self._score.shape, generator=self._walk)
+
+    def log_popularity(self) -> torch.Tensor:
+        E = self._score.numel()
+        ranks = torch.empty(E)
+        ranks[torch.argsort(-self._score)] = torch.arange(1, E + 1, dtype=torch.float32)
+        p = 1.0 / ranks ** self.zipf_s
+        return torch.log(p / p.sum())
+
+    def forward(self, x_TD):
+        from epscale.moe.router import RouterOutput
+
+        T, E, K = x_TD.shape[0], self.cfg.num_experts, self.cfg.top_k
+        logits = self.gate(x_TD.float()) + self.log_popularity() + self.offset
+        scores = logits.softmax(-1)
+        g = torch.Generator().manual_seed(hash((self.seed, self.rank, self.step)) % 2**31)
+        u = torch.rand(T, E, generator=g).clamp(1e-9, 1 - 1e-9)
+        chosen = (logits.detach() - torch.log(-torch.log(u)) + self.expert_bias).topk(K, -1).indices
+        w = scores.gather(1, chosen)
+        w = w / w.sum(-1, keepdim=True)
+        return RouterOutput(chosen, w, scores, logits, chosen, 0)
+
+
+class ExpertMeter:
+    """Forward hooks on the experts module: rows and thread CPU time of every call (the
+    layer's own call and, under spill-over, the helper call)."""
+
+    def __init__(self, experts: nn.Module):
+        self.rows, self.cpu = 0, 0.0
+        self._t0 = 0.0
+        experts.register_forward_pre_hook(self._pre)
+        experts.register_forward_hook(self._post)
+
+    def _pre(self, mod, args):
+        self._t0 = time.thread_time()
+
+    def _post(self, mod, args, out):
+        self.cpu += time.thread_time() - self._t0
+        self.rows += int(args[0].shape[0])
+
+    def take(self):
+        out = (self.rows, self.cpu)
+        self.rows, self.cpu = 0, 0.0
+        return out
+
+
+def _build_layer(a, strategy, zipf_s, dims, rank):
+    import epscale
+    from epscale.placement import apply_placement, apply_spill, plan_placement
+
+    E = a.experts
+    cfg = epscale.MoEConfig(dim=a.dim, hidden_dim=a.hidden, num_experts=E, top_k=a.top_k,
+                            aux_loss_coeff=a.aux_coeff if strategy == "aux" else 0.0)
+    torch.manual_seed(0)
+    moe = epscale.MoE(cfg)
+    moe.router = DriftingZipfRouter(cfg, zipf_s, a.drift, rank)
+    extra = 0
+    if strategy.startswith("+"):
+        extra = int(strategy[1:].split()[0]) // dims.ep
+        pl = plan_placement(torch.ones(E), E + extra * dims.ep, 1, dims.ep)  # no knowledge yet
+        apply_placement(moe, dims, pl, dispatcher=a.dispatcher)
+    else:
+        epscale.parallelize(moe, dims, dispatcher=a.dispatcher)
+        if strategy.startswith("spill"):
+            threshold = float(strategy.split("@")[1]) if "@" in strategy else 1.3
+            apply_spill(moe, dims, threshold=threshold, min_rows=32)
+    return moe
+
+
+def _run_strategy(a, strategy, zipf_s, dims, rank, world):
+    from epscale.balancing import max_vio, update_expert_biases
+    from epscale.placement import Rebalancer, sync_replica_gradients
+
+    moe = _build_layer(a, strategy, zipf_s, dims, rank)
+    meter = ExpertMeter(moe.experts)
+    reb = Rebalancer(moe, dims, every=a.every) if strategy.startswith("+") else None
+    router_params = [moe.router.gate.weight, moe.router.offset]
+    g = torch.Generator().manual_seed(1234 + rank)
+    rows_hist = []
+    for step in range(a.warmup + a.steps):
+        x = torch.randn(a.tokens, a.dim, generator=g)
+        dist.barrier()
+        t_wall, t_cpu = time.perf_counter(), time.thread_time()
+        moe.zero_grad(set_to_none=True)
+        y = moe(x)
+        loss = y.float().pow(2).mean() + moe.aux_loss
+        loss.backward()
+        if strategy == "aux":
+            grads = torch.cat([p.grad.reshape(-1) for p in router_params])
+            dist.all_reduce(grads)
+            grads /= world
+            with torch.no_grad():
+                off = 0
+                for p in router_params:
+                    n = p.numel()
+                    p -= a.aux_lr * grads[off:off + n].view_as(p)
+                    off += n
+        counts = moe.tokens_per_expert.detach().to(torch.float64).clone()
+        dist.all_reduce(counts)  # the step's logical loads (what the metrics record holds)
+        if strategy == "loss-free":
+            update_expert_biases(moe, dims, a.u, counts[None])
+        if reb is not None:
+            sync_replica_gradients(moe, dims)
+            reb.observe(counts[None])
+            reb.maybe_replace(step + 1)
+        moe.reset_token_counts()
+        moe.router.advance()
+        cpu = time.thread_time() - t_cpu
+        wall = time.perf_counter() - t_wall
+        rows, exp_cpu = meter.take()
+        stats = torch.tensor([rows, exp_cpu, cpu, wall], dtype=torch.float64)
+        allst = [torch.zeros(4, dtype=torch.float64) for _ in range(world)]
+        dist.all_gather(allst, stats)
+        if step >= a.warmup:
+            st = torch.stack(allst).tolist()
+            rows_hist.append({"step": step - a.warmup, "rank_rows": [s[0] for s in st],
+                              "rank_expert_cpu": [s[1] for s in st],
+                              "rank_step_cpu": [s[2] for s in st],
+                              "step_wall": max(s[3] for s in st),
+                              "max_vio": max_vio(counts.tolist())})
+    return rows_hist
+
+
+def _worst_idle(vals):
+    peak = max(vals)
+    return max(1.0 - v / peak for v in vals) if peak > 0 else 0.0
+
+
+def _summary(hist):
+    return {
+        "idle_rows": statistics.mean(_worst_idle(h["rank_rows"]) for h in hist),
+        "idle_expert_cpu": statistics.mean(_worst_idle(h["rank_expert_cpu"]) for h in hist),
+        "idle_step_cpu": statistics.mean(_worst_idle(h["rank_step_cpu"]) for h in hist),
+        "max_rank_rows": statistics.mean(max(h["rank_rows"]) for h in hist),
+        "max_expert_cpu_ms": 1e3 * statistics.mean(max(h["rank_expert_cpu"]) for h in hist),
+        "max_step_cpu_ms": 1e3 * statistics.mean(max(h["rank_step_cpu"]) for h in hist),
+        "step_wall_ms": 1e3 * statistics.median(h["step_wall"] for h in hist),
+        "max_vio": statistics.mean(h["max_vio"] for h in hist),
+    }
+
+
+def _synthetic_worker(rank, world, a):
+    import epscale
+
+    dims = epscale.ParallelDims(dp=1, ep=world)
+    strategies = []
+    for s in a.strategies.split(","):
+        if s == "placement":
+            strategies += [f"+{int(n) * world} slots" for n in a.extra_slots.split(",")]
+        else:
+            strategies.append(s)
+    results = {}
+    for zipf_s in [float(z) for z in a.zipf.split(",")]:
+        for strategy in strategies:
+            t0 = time.perf_counter()
+            hist = _run_strategy(a, strategy, zipf_s, dims, rank, world)
+            results[f"{zipf_s}|{strategy}"] = {"history": hist, "summary": _summary(hist)}
+            if rank == 0:
+                sm = results[f"{zipf_s}|{strategy}"]["summary"]
+                print(f"  zipf {zipf_s} {strategy:>10}: idle(rows) {sm['idle_rows']:.3f} "
+                      f"idle(expert cpu) {sm['idle_expert_cpu']:.3f} "
+                      f"[{time.perf_counter() - t0:.0f}s]", flush=True)
+    return results
+
+
+def _entry(rank, world, port, a, q):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    if os.environ.get("BALANCE_DEBUG"):
+        import faulthandler
+        faulthandler.dump_traceback_later(int(os.environ["BALANCE_DEBUG"]), exit=True)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=900))
+    try:
+        out = _synthetic_worker(rank, world, a)
+        if rank == 0:
+            q.put(out)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def part_synthetic(a) -> dict:
+    import torch.multiprocessing as mp
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from dist_utils import free_port
+
+    print(f"Part 1: synthetic drifting-Zipf routing, EP={a.ep}, E={a.experts}, top-{a.top_k}, "
+          f"T={a.tokens}/rank, D={a.dim}, F={a.hidden}, {a.steps} measured steps "
+          f"(+{a.warmup} warm-up), dispatcher {a.dispatcher}", flush=True)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, a.ep, port, a, q)) for r in range(a.ep)]
+    for p in procs:
+        p.start()
+    results = q.get()
+    for p in procs:
+        p.join()
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "balance_synthetic.json").write_text(json.dumps({"args": vars(a), "results": results}))
+    _print_synthetic(results)
+    _plot_synthetic(results, a)
+    return results
+
+
+def _print_synthetic(results):
+    print("\nworst-rank idle fraction (mean over steps) and step cost; ratios vs 'none'.\n"
+          "step cpu ms = the slowest rank's CPU time per step (the step time if every rank had\n"
+          "its own core); wall ms = median wall time (distorted when ranks share cores)")
+    hdr = (f"{'zipf':>4} {'strategy':>12} {'idle rows':>9} {'idle exp-cpu':>12} "
+           f"{'idle step-cpu':>13} {'max rows':>8} {'max exp ms':>10} {'step cpu ms':>11} "
+           f"{'cpu/none':>8} {'wall ms':>8} {'wall/none':>9} {'MaxVio':>6}")
+    print(hdr)
+    for key, r in results.items():
+        zipf_s, strategy = key.split("|")
+        base = results[f"{zipf_s}|none"]["summary"]
+        s = r["summary"]
+        print(f"{zipf_s:>4} {strategy:>12} {s['idle_rows']:9.3f} {s['idle_expert_cpu']:12.3f} "
+              f"{s['idle_step_cpu']:13.3f} {s['max_rank_rows']:8.0f} {s['max_expert_cpu_ms']:10.1f} "
+              f"{s['max_step_cpu_ms']:11.1f} {s['max_step_cpu_ms'] / base['max_step_cpu_ms']:8.2f} "
+              f"{s['step_wall_ms']:8.1f} {s['step_wall_ms'] / base['step_wall_ms']:9.2f} "
+              f"{s['max_vio']:6.2f}")
+
+
+def _plot_synthetic(results, a):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    zipfs = sorted({k.split("|")[0] for k in results})
+    fig, axes = plt.subplots(1, len(zipfs), figsize=(6 * len(zipfs), 4), squeeze=False)
+    for ax, z in zip(axes[0], zipfs):
+        for key, r in results.items():
+            zs, strategy = key.split("|")
+            if zs != z:
+                continue
+            ys = [_worst_idle(h["rank_expert_cpu"]) for h in r["history"]]
+            ax.plot(ys, label=strategy)
+        ax.axhline(0.05, color="grey", ls=":", lw=1)
+        ax.set_title(f"Zipf s={z}: worst-rank idle (expert CPU time)")
+        ax.set_xlabel("step")
+        ax.set_ylabel("1 - t_r / max t")
+        ax.set_ylim(0, 1)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"EP={a.ep}, {a.experts} experts, top-{a.top_k}, drifting routing", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(OUT / "balance_synthetic.png", dpi=110)
+    plt.close(fig)
+
+
+# ====================================================================== part 2
+TRAIN_RUNS = {
+    "none": ["moe.aux_loss_coeff=0.0", "moe.bias_update_speed=0.0"],
+    "aux": ["moe.aux_loss_coeff=0.01", "moe.bias_update_speed=0.0"],
+    "loss-free": ["moe.aux_loss_coeff=0.0", "moe.bias_update_speed=0.001"],
+}
+
+
+def part_train(a) -> dict:
+    print(f"\nPart 2: epscale train --config configs/tiny.yaml, {a.train_steps} steps per run",
+          flush=True)
+    OUT.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for name in a.train_runs.split(","):
+        run_dir = OUT / f"balance_train_{name}"
+        if run_dir.exists():
+            import shutil
+            shutil.rmtree(run_dir)
+        cmd = [sys.executable, "-m", "epscale", "train", "--config", str(ROOT / "configs/tiny.yaml"),
+               "--run-dir", str(run_dir), f"train.steps={a.train_steps}",
+               f"train.eval_every={max(a.train_steps // 3, 1)}", "train.ckpt_every=0",
+               *TRAIN_RUNS[name]]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        took = time.perf_counter() - t0
+        if proc.returncode != 0:
+            print(f"  {name}: epscale train failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+            continue
+        steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+                 if line.strip()]
+        steps = [r for r in steps if "step" in r and "layers" in r]
+        vio = [max(lay["max_vio"] for lay in r["layers"]) for r in steps]
+        vio_mean = [statistics.mean(lay["max_vio"] for lay in r["layers"]) for r in steps]
+        idle = [r.get("worst_rank_idle", float("nan")) for r in steps]
+        vals = [(r["step"], r["val_loss"]) for r in steps if "val_loss" in r]
+        results[name] = {"steps": [r["step"] for r in steps], "max_vio": vio,
+                         "mean_layer_max_vio": vio_mean, "worst_rank_idle": idle,
+                         "loss": [r["loss"] for r in steps], "val": vals, "seconds": took}
+        print(f"  {name}: {len(steps)} steps in {took:.0f}s, final val loss "
+              f"{vals[-1][1] if vals else float('nan'):.4f}", flush=True)
+    (OUT / "balance_train.json").write_text(json.dumps(results))
+    _print_train(results)
+    _plot_train(results)
+    return results
+
+
+def _print_train(results):
+    print("\nMaxVio_batch (worst layer; mean over the last 100 steps), worst-rank idle, val loss")
+    print(f"{'run':>10} {'MaxVio first10':>14} {'MaxVio last100':>14} {'mean-layer last100':>18} "
+          f"{'idle last100':>12} {'final val':>9} {'val - none':>10}")
+    base = results.get("none", {}).get("val")
+    for name, r in results.items():
+        n = len(r["max_vio"])
+        last = slice(max(0, n - 100), n)
+        fv = r["val"][-1][1] if r["val"] else float("nan")
+        dv = fv - base[-1][1] if base else float("nan")
+        print(f"{name:>10} {statistics.mean(r['max_vio'][:10]):14.3f} "
+              f"{statistics.mean(r['max_vio'][last]):14.3f} "
+              f"{statistics.mean(r['mean_layer_max_vio'][last]):18.3f} "
+              f"{statistics.mean(r['worst_rank_idle'][last]):12.3f} {fv:9.4f} {dv:+10.4f}")
+
+
+def _plot_train(results):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, r in results.items():
+        v = np.asarray(r["max_vio"])
+        k = 10
+        smooth = np.convolve(v, np.ones(k) / k, mode="valid") if len(v) >= k else v
+        axes[0].plot(r["steps"][len(r["steps"]) - len(smooth):], smooth, label=name)
+        axes[1].plot(r["steps"], r["loss"], label=name, lw=0.8)
+        if r["val"]:
+            axes[1].plot(*zip(*r["val"]), "o", ms=4)
+    axes[0].axhline(0.2, color="grey", ls=":", lw=1)
+    axes[0].set_title("MaxVio_batch (worst layer, 10-step mean)")
+    axes[0].set_xlabel("step")
+    axes[1].set_title("training loss (lines) and validation loss (dots)")
+    axes[1].set_xlabel("step")
+    for ax in axes:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(OUT / "balance_train.png", dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    a = parse()
+    if a.part in ("all", "synthetic"):
+        part_synthetic(a)
+    if a.part in ("all", "train"):
+        part_train(a)
+
+
+if __name__ == "__main__":
+    main()
