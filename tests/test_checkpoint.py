@@ -22,16 +22,6 @@ from epscale.training.optim import build_optimizer
 DIMS = SingleProcessDims()
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny shapes run fastest on one thread, and far faster than two threads on a
-    machine whose cores other jobs keep busy (OpenMP threads then wait on each other)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def cfg(*over):
     return load_config(None, ["model.dim=32", "model.num_layers=2", "model.num_heads=2",
                               "model.seq_len=16", "moe.hidden_dim=16", "moe.num_experts=4",

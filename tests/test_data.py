@@ -12,16 +12,6 @@ from epscale.data import (DataError, DataLoader, Splits, WindowSampler, _is_val,
                           load_splits, stdlib_root)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny shapes run fastest on one thread, and far faster than two threads on a
-    machine whose cores other jobs keep busy (OpenMP threads then wait on each other)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_stdlib_split_is_deterministic_and_by_file():
     cfg = DataConfig(source="stdlib", val_fraction=0.05)
     a = load_splits(cfg, 256)

@@ -13,16 +13,6 @@ from epscale.moe.layer import MoE
 from epscale.sizing import model_size
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny shapes run fastest on one thread, and far faster than two threads on a
-    machine whose cores other jobs keep busy (OpenMP threads then wait on each other)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def cfg(*over: str):
     base = ["model.dim=32", "model.num_layers=4", "model.num_heads=4", "model.seq_len=16",
             "model.dense_hidden_dim=48", "moe.hidden_dim=16", "moe.num_experts=4", "moe.top_k=2"]

@@ -26,16 +26,6 @@ from epscale.training.loop import train
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny shapes run fastest on one thread, and far faster than two threads on a
-    machine whose cores other jobs keep busy (OpenMP threads then wait on each other)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def corpus(tmp_path: Path) -> Path:
     """~150 KB of real Python text, small enough to load instantly."""
     import argparse as a, string, textwrap
