@@ -1,6 +1,10 @@
 """The MoE layer: router -> dispatcher.dispatch -> grouped experts -> dispatcher.combine
 (+ shared experts, overlapped with the combine where the backend can).
 
+Without expert parallelism (the ``local`` dispatcher, ``fuse=True``) the three middle
+steps run as one chunked kernel (moe/fused.py) that never builds [R, D] tensors; any
+other dispatcher takes the generic path. Both are tested against moe/reference.py.
+
 Legend: T tokens, D model dim, E experts, e local experts, K top-k, R received rows.
 """
 
