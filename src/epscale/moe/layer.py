@@ -98,12 +98,20 @@ class MoE(nn.Module):
         shared = (lambda: self.shared_experts(x_TD)) if self.shared_experts is not None else None
         fused = getattr(self.dispatcher, "dispatch_compute_combine", None)
         if fused is not None and getattr(self.dispatcher, "fuse", False):
-            # No expert parallelism: gather, expert compute and combine run as one chunked
-            # kernel (moe/fused.py), timed as 'experts'; 'dispatch' is the sort by expert.
-            y_TD, _ = fused(x_TD, route.topk_idx_TK, route.topk_weight_TK, self.experts,
-                            timer=self.timer)
-            with self.timer("combine"):
-                shared_y_TD = shared() if shared is not None else None
+            # One call for dispatch -> experts -> combine: without EP a chunked fused kernel
+            # (moe/fused.py); with EP (dedup/hierarchical, overlap_chunks > 1) a pipeline that
+            # keeps the next chunk's exchange in flight during expert compute. Backends that
+            # accept side_work run the shared experts while the last combines are in flight
+            # and add their output to y_TD themselves.
+            if shared is not None and getattr(self.dispatcher, "accepts_side_work", False):
+                y_TD, _ = fused(x_TD, route.topk_idx_TK, route.topk_weight_TK, self.experts,
+                                timer=self.timer, side_work=shared)
+                shared_y_TD = None
+            else:
+                y_TD, _ = fused(x_TD, route.topk_idx_TK, route.topk_weight_TK, self.experts,
+                                timer=self.timer)
+                with self.timer("combine"):
+                    shared_y_TD = shared() if shared is not None else None
         else:
             with self.timer("dispatch"):
                 recv_x_RD, tokens_per_local_expert_e, handle = self.dispatcher.dispatch(
