@@ -15,6 +15,14 @@ A dispatcher is stateless between calls: ``dispatch`` returns a handle (everythi
   ``tokens_per_local_expert_e`` (int64 tensor, on the input's device) gives the group sizes.
 * Autograd: the backward of dispatch is a combine with the same handle, the backward of
   combine is a dispatch; backends get this from autograd-aware collectives.
+
+Optional fused protocol: a backend may offer
+``dispatch_compute_combine(x_TD, topk_idx_TK, topk_weight_TK, experts, timer=None
+[, side_work=None]) -> (y_TD, tokens_per_local_expert_e)`` and set ``fuse = True``; MoE.forward
+then calls it instead of the three steps (the local fused kernel; the chunked
+compute/communication pipelines of dedup and hierarchical). ``accepts_side_work = True``
+says it runs ``side_work`` (the shared experts) while combines are in flight and adds the
+result to y_TD.
 """
 
 from __future__ import annotations
