@@ -24,8 +24,9 @@ time of the whole step, and the wall time of the step; worst-rank idle = max ove
 of 1 - t_r / max_r t_r, averaged over the measured steps.
 
 Part 2 (real training): ``epscale train --config configs/tiny.yaml`` with no balancing,
-the aux loss (0.01) and loss-free balancing (u = 1e-3), same seed and data: MaxVio_batch
-per step (from metrics.jsonl) and the final validation loss.
+the aux loss (0.01) and loss-free balancing (u = 1e-3, the DeepSeek-V3 value, and the
+faster 3e-3 and 1e-2), same seed and data: MaxVio_batch per step (from metrics.jsonl),
+the worst-rank idle fraction and the final validation loss.
 
 Outputs: tables on stdout, benchmarks/out/balance_*.json and balance_*.png.
 Legend: T tokens per rank, D model dim, F expert hidden dim, E experts, K top-k.
@@ -49,6 +50,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from epscale.balancing import RunningMaxVio
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "out"
@@ -81,7 +84,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--strategies", default="none,aux,loss-free,placement,spill,spill@1.1",
                    help="spill@X: spill-over with threshold X (plain spill: the default 1.3)")
     p.add_argument("--train-steps", type=int, default=300)
-    p.add_argument("--train-runs", default="none,aux,loss-free")
+    p.add_argument("--reuse-runs", action="store_true",
+                   help="part 2: read finished runs in benchmarks/out instead of training again")
+    p.add_argument("--train-runs", default="none,aux,loss-free,loss-free u=3e-3,loss-free u=1e-2")
     return p.parse_args()
 
 
@@ -368,6 +373,8 @@ TRAIN_RUNS = {
     "none": ["moe.aux_loss_coeff=0.0", "moe.bias_update_speed=0.0"],
     "aux": ["moe.aux_loss_coeff=0.01", "moe.bias_update_speed=0.0"],
     "loss-free": ["moe.aux_loss_coeff=0.0", "moe.bias_update_speed=0.001"],
+    "loss-free u=3e-3": ["moe.aux_loss_coeff=0.0", "moe.bias_update_speed=0.003"],
+    "loss-free u=1e-2": ["moe.aux_loss_coeff=0.0", "moe.bias_update_speed=0.01"],
 }
 
 
@@ -377,31 +384,44 @@ def part_train(a) -> dict:
     OUT.mkdir(parents=True, exist_ok=True)
     results = {}
     for name in a.train_runs.split(","):
-        run_dir = OUT / f"balance_train_{name}"
-        if run_dir.exists():
-            import shutil
-            shutil.rmtree(run_dir)
-        cmd = [sys.executable, "-m", "epscale", "train", "--config", str(ROOT / "configs/tiny.yaml"),
-               "--run-dir", str(run_dir), f"train.steps={a.train_steps}",
-               f"train.eval_every={max(a.train_steps // 3, 1)}", "train.ckpt_every=0",
-               *TRAIN_RUNS[name]]
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-        took = time.perf_counter() - t0
-        if proc.returncode != 0:
-            print(f"  {name}: epscale train failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
-            continue
-        steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-                 if line.strip()]
+        run_dir = OUT / f"balance_train_{name.replace(' ', '_').replace('=', '')}"
+        done = run_dir / "metrics.jsonl"
+        took = float("nan")
+        if a.reuse_runs and done.exists() and '"event":"end"' in done.read_text():
+            print(f"  {name}: reusing the finished run in {run_dir}", flush=True)
+        else:
+            if run_dir.exists():
+                import shutil
+                shutil.rmtree(run_dir)
+            cmd = [sys.executable, "-m", "epscale", "train", "--config",
+                   str(ROOT / "configs/tiny.yaml"), "--run-dir", str(run_dir),
+                   f"train.steps={a.train_steps}", f"train.eval_every={max(a.train_steps // 3, 1)}",
+                   "train.ckpt_every=0", *TRAIN_RUNS[name]]
+            t0 = time.perf_counter()
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+            took = time.perf_counter() - t0
+            if proc.returncode != 0:
+                print(f"  {name}: epscale train failed (exit {proc.returncode}):\n"
+                      f"{proc.stderr[-2000:]}")
+                continue
+        steps = [json.loads(line) for line in done.read_text().splitlines() if line.strip()]
         steps = [r for r in steps if "step" in r and "layers" in r]
         vio = [max(lay["max_vio"] for lay in r["layers"]) for r in steps]
         vio_mean = [statistics.mean(lay["max_vio"] for lay in r["layers"]) for r in steps]
         idle = [r.get("worst_rank_idle", float("nan")) for r in steps]
         vals = [(r["step"], r["val_loss"]) for r in steps if "val_loss" in r]
+        # MaxVio_global: the loads summed over the last 100 steps, per layer
+        window = RunningMaxVio(window=100)
+        glob_hist = []
+        for r in steps:
+            glob = window.update([lay["tokens_per_expert"] for lay in r["layers"]])
+            glob_hist.append(max(glob))
         results[name] = {"steps": [r["step"] for r in steps], "max_vio": vio,
                          "mean_layer_max_vio": vio_mean, "worst_rank_idle": idle,
+                         "global_max_vio_last100": glob, "global_max_vio": glob_hist,
                          "loss": [r["loss"] for r in steps], "val": vals, "seconds": took}
-        print(f"  {name}: {len(steps)} steps in {took:.0f}s, final val loss "
+        timing = f" in {took:.0f}s" if took == took else ""
+        print(f"  {name}: {len(steps)} steps{timing}, final val loss "
               f"{vals[-1][1] if vals else float('nan'):.4f}", flush=True)
     (OUT / "balance_train.json").write_text(json.dumps(results))
     _print_train(results)
@@ -410,18 +430,21 @@ def part_train(a) -> dict:
 
 
 def _print_train(results):
-    print("\nMaxVio_batch (worst layer; mean over the last 100 steps), worst-rank idle, val loss")
-    print(f"{'run':>10} {'MaxVio first10':>14} {'MaxVio last100':>14} {'mean-layer last100':>18} "
-          f"{'idle last100':>12} {'final val':>9} {'val - none':>10}")
+    print("\nMaxVio_batch (worst layer and mean over layers; mean over the last 100 steps), "
+          "MaxVio_global\n(loads summed over the last 100 steps; worst / mean layer), worst-rank "
+          "idle (last 100), final validation loss")
+    print(f"{'run':>16} {'MaxVio first10':>14} {'MaxVio last100':>14} {'mean-layer last100':>18} "
+          f"{'global worst/mean':>17} {'idle last100':>12} {'final val':>9} {'val - none':>10}")
     base = results.get("none", {}).get("val")
     for name, r in results.items():
         n = len(r["max_vio"])
         last = slice(max(0, n - 100), n)
         fv = r["val"][-1][1] if r["val"] else float("nan")
         dv = fv - base[-1][1] if base else float("nan")
-        print(f"{name:>10} {statistics.mean(r['max_vio'][:10]):14.3f} "
+        print(f"{name:>16} {statistics.mean(r['max_vio'][:10]):14.3f} "
               f"{statistics.mean(r['max_vio'][last]):14.3f} "
               f"{statistics.mean(r['mean_layer_max_vio'][last]):18.3f} "
+              f"{max(r['global_max_vio_last100']):8.3f} /{statistics.mean(r['global_max_vio_last100']):7.3f} "
               f"{statistics.mean(r['worst_rank_idle'][last]):12.3f} {fv:9.4f} {dv:+10.4f}")
 
 
@@ -430,20 +453,24 @@ def _plot_train(results):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
     for name, r in results.items():
         v = np.asarray(r["max_vio"])
         k = 10
         smooth = np.convolve(v, np.ones(k) / k, mode="valid") if len(v) >= k else v
-        axes[0].plot(r["steps"][len(r["steps"]) - len(smooth):], smooth, label=name)
-        axes[1].plot(r["steps"], r["loss"], label=name, lw=0.8)
+        line, = axes[0].plot(r["steps"][len(r["steps"]) - len(smooth):], smooth, label=name)
+        axes[1].plot(r["steps"], r["global_max_vio"], label=name, color=line.get_color())
+        axes[2].plot(r["steps"], r["loss"], label=name, lw=0.6, color=line.get_color())
         if r["val"]:
-            axes[1].plot(*zip(*r["val"]), "o", ms=4)
-    axes[0].axhline(0.2, color="grey", ls=":", lw=1)
+            axes[2].plot(*zip(*r["val"]), "o", ms=4, color=line.get_color())
+    for ax in axes[:2]:
+        ax.axhline(0.2, color="grey", ls=":", lw=1)
+        ax.set_xlabel("step")
     axes[0].set_title("MaxVio_batch (worst layer, 10-step mean)")
-    axes[0].set_xlabel("step")
-    axes[1].set_title("training loss (lines) and validation loss (dots)")
-    axes[1].set_xlabel("step")
+    axes[1].set_title("MaxVio_global (worst layer, loads of the last 100 steps)")
+    axes[2].set_title("training loss (lines) and validation loss (dots)")
+    axes[2].set_xlabel("step")
+    axes[2].set_ylim(1.7, 3.0)
     for ax in axes:
         ax.legend(fontsize=8)
     fig.tight_layout()
