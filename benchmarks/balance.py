@@ -60,6 +60,7 @@ OUT = ROOT / "benchmarks" / "out"
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--part", choices=["all", "synthetic", "train"], default="all")
+    p.add_argument("--tag", default="", help="suffix of part 1's output files")
     p.add_argument("--ep", type=int, default=4)
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--top-k", type=int, default=8)
@@ -317,7 +318,7 @@ def part_synthetic(a) -> dict:
     for p in procs:
         p.join()
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "balance_synthetic.json").write_text(json.dumps({"args": vars(a), "results": results}))
+    (OUT / f"balance_synthetic{a.tag}.json").write_text(json.dumps({"args": vars(a), "results": results}))
     _print_synthetic(results)
     _plot_synthetic(results, a)
     return results
@@ -364,7 +365,7 @@ def _plot_synthetic(results, a):
         ax.legend(fontsize=8)
     fig.suptitle(f"EP={a.ep}, {a.experts} experts, top-{a.top_k}, drifting routing", fontsize=10)
     fig.tight_layout()
-    fig.savefig(OUT / "balance_synthetic.png", dpi=110)
+    fig.savefig(OUT / f"balance_synthetic{a.tag}.png", dpi=110)
     plt.close(fig)
 
 
