@@ -35,10 +35,8 @@ Legend: T tokens per rank, D model dim, F expert hidden dim, E experts, K top-k.
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime
 import json
-import math
 import os
 import statistics
 import subprocess

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -114,7 +113,6 @@ def _step(par, dims, x, g):
 
 
 def _equivalence_cases(runner, rank, world, dims, tag):
-    import epscale
     from epscale.placement import PlacedDispatcher, apply_placement
     from epscale.placement.runtime import expert_grad_sq_norm
 
@@ -147,7 +145,6 @@ def _equivalence_cases(runner, rank, world, dims, tag):
 
 
 def _replacement_case(runner, rank, world, dims, tag):
-    import epscale
     from epscale.parallel import is_expert_param
     from epscale.placement import Rebalancer, apply_placement, get_placement
     from epscale.placement.runtime import local_slots
@@ -209,7 +206,6 @@ def _replacement_case(runner, rank, world, dims, tag):
 
 
 def _error_cases(runner, rank, world, dims, tag):
-    import epscale
     from epscale.placement import apply_placement, move_to_placement
 
     over = dict(num_experts=8, top_k=2)

@@ -90,13 +90,25 @@ def _build(over, hot, layers, seed=7):
 
 def _worker(rank, world):
     import epscale
-    from epscale.placement import SpillDispatcher, apply_spill
 
     runner = CaseRunner(rank)
     dims = epscale.ParallelDims(dp=1, ep=world)
-    for backend in BACKENDS:
-        for name, over, tokens_fn, hot, layers in CASES:
-            with runner.case(f"ws={world} {backend} {name}"):
+    _equivalence(runner, rank, world, dims, BACKENDS, CASES, f"ws={world}")
+    if world == 4:
+        dp2 = epscale.ParallelDims(dp=2, ep=2)
+        _equivalence(runner, rank, world, dp2, ["alltoall", "dedup"],
+                     [c for c in CASES if c[0] in ("top2 hot rank0", "two layers")], "dp=2 ep=2")
+    _other_cases(runner, rank, world, dims)
+    return runner.failures, runner.num_cases
+
+
+def _equivalence(runner, rank, world, dims, backends, cases, tag):
+    import epscale
+    from epscale.placement import SpillDispatcher, apply_spill
+
+    for backend in backends:
+        for name, over, tokens_fn, hot, layers in cases:
+            with runner.case(f"{tag} {backend} {name}"):
                 full = _build(over, hot, layers)
                 par = epscale.parallelize(copy.deepcopy(full), dims, dispatcher=backend)
                 apply_spill(par, dims, threshold=1.2, min_rows=2)
@@ -115,6 +127,12 @@ def _worker(rank, world):
                     plan = spills[0].last_plan
                     assert plan.imbalance(after=True) < plan.imbalance(after=False)
                     assert {s.helper for s in plan.spills} - {0}, "no helper took rows"
+
+
+def _other_cases(runner, rank, world, dims):
+    import epscale
+    from epscale.placement import apply_spill
+
     with runner.case(f"ws={world} input without grad (first layer)"):
         from epscale.parallel import sync_gradients
 
@@ -135,7 +153,6 @@ def _worker(rank, world):
         apply_spill(par, dims)
         with pytest.raises(ValueError, match="already spills"):
             apply_spill(par, dims)
-    return runner.failures, runner.num_cases
 
 
 @pytest.mark.parametrize("world", [2, 4])
