@@ -100,15 +100,13 @@ def _check_grads(par, ref_pg, placement, dims, atol=2e-5, rtol=1e-4):
 
 def _step(par, dims, x, g):
     from epscale.parallel import sync_gradients
-    from epscale.placement import sync_replica_gradients
 
     par.zero_grad(set_to_none=True)
     x = x.clone().requires_grad_(True)
     y = par(x)
     aux = sum((m.aux_loss for m in par.modules() if hasattr(m, "aux_loss")), torch.zeros(()))
     ((y.float() * g.float()).sum() + aux).backward()
-    sync_gradients(par, dims)
-    sync_replica_gradients(par, dims)
+    sync_gradients(par, dims)  # includes the replica-gradient sum
     return y.detach(), x.grad
 
 

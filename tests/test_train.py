@@ -19,7 +19,7 @@ import torch
 
 from epscale.config import load_config
 from epscale.model import Transformer
-from epscale.train import update_expert_biases
+from epscale.balancing import update_expert_biases
 from epscale.training.dist import SingleProcessDims
 from epscale.training.loop import train
 

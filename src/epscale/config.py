@@ -44,7 +44,9 @@ class MoEConfig:
     0 disables. capacity_factor: None is dropless, else capacity = ceil(T*K*cf/E) per
     expert. drop_policy: 'probs' drops the lowest-weight assignments first, 'position'
     the latest tokens. activation: 'swiglu' or 'gelu'.
-    aux_loss_coeff: Switch/GShard balance loss; seq_aux_loss_coeff: DeepSeek sequence-wise
+    aux_loss_coeff: Switch/GShard balance loss, with expert fractions over this rank's
+    micro-batch (aux_loss_scope 'micro_batch') or over every rank's batch ('global');
+    seq_aux_loss_coeff: DeepSeek sequence-wise
     balance loss; z_loss_coeff: ST-MoE router z-loss.
     bias_update_speed: loss-free balancing step ``u`` (0 disables the update).
     use_grouped_mm: 'auto' uses torch's grouped GEMM where it exists, 'never' a loop.
@@ -66,6 +68,7 @@ class MoEConfig:
     drop_policy: str = "probs"
     activation: str = "swiglu"
     aux_loss_coeff: float = 0.0
+    aux_loss_scope: str = "micro_batch"
     seq_aux_loss_coeff: float = 0.0
     z_loss_coeff: float = 0.0
     bias_update_speed: float = 0.0
@@ -85,6 +88,7 @@ class MoEConfig:
                   "more experts than exist")
         _choice(f"{p}.score_func", self.score_func, ("softmax", "sigmoid"))
         _choice(f"{p}.drop_policy", self.drop_policy, ("probs", "position"))
+        _choice(f"{p}.aux_loss_scope", self.aux_loss_scope, ("micro_batch", "global"))
         _choice(f"{p}.activation", self.activation, ("swiglu", "gelu"))
         _choice(f"{p}.use_grouped_mm", self.use_grouped_mm, ("auto", "never"))
         if self.num_shared_experts < 0:

@@ -153,7 +153,7 @@ def _moe_layers(module: nn.Module):
 
 
 def parallelize(module: nn.Module, dims: ParallelDims, dispatcher: str = "dedup",
-                overlap_chunks: int = 1, payload: str = "auto") -> nn.Module:
+                overlap_chunks: int = 1, payload: str = "auto", placement=None) -> nn.Module:
     """Shard every ``epscale.MoE`` inside ``module`` over the EP group, in place.
 
     Expert parameters keep their names and their leading expert dim, sliced to this EP
@@ -162,7 +162,9 @@ def parallelize(module: nn.Module, dims: ParallelDims, dispatcher: str = "dedup"
     choice except 'deepep' runs the local (communication-free) one. ``overlap_chunks`` > 1
     lets 'dedup'/'hierarchical' pipeline chunks through ``dispatch_compute_combine``.
     ``payload``: 'auto' sends tokens in their dtype, 'bf16' casts them, 'fp8' sends e4m3
-    with per-128-channel scales (dedup/hierarchical). Returns ``module``.
+    with per-128-channel scales (dedup/hierarchical). ``placement``: an
+    ``epscale.placement.plan_placement`` result; each rank then holds its P/ep physical slots
+    (redundant copies of hot experts) instead of a contiguous E/ep slice. Returns ``module``.
     """
     if dispatcher not in DISPATCHERS:
         make_dispatcher(dispatcher, 1, dims)  # raises the listing error
@@ -179,6 +181,9 @@ def parallelize(module: nn.Module, dims: ParallelDims, dispatcher: str = "dedup"
     if dispatcher == "deepep":
         from .dispatch.deepep import require_deepep
         require_deepep()
+    if placement is not None:
+        from .placement.runtime import apply_placement
+        return apply_placement(module, dims, placement, dispatcher, overlap_chunks, payload)
     for moe in _moe_layers(module):
         cfg = moe.cfg
         E, ep = cfg.num_experts, dims.ep
@@ -242,6 +247,9 @@ def sync_gradients(module: nn.Module, dims: ParallelDims, bucket_bytes: int = BU
     asynchronously (one collective per bucket). A missing grad counts as zero (it is
     materialised so every rank sends the same buckets).
     """
+    from .placement.runtime import sync_replica_gradients
+
+    sync_replica_gradients(module, dims)  # copies of one expert get the sum of their grads
     W = dims.world_size
     if W == 1:
         return

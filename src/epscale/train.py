@@ -8,10 +8,8 @@ command runs as one rank of the job. A run directory that already holds a checkp
 resumed from its newest complete one. SIGTERM/SIGUSR1 (or ``touch RUN_DIR/STOP``) stop
 after the current step with a checkpoint and exit status 0.
 
-Also here: ``update_expert_biases``, the loss-free balancing hook the loop calls after
-each optimizer step.
-
-Legend: E experts, L MoE layers.
+The loss-free balancing update the loop calls after each optimizer step lives in
+``epscale.balancing.update_expert_biases``.
 """
 
 from __future__ import annotations
@@ -24,36 +22,8 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
 from .config import RunConfig, load_config
-
-
-@torch.no_grad()
-def update_expert_biases(model: nn.Module, dims, u: float,
-                         counts: dict[int, list[int]] | None = None) -> None:
-    """Loss-free balancing (DeepSeek-V3): ``b_i += u * sign(mean load - load_i)`` per MoE
-    layer, over the whole step's loads summed over all ranks.
-
-    counts: {layer id: tokens_per_expert_E summed over ranks} as the step record holds
-    them (no communication then); None all-reduces the layers' ``tokens_per_expert``
-    buffers in ONE collective. Every rank applies the same update, so the replicated
-    biases stay identical.
-    """
-    blocks = [b for b in getattr(model, "layers", []) if getattr(b, "is_moe", False)]
-    if not blocks:
-        return
-    if counts is None:
-        loads_LE = torch.stack([b.ffn.tokens_per_expert.double() for b in blocks])
-        if dims.world_size > 1 and dist.is_initialized():
-            dist.all_reduce(loads_LE)
-    else:
-        loads_LE = torch.tensor([counts[b.layer_id] for b in blocks], dtype=torch.float64)
-    for b, load_E in zip(blocks, loads_LE):
-        bias_E = b.ffn.router.expert_bias
-        load_E = load_E.to(bias_E.device)
-        bias_E += (u * torch.sign(load_E.mean() - load_E)).to(bias_E.dtype)
 
 
 # --------------------------------------------------------------------------------------

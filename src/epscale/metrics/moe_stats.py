@@ -163,7 +163,9 @@ class StepStatsCollector:
     # ------------------------------------------------------------------ accumulation
     def _make_hook(self, idx: int):
         def hook(module: nn.Module, _inputs: Any, _output: Any) -> None:
-            if not module.training:
+            from ..balancing import is_recomputing
+
+            if not module.training or is_recomputing():  # recomputed forwards count once
                 return
             st = module.last_stats
             counts = st.get("tokens_per_expert")

@@ -130,7 +130,14 @@ class MoE(nn.Module):
         cfg, E = self.cfg, self.cfg.num_experts
         loss = route.scores_TE.new_zeros(())
         if cfg.aux_loss_coeff > 0:
-            loss = loss + cfg.aux_loss_coeff * load_balance_loss(route.scores_TE, route.chosen_TK, E)
+            if cfg.aux_loss_scope == "global":
+                from ..balancing import global_batch_balance_loss
+
+                # f_e over every rank's batch (one all-reduce of E+1 numbers)
+                balance = global_batch_balance_loss(route.scores_TE, route.chosen_TK, E)
+            else:
+                balance = load_balance_loss(route.scores_TE, route.chosen_TK, E)
+            loss = loss + cfg.aux_loss_coeff * balance
         if cfg.seq_aux_loss_coeff > 0:
             loss = loss + cfg.seq_aux_loss_coeff * sequence_balance_loss(
                 route.scores_TE, route.chosen_TK, E, num_sequences)
@@ -140,6 +147,10 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def _record_stats(self, x_TD: torch.Tensor, route) -> None:
+        from ..balancing import is_recomputing
+
+        if is_recomputing():  # activation recomputation: these tokens were counted already
+            return
         counts_E = torch.bincount(route.chosen_TK.reshape(-1), minlength=self.cfg.num_experts)
         bad_T = _nonfinite_rows(x_TD)
         if x_TD.device.type == "cpu":

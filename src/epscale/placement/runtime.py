@@ -194,7 +194,8 @@ def apply_placement(module: nn.Module, dims, placement: Placement, dispatcher: s
     Each rank's experts module gets its s = P/ep slots (copies of the logical experts'
     weights; parameter names unchanged, leading dim s) and a :class:`PlacedDispatcher` over
     the named backend built for P experts. Layers are matched to placement rows in
-    registration order. Call :func:`sync_replica_gradients` after ``sync_gradients``.
+    registration order. ``epscale.parallel.sync_gradients`` also sums the replicas' grads
+    (:func:`sync_replica_gradients`).
     Returns ``module``.
     """
     from ..parallel import make_dispatcher
@@ -253,7 +254,8 @@ def sync_replica_gradients(module: nn.Module, dims) -> None:
     """Sum the gradients of every replicated logical expert over its copies, so each copy
     holds the full gradient. ONE all-reduce over the EP group, of the replicated experts'
     gradients only (experts with a single copy send nothing). A no-op without a placement
-    or without replicas. Call on every rank after ``sync_gradients`` (the two sums commute).
+    or without replicas. ``epscale.parallel.sync_gradients`` calls it first; call it
+    directly only when not using that (the two sums commute).
     """
     placement, layers = _placed_layers(module)
     if placement is None:

@@ -299,7 +299,7 @@ class Trainer:
                                     loss=loss_sum, lr=lr, grad_norm=grad_norm,
                                     breakdown=breakdown, skipped=skip, extra=extra)
         if not skip and cfg.moe.bias_update_speed > 0:
-            from ..train import update_expert_biases
+            from ..balancing import update_expert_biases
 
             counts = {lay["layer"]: lay["tokens_per_expert"] for lay in rec["layers"]}
             update_expert_biases(self.model, self.dims, cfg.moe.bias_update_speed, counts)

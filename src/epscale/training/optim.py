@@ -69,7 +69,12 @@ def grad_norm_and_flags(model: nn.Module, dims, max_norm: float, stop: bool,
             return torch.zeros((), device=device, dtype=torch.float32)
         return torch.stack([n.float() ** 2 for n in torch._foreach_norm(grads)]).sum()
 
-    flags = torch.stack([sq(expert) / dims.dp, torch.tensor(float(stop), device=device),
+    from ..placement.runtime import expert_grad_sq_norm
+
+    # Under a redundant-expert placement each logical expert counts once (its copies hold
+    # the same summed grad); without one this is the plain squared norm of ``expert``.
+    expert_sq = expert_grad_sq_norm(model, dims).float().to(device) if expert else sq(expert)
+    flags = torch.stack([expert_sq / dims.dp, torch.tensor(float(stop), device=device),
                          (~torch.isfinite(loss)).float()])
     if dims.world_size > 1 and dist.is_initialized():
         dist.all_reduce(flags)
