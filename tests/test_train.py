@@ -250,6 +250,13 @@ def test_ep2_resume_is_bitwise_and_reshards_to_ep1(tmp_path):
     assert set(one) == {3, 4}
     for s in (3, 4):
         assert one[s] == pytest.approx(ref[s], rel=1e-5, abs=1e-5), (s, one[s], ref[s])
+    # Least-loaded spill-over moves rows between ranks without changing the function.
+    epscale_train(tmp_path, tmp_path / "spill", 2, *ep2, "parallel.spill_threshold=1.0",
+                  "parallel.spill_min_rows=1")
+    spill, _ = read_metrics(tmp_path / "spill")
+    assert sum(r["spilled_rows"] for r in spill) > 0
+    for s, loss in losses_by_step(spill).items():
+        assert loss == pytest.approx(ref[s], rel=1e-5, abs=1e-5), (s, loss, ref[s])
 
 
 @pytest.mark.timeout(900)

@@ -191,9 +191,18 @@ class ParallelConfig:
     # dispatch payload: 'auto' (the activations' dtype), 'bf16', or 'fp8' (e4m3 with
     # per-128-channel scales; dedup and hierarchical only).
     payload: str = "auto"
+    # Least-loaded spill-over (LLEP): when max/mean EP-rank load of a step exceeds this,
+    # hot experts' overflow rows run on the least-loaded ranks (null: off; needs ep >= 2).
+    spill_threshold: float | None = None
+    spill_min_rows: int = 32
 
     def __post_init__(self) -> None:
         _choice("parallel.payload", self.payload, ("auto", "bf16", "fp8"))
+        if self.spill_threshold is not None and self.spill_threshold < 1.0:
+            _fail("parallel.spill_threshold", self.spill_threshold,
+                  "must be >= 1.0 (a max/mean rank-load ratio) or null (off)")
+        if self.spill_min_rows < 1:
+            _fail("parallel.spill_min_rows", self.spill_min_rows, "must be >= 1")
         for name in ("dp", "ep", "overlap_chunks"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

@@ -109,6 +109,11 @@ class Trainer:
             parallelize(self.model, self.dims, dispatcher=cfg.parallel.dispatcher,
                         overlap_chunks=cfg.parallel.overlap_chunks,
                         payload=cfg.parallel.payload)
+            if cfg.parallel.spill_threshold is not None and self.dims.ep > 1:
+                from ..placement.spill import apply_spill
+
+                apply_spill(self.model, self.dims, cfg.parallel.spill_threshold,
+                            cfg.parallel.spill_min_rows)
         self.moe_layers = self.model.moe_layers()
         self.opt = build_optimizer(self.model, cfg.train)
         ensure_optimizer_state(self.opt)
@@ -292,6 +297,9 @@ class Trainer:
         breakdown = T.breakdown()  # before validation, whose forwards use the same sections
         self.step = step
         extra: dict[str, Any] = {}
+        plans = [getattr(m.dispatcher, "last_plan", None) for m in self.moe_layers]
+        if any(p is not None for p in plans):  # spill-over: rows moved in the last micro-batch
+            extra["spilled_rows"] = sum(sp.rows for p in plans if p is not None for sp in p.spills)
         if self._eval_due():
             extra["val_loss"] = self.evaluate()
         rec = self.collector.record(step, step_time_s=step_time,
