@@ -206,3 +206,20 @@ def compare_grads(par: torch.nn.Module, ref_pgrads: dict, dims, atol: float, rto
         assert p.grad is not None, f"no grad for {name}"
         torch.testing.assert_close(p.grad.float(), ref, atol=atol, rtol=rtol,
                                    msg=lambda m: f"grad of {name}: {m}")
+
+
+def hot_moe(over: dict, hot, layers: int = 1, seed: int = 3, bias: float = 0.5):
+    """An unparallelized MoE (``layers`` > 1: an nn.Sequential of them) of dim 32, hidden
+    16, whose experts ``hot`` get router bias ``bias`` so routing is skewed toward them."""
+    import epscale
+    from torch import nn
+
+    torch.manual_seed(seed)
+    cfg = epscale.MoEConfig(dim=32, hidden_dim=16, **over)
+    mods = []
+    for _ in range(layers):
+        m = epscale.MoE(cfg)
+        for x in hot:
+            m.router.expert_bias[x] = bias
+        mods.append(m)
+    return mods[0] if layers == 1 else nn.Sequential(*mods)

@@ -10,9 +10,8 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from dist_utils import (CaseRunner, assert_no_failures, make_inputs, reference_grads,
+from dist_utils import (CaseRunner, assert_no_failures, hot_moe, make_inputs, reference_grads,
                         run_distributed)
 from epscale.placement import plan_placement
 from epscale.placement.runtime import (placement_from_dict, placement_to_dict,
@@ -60,17 +59,7 @@ CASES = [  # (name, MoEConfig overrides, hot experts, extra slots per rank)
 
 
 def _hot_model(over, hot, layers=1, seed=3):
-    import epscale
-
-    torch.manual_seed(seed)
-    cfg = epscale.MoEConfig(dim=32, hidden_dim=16, **over)
-    mods = []
-    for _ in range(layers):
-        m = epscale.MoE(cfg)
-        for x in hot:
-            m.router.expert_bias[x] = 0.5
-        mods.append(m)
-    return mods[0] if layers == 1 else nn.Sequential(*mods)
+    return hot_moe(over, hot, layers, seed, bias=0.5)
 
 
 def _hot_load(E, hot, layers):

@@ -11,9 +11,8 @@ import copy
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
-from dist_utils import (CaseRunner, assert_no_failures, compare_grads, make_inputs,
+from dist_utils import (CaseRunner, assert_no_failures, compare_grads, hot_moe, make_inputs,
                         parallel_step, reference_grads, run_distributed)
 from epscale.placement.llep import plan_spill
 from epscale.placement.spill import assign_slots, spill_layout
@@ -75,17 +74,7 @@ CASES = [
 
 
 def _build(over, hot, layers, seed=7):
-    import epscale
-
-    torch.manual_seed(seed)
-    cfg = epscale.MoEConfig(dim=32, hidden_dim=16, **over)
-    mods = []
-    for _ in range(layers):
-        m = epscale.MoE(cfg)
-        for x in hot:
-            m.router.expert_bias[x] = 10.0
-        mods.append(m)
-    return mods[0] if layers == 1 else nn.Sequential(*mods)
+    return hot_moe(over, hot, layers, seed, bias=10.0)
 
 
 def _worker(rank, world):
