@@ -27,12 +27,13 @@ result to y_TD.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any, Callable
 
 import torch
 
 
-class Dispatcher:
+class Dispatcher(ABC):
     """Base class of every backend; subclasses implement ``dispatch`` and ``combine``."""
 
     name = "base"
@@ -42,12 +43,16 @@ class Dispatcher:
         self.num_local_experts = num_local_experts
         self.expert_offset = expert_offset
 
+    @abstractmethod
     def dispatch(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor,
                  topk_weight_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        raise NotImplementedError
+        """Send each kept assignment's row to the rank of its expert: returns
+        (recv_x_RD grouped by local expert, tokens_per_local_expert_e, handle)."""
 
+    @abstractmethod
     def combine(self, y_RD: torch.Tensor, handle: Any) -> torch.Tensor:
-        raise NotImplementedError
+        """Send expert outputs back and reduce them per token with the gate weights:
+        returns y_TD."""
 
     def combine_overlapped(self, y_RD: torch.Tensor, handle: Any,
                            side_work: Callable[[], torch.Tensor] | None

@@ -6,6 +6,8 @@ Legend: T tokens, D model dim, K top-k, E global experts, e local experts, P EP 
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 from typing import Any, Callable
 
 import torch
@@ -47,9 +49,11 @@ class EPDispatcher(Dispatcher):
         return self.info.counter.inter_node
 
     # ----------------------------------------------------------------- combine
+    @abstractmethod
     def _combine_start(self, y_RD: torch.Tensor, handle: Any, async_op: bool
                        ) -> Callable[[], torch.Tensor]:
-        raise NotImplementedError
+        """Start the combine exchange (async when ``async_op``); the returned callable
+        waits for it and returns y_TD."""
 
     def combine(self, y_RD: torch.Tensor, handle: Any) -> torch.Tensor:
         return self._combine_start(y_RD, handle, False)()

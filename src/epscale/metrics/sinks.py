@@ -17,6 +17,8 @@ them on without a config change: ``EPSCALE_TENSORBOARD=1``, ``EPSCALE_PROMETHEUS
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import json
 import os
 import time
@@ -36,11 +38,12 @@ def _num(v: Any) -> float | None:
     return float(v)
 
 
-class Sink:
-    """Base sink: subclasses override ``write`` and, if they care, ``event``/``close``."""
+class Sink(ABC):
+    """Base sink: subclasses implement ``write`` and, if they care, ``event``/``close``."""
 
+    @abstractmethod
     def write(self, record: dict[str, Any]) -> None:
-        raise NotImplementedError
+        """Take one step record (the metrics.jsonl schema)."""
 
     def event(self, record: dict[str, Any]) -> None:
         return None

@@ -21,7 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .alerts import Alert, AlertRules, evaluate
-from .runlog import JsonlTail, RunLog, layers_of, num, read_config, refresh_heartbeats
+from .runlog import JsonlTail, RunLog, fmt_value as _f, layers_of, num, read_config, refresh_heartbeats
 
 BARS = "▁▂▃▄▅▆▇█"
 KEEP_RECORDS = 2000  # records kept in memory while following (the rules look back less)
@@ -55,19 +55,6 @@ def load_bar(counts: Sequence[float]) -> Text:
     if len(counts) > 128:
         t.append(f" +{len(counts) - 128}", style="dim")
     return t
-
-
-def _f(v: Any, pct: bool = False, ms: bool = False) -> str:
-    x = num(v)
-    if x is None:
-        return "—"
-    if not math.isfinite(x):
-        return str(x)
-    if pct:
-        return f"{100 * x:.1f}%"
-    if ms:
-        return f"{1e3 * x:.1f} ms"
-    return f"{x:,.0f}" if abs(x) >= 1e4 else f"{x:.4g}"
 
 
 def _layer_vio(L: dict[str, Any]) -> float:

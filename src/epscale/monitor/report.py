@@ -26,7 +26,7 @@ import numpy as np
 
 from .alerts import Alert, AlertRules
 from .report_assets import CSS, JS
-from .runlog import RunLog, layers_of, num
+from .runlog import RunLog, fmt_value as _fmt, layers_of, num
 
 SECTION_ORDER = ("data", "forward", "attention", "router", "dispatch", "experts", "combine",
                  "backward", "optimizer", "sync")
@@ -215,19 +215,6 @@ def _rank_series(mat: np.ndarray, bk: list[tuple[int, int]], limit: int = 16
 
 def _e(text: Any) -> str:
     return html.escape(str(text), quote=True)
-
-
-def _fmt(v: Any, pct: bool = False) -> str:
-    x = num(v)
-    if x is None:
-        return "—"
-    if not math.isfinite(x):
-        return str(x)
-    if pct:
-        return f"{100 * x:.1f}%"
-    if abs(x) >= 1e4:
-        return f"{x:,.0f}"
-    return f"{x:.4g}"
 
 
 def _panel(title: str, kind: str, note: str = "", layer: int | None = None) -> str:

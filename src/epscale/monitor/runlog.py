@@ -117,6 +117,21 @@ def num(v: Any) -> float | None:
     return float(v)
 
 
+def fmt_value(v: Any, pct: bool = False, ms: bool = False) -> str:
+    """A metric for people: '—' when missing, a percentage, milliseconds, or 4 significant
+    digits (thousands separators from 10,000 on)."""
+    x = num(v)
+    if x is None:
+        return "—"
+    if not math.isfinite(x):
+        return str(x)
+    if pct:
+        return f"{100 * x:.1f}%"
+    if ms:
+        return f"{1e3 * x:.1f} ms"
+    return f"{x:,.0f}" if abs(x) >= 1e4 else f"{x:.4g}"
+
+
 def finite(v: Any) -> bool:
     x = num(v)
     return x is not None and math.isfinite(x)
