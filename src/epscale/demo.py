@@ -58,7 +58,7 @@ def run(args) -> int:
         table.add_row(str(e), str(n), str(kept), str(n - kept), bar)
     console.print(table)
     best = min(times)
-    dropped = stats["num_dropped"]
+    dropped = int(stats["num_dropped"])
     console.print(f"dropped assignments: {dropped} of {args.tokens * cfg.top_k} "
                   f"({100 * dropped / (args.tokens * cfg.top_k):.2f}%)  "
                   f"MaxVio: {(max(counts) - mean) / mean:.3f}  "

@@ -46,9 +46,9 @@ from .timers import COMM_SECTIONS, STANDARD_SECTIONS
 # Values each rank writes into its own slot of the flat tensor.
 _RANK_FIELDS = ("step_time_s", "mem_mb", "sync_s", "num_tokens")
 # Per-layer device accumulator: E counts, then these.
-_LAYER_DEV = ("entropy_sum", "nonfinite")
+_LAYER_DEV = ("entropy_sum", "nonfinite", "dropped")
 # Per-layer host counters, then these per-layer local-only values (averaged over ranks).
-_LAYER_HOST = ("num_tokens", "num_dropped", "num_forwards", "bias_min", "bias_max")
+_LAYER_HOST = ("num_tokens", "num_forwards", "bias_min", "bias_max")
 
 
 def find_moe_layers(model: nn.Module) -> list[tuple[int, str, nn.Module]]:
@@ -155,7 +155,7 @@ class StepStatsCollector:
             self.expert_to_rank.append(placement)
         self._dev_acc = [torch.zeros(E + len(_LAYER_DEV), dtype=torch.float64, device=self.device)
                          for E in self.num_experts]
-        self._host_acc = [[0, 0, 0] for _ in self.layers]
+        self._host_acc = [[0, 0] for _ in self.layers]
         self._zero_streak = [np.zeros(E, dtype=np.int64) for E in self.num_experts]
         self._hooks = [m.register_forward_hook(self._make_hook(i))
                        for i, (_lid, _name, m) in enumerate(self.layers)]
@@ -183,10 +183,14 @@ class StepStatsCollector:
                 bad = st.get("num_nonfinite_inputs")
                 if isinstance(bad, torch.Tensor):
                     acc[E + 1] += bad.to(acc.device, torch.float64)
+                drop = st.get("num_dropped", 0)  # a device tensor under capacity, else 0
+                if isinstance(drop, torch.Tensor):
+                    acc[E + 2] += drop.to(acc.device, torch.float64)
+                elif drop:
+                    acc[E + 2] += float(drop)
             host = self._host_acc[idx]
             host[0] += int(st.get("num_tokens", 0))
-            host[1] += int(st.get("num_dropped", 0))
-            host[2] += 1
+            host[1] += 1
         return hook
 
     def attach_timer(self, timers: Any) -> None:
@@ -199,7 +203,7 @@ class StepStatsCollector:
         for acc in self._dev_acc:
             acc.zero_()
         for host in self._host_acc:
-            host[:] = [0, 0, 0]
+            host[:] = [0, 0]
 
     def close(self) -> None:
         """Remove the forward hooks."""
@@ -256,11 +260,12 @@ class StepStatsCollector:
 
         # ---- unpack (same order as packed)
         pos = 0
-        counts_by_layer, ent_sum, nonfinite = [], [], []
+        counts_by_layer, ent_sum, nonfinite, dropped = [], [], [], []
         for E in self.num_experts:
             counts_by_layer.append(vals[pos:pos + E])
             ent_sum.append(vals[pos + E])
             nonfinite.append(vals[pos + E + 1])
+            dropped.append(vals[pos + E + 2])
             pos += E + len(_LAYER_DEV)
         bias_rng = []
         for _ in range(L):
@@ -275,8 +280,8 @@ class StepStatsCollector:
         pos += len(STANDARD_SECTIONS)
         layer_host = []
         for _ in range(L):
-            layer_host.append(vals[pos:pos + 3])
-            pos += 3
+            layer_host.append(vals[pos:pos + 2])
+            pos += 2
         slots = np.asarray(vals[pos:pos + self.world * len(_RANK_FIELDS)]).reshape(
             self.world, len(_RANK_FIELDS))
 
@@ -297,7 +302,8 @@ class StepStatsCollector:
         idle_by_rank = np.zeros(self.ep)
         for idx, (lid, _name, m) in enumerate(self.layers):
             counts = counts_by_layer[idx]
-            n_tok, n_drop, n_fwd = layer_host[idx]
+            n_tok, n_fwd = layer_host[idx]
+            n_drop = dropped[idx]
             assign = n_tok * self.top_k[idx]
             total_assign += assign
             total_dropped += n_drop

@@ -22,7 +22,8 @@ class RouterOutput:
     scores_TE: torch.Tensor       # fp32 router scores (softmax or sigmoid), for losses/stats
     logits_TE: torch.Tensor       # fp32 raw logits, for the z-loss
     chosen_TK: torch.Tensor       # int64 expert ids before capacity dropping
-    num_dropped: int              # assignments dropped by capacity (0 when dropless)
+    num_dropped: int | torch.Tensor  # assignments dropped by capacity: 0 when dropless,
+    # else a 0-d int64 tensor on the input's device (no host sync; read it when reporting)
 
 
 class TopKRouter(nn.Module):
@@ -61,7 +62,7 @@ class TopKRouter(nn.Module):
                                          cfg.drop_policy)
             idx_TK = torch.where(keep_TK, chosen_TK, torch.full_like(chosen_TK, -1))
             weight_TK = weight_TK * keep_TK
-            num_dropped = int(keep_TK.numel() - keep_TK.sum().item())  # host sync (stats)
+            num_dropped = keep_TK.numel() - keep_TK.sum()  # stays on device: no host sync
         return RouterOutput(idx_TK, weight_TK, scores_TE, logits_TE, chosen_TK, num_dropped)
 
 
