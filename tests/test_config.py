@@ -174,3 +174,21 @@ def test_dump_and_reload_round_trip(tmp_path):
     dump_yaml(cfg, path)
     again = load_config(path)
     assert again == cfg
+
+
+def test_redundant_expert_keys_are_validated():
+    from epscale.config import ParallelConfig
+    from epscale.training.dist import resolve_layout
+
+    with pytest.raises(ConfigError, match=r"parallel.redundant_experts.*spill_threshold"):
+        load_config(None, ["parallel.redundant_experts=2", "parallel.spill_threshold=1.2"])
+    with pytest.raises(ConfigError, match=r"parallel.rebalance_every.*>= 0"):
+        load_config(None, ["parallel.rebalance_every=-1"])
+    with pytest.raises(ConfigError, match=r"parallel.rebalance_window"):
+        load_config(None, ["parallel.rebalance_window=0"])
+    # The physical slots must divide over the EP ranks; copies need ep >= 2.
+    with pytest.raises(ConfigError, match=r"redundant_experts' = 3 .*11 physical slots.*ep=2"):
+        resolve_layout(ParallelConfig(ep=2, redundant_experts=3), 2, 8)
+    with pytest.raises(ConfigError, match=r"redundant_experts' = 2 is invalid with ep=1"):
+        resolve_layout(ParallelConfig(ep=1, redundant_experts=2), 1, 8)
+    assert resolve_layout(ParallelConfig(ep=2, redundant_experts=4), 2, 8)[:2] == (1, 2)

@@ -277,6 +277,47 @@ def test_dp2_ep2_checkpoint_loads_at_ep2_and_ep1(tmp_path):
         assert got1[s] == pytest.approx(ref[s], rel=1e-5, abs=1e-5), (s, got1[s], ref[s])
 
 
+@pytest.mark.timeout(900)
+def test_redundant_experts_train_like_plain_ep_resume_and_reshard(tmp_path):
+    """parallel.redundant_experts: 8 experts in 10 slots over ep=2, re-placed after every
+    step (weights and AdamW state move between ranks). Training matches one process
+    without copies (same global batch) up to summation order; stopped at step 2 and
+    resumed (placement and load window restored) it is bitwise the uninterrupted run; its
+    checkpoint holds logical experts, so it continues with 12 slots and at ep=1 (one
+    process, the same global batch) too."""
+    placed = ("parallel.ep=2", "train.micro_batch_size=2", "parallel.redundant_experts=2",
+              "parallel.rebalance_every=1")
+    epscale_train(tmp_path, tmp_path / "full", 2, *placed)
+    epscale_train(tmp_path, tmp_path / "part", 2, *placed, stop_at=2)
+    shutil.copytree(tmp_path / "part", tmp_path / "more")
+    shutil.copytree(tmp_path / "part", tmp_path / "one")
+    epscale_train(tmp_path, tmp_path / "part", 2, *placed)
+    full, events = read_metrics(tmp_path / "full")
+    part, part_events = read_metrics(tmp_path / "part")
+    assert losses_by_step(full) == losses_by_step(part)  # bitwise, steps 1-4
+    moves = [e for e in events if e["event"] == "replacement"]
+    assert moves and all(e["imbalance_after"] <= e["imbalance_before"] + 1e-9 for e in moves)
+    for rec in full:  # per-rank loads count each expert's tokens split over its copies
+        for lay in rec["layers"]:
+            assert sum(lay["rank_load"]) == pytest.approx(sum(lay["tokens_per_expert"]), abs=2)
+    meta = json.loads((tmp_path / "one" / "checkpoints" / "step_00000002" / "meta.json").read_text())
+    assert len(meta["placement"]["phy2log"][0]) == 10
+    assert (tmp_path / "one" / "checkpoints" / "step_00000002" / "rebalancer.pt").is_file()
+    epscale_train(tmp_path, tmp_path / "plain", 2, "parallel.ep=2", "train.micro_batch_size=2")
+    ref = losses_by_step(read_metrics(tmp_path / "plain")[0])
+    for s, loss in losses_by_step(full).items():
+        assert loss == pytest.approx(ref[s], rel=1e-5, abs=1e-5), (s, loss, ref[s])
+    # Another slot count: the placement is re-planned from the saved load window.
+    proc = epscale_train(tmp_path, tmp_path / "more", 2, "parallel.ep=2",
+                         "train.micro_batch_size=2", "parallel.redundant_experts=4")
+    assert "planned from the loads saved in step_00000002" in proc.stdout
+    one = resume_in_process(tmp_path, tmp_path / "one", **{"train.micro_batch_size": 4})
+    more = losses_by_step(read_metrics(tmp_path / "more")[0])
+    for s in (3, 4):
+        assert more[s] == pytest.approx(ref[s], rel=1e-5, abs=1e-5), (s, more[s], ref[s])
+        assert one[s] == pytest.approx(ref[s], rel=1e-5, abs=1e-5), (s, one[s], ref[s])
+
+
 def test_launch_env_from_torchrun_and_srun(monkeypatch):
     from epscale.training.dist import detect_env, resolve_layout
     from epscale.config import ConfigError, ParallelConfig

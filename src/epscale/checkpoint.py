@@ -132,34 +132,122 @@ def _wrap(t: torch.Tensor, expert: bool, dims) -> torch.Tensor:
     return DTensor.from_local(t, dims.mesh, [Replicate(), Shard(0)], run_check=False)
 
 
-def build_state(model: nn.Module, opt: torch.optim.Optimizer | None, dims) -> dict[str, Any]:
+class _PlacedExperts:
+    """Expert tensors of a model placed with redundant experts (``parallel.redundant_experts``),
+    seen in the logical layout: this rank's E/ep logical experts, contiguous, exactly as
+    an unplaced model holds them. Checkpoints therefore never depend on the placement (a
+    checkpoint written with one placement, or none, loads into any other, at any ep).
+
+    ``for_save`` gathers the logical rows from the slots (one exchange per layer);
+    ``for_load`` hands out empty logical buffers and ``scatter`` copies what DCP loaded
+    into them back to every slot that holds the expert (one exchange per layer).
+    """
+
+    def __init__(self, model: nn.Module, opt, dims):
+        from .moe.layer import MoE
+        from .placement.runtime import get_placement
+
+        self.placement = get_placement(model)
+        self.dims, self.opt = dims, opt
+        if opt is not None and self.placement is not None:
+            from .training.optim import ensure_optimizer_state
+
+            ensure_optimizer_state(opt)
+        self.layers = []  # (layer index, module name prefix, moe)
+        if self.placement is not None:
+            moes = [(n, m) for n, m in model.named_modules() if isinstance(m, MoE)]
+            self.layers = [(i, n, m) for i, (n, m) in enumerate(moes)]
+        self.views: dict[str, dict[str, torch.Tensor]] = {}  # param name -> logical views
+        self._live: list[tuple[int, list[torch.Tensor], list[torch.Tensor]]] = []
+
+    def _fields(self, moe) -> list[tuple[str, str, torch.Tensor]]:
+        """(param name suffix, 'param' | optimizer key, live tensor) in a fixed order."""
+        out = []
+        for pname in ("w1", "w2", "w3"):
+            p = getattr(moe.experts, pname, None)
+            if p is None:
+                continue
+            out.append((pname, "param", p.data))
+            st = self.opt.state.get(p) if self.opt is not None else None
+            if st:
+                out += [(pname, k, st[k]) for k in ("exp_avg", "exp_avg_sq")]
+        return out
+
+    def _collect(self, load: bool) -> None:
+        from .placement.runtime import logical_layout, relayout_rows
+
+        for i, prefix, moe in self.layers:
+            fields = self._fields(moe)
+            live = [t for _, _, t in fields]
+            E, ep = moe.cfg.num_experts, self.dims.ep
+            if load:
+                logical = [t.new_zeros((E // ep, *t.shape[1:])) for t in live]
+                self._live.append((i, live, logical))
+            else:
+                logical, _, _ = relayout_rows(live, self.placement.phy2log[i].numpy(),
+                                              logical_layout(E), self.dims)
+            for (pname, key, _), t in zip(fields, logical):
+                name = f"{prefix}.experts.{pname}" if prefix else f"experts.{pname}"
+                self.views.setdefault(name, {})[key] = t
+
+    def for_save(self) -> "_PlacedExperts":
+        self._collect(load=False)
+        return self
+
+    def for_load(self) -> "_PlacedExperts":
+        self._collect(load=True)
+        return self
+
+    @torch.no_grad()
+    def scatter(self) -> None:
+        """After a load into the logical buffers: copy them into every slot."""
+        from .placement.runtime import logical_layout, relayout_rows
+
+        for i, live, logical in self._live:
+            E = self.placement.replica_count.shape[1]
+            placed, _, _ = relayout_rows(logical, logical_layout(E),
+                                         self.placement.phy2log[i].numpy(), self.dims)
+            for t, v in zip(live, placed):
+                t.copy_(v)
+
+
+def build_state(model: nn.Module, opt: torch.optim.Optimizer | None, dims,
+                placed: "_PlacedExperts | None" = None) -> dict[str, Any]:
     """``{"model": {name: tensor}, "optim": {name: {"step", "exp_avg", "exp_avg_sq"}}}``
     whose tensors share storage with the live parameters and optimizer state (a DCP load
-    writes straight into them)."""
-    params = dict(model.named_parameters())
-    model_sd = {}
-    for name, t in model.state_dict().items():
-        p = params.get(name)
-        model_sd[name] = _wrap(t, p is not None and _is_expert(p), dims)
-    state: dict[str, Any] = {"model": model_sd}
+    writes straight into them). Experts under a redundant-expert placement appear in their
+    logical layout instead (``placed``: a :class:`_PlacedExperts` prepared for save or
+    load)."""
     if opt is not None:
         from .training.optim import ensure_optimizer_state
 
         ensure_optimizer_state(opt)
+    views = placed.views if placed is not None else {}
+    params = dict(model.named_parameters())
+    model_sd = {}
+    for name, t in model.state_dict().items():
+        p = params.get(name)
+        if name in views:
+            t = views[name]["param"]
+        model_sd[name] = _wrap(t, p is not None and _is_expert(p), dims)
+    state: dict[str, Any] = {"model": model_sd}
+    if opt is not None:
         optim_sd = {}
         for name, p in params.items():
             st = opt.state.get(p)
             if not st:
                 continue
             expert = _is_expert(p)
-            optim_sd[name] = {"step": st["step"], "exp_avg": _wrap(st["exp_avg"], expert, dims),
-                              "exp_avg_sq": _wrap(st["exp_avg_sq"], expert, dims)}
+            src = views.get(name, st)
+            optim_sd[name] = {"step": st["step"], "exp_avg": _wrap(src["exp_avg"], expert, dims),
+                              "exp_avg_sq": _wrap(src["exp_avg_sq"], expert, dims)}
         state["optim"] = optim_sd
     return state
 
 
-def _copy_back(model: nn.Module, opt, state: dict) -> None:
-    """Copy DTensor local shards into the live tensors when DCP did not load in place."""
+def _copy_back(model: nn.Module, opt, state: dict, skip: set[str] = frozenset()) -> None:
+    """Copy DTensor local shards into the live tensors when DCP did not load in place
+    (``skip``: names whose tensors are not the live ones, the placed experts)."""
     from torch.distributed.tensor import DTensor
 
     def local(t):
@@ -167,15 +255,25 @@ def _copy_back(model: nn.Module, opt, state: dict) -> None:
 
     live = model.state_dict()
     for name, t in state["model"].items():
-        if live[name].data_ptr() != local(t).data_ptr():
+        if name not in skip and live[name].data_ptr() != local(t).data_ptr():
             live[name].copy_(local(t))
     if opt is not None and "optim" in state:
         params = dict(model.named_parameters())
         for name, entry in state["optim"].items():
+            if name in skip:
+                continue
             st = opt.state[params[name]]
             for k, t in entry.items():
                 if st[k].data_ptr() != local(t).data_ptr():
                     st[k].copy_(local(t))
+
+
+def _copy_local(dst: torch.Tensor, loaded: torch.Tensor) -> None:
+    from torch.distributed.tensor import DTensor
+
+    src = loaded.to_local() if isinstance(loaded, DTensor) else loaded
+    if dst.data_ptr() != src.data_ptr():
+        dst.copy_(src)
 
 
 def _saved_keys(path: Path) -> dict[str, Any]:
@@ -243,9 +341,11 @@ def set_rng_state(state: dict) -> None:
 
 
 def save(run_dir: str | Path, step: int, model: nn.Module, opt, dims, meta: dict,
-         keep: int = 2) -> Path:
+         keep: int = 2, extra_files: dict[str, Any] | None = None) -> Path:
     """Collective: every rank calls it. Writes ``step_{step:08d}`` atomically (temporary
-    directory, then rename) and deletes all but the newest ``keep`` checkpoints."""
+    directory, then rename) and deletes all but the newest ``keep`` checkpoints.
+    ``extra_files``: {file name: object} that rank 0 writes with ``torch.save`` beside the
+    shards (listed and hashed in meta.json like them; read back with :func:`load_extra`)."""
     root = checkpoints_root(run_dir)
     final = step_dir(run_dir, step)
     tmp = root / f".tmp_{final.name}"
@@ -255,10 +355,13 @@ def save(run_dir: str | Path, step: int, model: nn.Module, opt, dims, meta: dict
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     _barrier()
-    state = build_state(model, opt, dims)
+    state = build_state(model, opt, dims, _PlacedExperts(model, opt, dims).for_save())
     with _quiet():
         dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
     torch.save(rng_state(), tmp / f"rank_{rank}.pt")
+    if rank == 0:
+        for name, obj in (extra_files or {}).items():
+            torch.save(obj, tmp / name)
     _barrier()
     if rank == 0:
         files = {}
@@ -285,7 +388,8 @@ def load(path: Path, model: nn.Module, opt, dims, restore_rng: bool = True) -> d
     """Collective. Loads model (and optimizer state when ``opt`` is given and the
     checkpoint has it) into the live tensors, resharding as needed; returns meta.json."""
     meta = read_meta(path)
-    state = build_state(model, opt, dims)
+    placed = _PlacedExperts(model, opt, dims).for_load()
+    state = build_state(model, opt, dims, placed)
     check_compatible(path, state)
     if opt is not None and not any(k.startswith("optim.") for k in _saved_keys(path)):
         del state["optim"]  # model-only checkpoint (epscale checkpoint import): fresh AdamW
@@ -294,13 +398,30 @@ def load(path: Path, model: nn.Module, opt, dims, restore_rng: bool = True) -> d
             dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     except Exception as e:  # DCP wraps per-rank failures; name the checkpoint
         raise CheckpointError(f"checkpoint '{path}' could not be loaded: {e}") from e
-    _copy_back(model, opt, state)
+    for name, entry in placed.views.items():  # the logical buffers DCP filled (or not)
+        _copy_local(entry["param"], state["model"][name])
+        if "optim" in state and name in state["optim"]:
+            for k in ("exp_avg", "exp_avg_sq"):
+                _copy_local(entry[k], state["optim"][name][k])
+    placed.scatter()
+    _copy_back(model, opt, state, skip=set(placed.views))
     if restore_rng:
         saved_world = int(meta.get("world_size", 1))
         f = path / f"rank_{_rank() % max(1, saved_world)}.pt"
         if f.is_file():
             set_rng_state(torch.load(f, weights_only=True))
     return meta
+
+
+def load_extra(path: Path, name: str) -> Any:
+    """An ``extra_files`` entry of a checkpoint (None when it was not written)."""
+    f = Path(path) / name
+    if not f.is_file():
+        return None
+    try:
+        return torch.load(f, weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint '{path}': '{name}' could not be read: {e}") from e
 
 
 # --------------------------------------------------------------------------------------

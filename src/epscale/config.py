@@ -195,9 +195,28 @@ class ParallelConfig:
     # hot experts' overflow rows run on the least-loaded ranks (null: off; needs ep >= 2).
     spill_threshold: float | None = None
     spill_min_rows: int = 32
+    # Redundant experts (EPLB-style): extra physical expert slots per MoE layer over the EP
+    # group (num_experts + redundant_experts must divide by ep); the hottest experts get
+    # copies, re-planned every rebalance_every steps (0: keep the first plan) from the loads
+    # of the last rebalance_window steps (null: rebalance_every).
+    redundant_experts: int = 0
+    rebalance_every: int = 100
+    rebalance_window: int | None = None
 
     def __post_init__(self) -> None:
         _choice("parallel.payload", self.payload, ("auto", "bf16", "fp8"))
+        for name in ("redundant_experts", "rebalance_every"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                _fail(f"parallel.{name}", v, "must be an integer >= 0")
+        if self.rebalance_window is not None and (
+                not isinstance(self.rebalance_window, int) or self.rebalance_window < 1):
+            _fail("parallel.rebalance_window", self.rebalance_window,
+                  "must be a positive integer (steps) or null (= rebalance_every)")
+        if self.redundant_experts and self.spill_threshold is not None:
+            _fail("parallel.redundant_experts", self.redundant_experts,
+                  "cannot be combined with parallel.spill_threshold (spill-over plans for the "
+                  "plain one-copy layout); use one of the two, or set redundant_experts: 0")
         if self.spill_threshold is not None and self.spill_threshold < 1.0:
             _fail("parallel.spill_threshold", self.spill_threshold,
                   "must be >= 1.0 (a max/mean rank-load ratio) or null (off)")

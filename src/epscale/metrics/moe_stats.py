@@ -153,6 +153,7 @@ class StepStatsCollector:
                     raise ValueError(f"StepStatsCollector: ep={ep} must divide num_experts={E}")
                 placement = np.arange(E) // (E // ep)
             self.expert_to_rank.append(placement)
+        self.placement = None
         self._dev_acc = [torch.zeros(E + len(_LAYER_DEV), dtype=torch.float64, device=self.device)
                          for E in self.num_experts]
         self._host_acc = [[0, 0] for _ in self.layers]
@@ -192,6 +193,19 @@ class StepStatsCollector:
             host[0] += int(st.get("num_tokens", 0))
             host[1] += 1
         return hook
+
+    def set_placement(self, placement: Any) -> None:
+        """Count per-rank loads under a redundant-expert placement (an
+        ``epscale.placement.Placement``: each expert's tokens split evenly over its copies);
+        None returns to ``expert_to_rank``. Call again after every re-placement."""
+        if placement is not None:
+            L, E = placement.replica_count.shape
+            if L != len(self.layers) or placement.num_ranks != self.ep or \
+                    any(n != E for n in self.num_experts):
+                raise ValueError(f"StepStatsCollector.set_placement: the placement is for {L} "
+                                 f"layers x {E} experts over {placement.num_ranks} ranks; the "
+                                 f"collector has {len(self.layers)} layers over ep={self.ep}")
+        self.placement = placement
 
     def attach_timer(self, timers: Any) -> None:
         """Point every MoE layer's ``timer`` hook at ``timers.section``."""
@@ -300,6 +314,8 @@ class StepStatsCollector:
         layers_out = []
         total_assign = total_dropped = 0.0
         idle_by_rank = np.zeros(self.ep)
+        placed_loads = (self.placement.rank_loads(np.asarray(counts_by_layer, dtype=np.float64))
+                        if self.placement is not None and self.layers else None)
         for idx, (lid, _name, m) in enumerate(self.layers):
             counts = counts_by_layer[idx]
             n_tok, n_fwd = layer_host[idx]
@@ -307,7 +323,10 @@ class StepStatsCollector:
             assign = n_tok * self.top_k[idx]
             total_assign += assign
             total_dropped += n_drop
-            loads = rank_loads(counts, self.expert_to_rank[idx], self.ep)
+            if placed_loads is not None:
+                loads = [int(round(v)) for v in placed_loads[idx].tolist()]
+            else:
+                loads = rank_loads(counts, self.expert_to_rank[idx], self.ep)
             peak = max(loads) if loads else 0
             idle = [1.0 - ld / peak if peak > 0 else 0.0 for ld in loads]
             idle_by_rank += np.asarray(idle)

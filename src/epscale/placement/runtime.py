@@ -324,26 +324,100 @@ def expert_grad_sq_norm(module: nn.Module, dims=None) -> torch.Tensor:
 # --------------------------------------------------------------------------------------
 
 
-def _movement(old_p2l: np.ndarray, new_p2l: np.ndarray, R: int):
-    """Where each new slot's contents come from.
+def _sources(src_p2l: np.ndarray, dst_p2l: np.ndarray, R: int) -> np.ndarray:
+    """Where each destination slot's contents come from, for two layouts of the same
+    logical experts over R ranks (rank r holds a layout's slots [r*n, (r+1)*n), n = len/R;
+    the lengths may differ, e.g. a placement and the plain logical layout).
 
-    Returns, per destination slot p (global), (source rank, source local slot): the
-    destination rank itself when it already holds the expert, else one of the expert's old
-    replicas, chosen by the destination rank so that the senders are spread.
+    Returns [len(dst), 2]: (source rank, source local row) per destination slot: the
+    destination rank itself when it already holds the expert, else one of the expert's
+    source copies, chosen by the destination rank so that the senders are spread.
     """
-    P = len(old_p2l)
-    s = P // R
+    s_src, s_dst = len(src_p2l) // R, len(dst_p2l) // R
     by_logical: dict[int, list[int]] = {}
-    for p, x in enumerate(old_p2l):
+    for p, x in enumerate(src_p2l):
         by_logical.setdefault(int(x), []).append(p)
-    src = np.empty((P, 2), dtype=np.int64)
-    for p, x in enumerate(new_p2l):
-        d = p // s
-        olds = by_logical[int(x)]
-        here = [q for q in olds if q // s == d]
+    src = np.empty((len(dst_p2l), 2), dtype=np.int64)
+    for p, x in enumerate(dst_p2l):
+        d = p // s_dst
+        olds = by_logical.get(int(x))
+        if not olds:
+            raise ValueError(f"relayout: logical expert {int(x)} has no copy in the source layout")
+        here = [q for q in olds if q // s_src == d]
         q = here[0] if here else olds[d % len(olds)]
-        src[p] = (q // s, q % s)
+        src[p] = (q // s_src, q % s_src)
     return src
+
+
+@torch.no_grad()
+def relayout_rows(tensors: Sequence[torch.Tensor], src_p2l, dst_p2l, dims
+                  ) -> tuple[list[torch.Tensor], int, int]:
+    """This rank's rows of ``tensors`` (each [n_src, ...], row i = slot ``ep_rank*n_src + i``
+    of the layout ``src_p2l``) rearranged into the layout ``dst_p2l`` (new tensors
+    [n_dst, ...]). Rows this rank already holds are copied locally; the rest travel in ONE
+    all-to-all over the EP group for all tensors together. Collective over the EP group.
+
+    Returns (new tensors, rows sent, rows received) for this rank.
+    """
+    from ..dispatch.comm import Exchange
+
+    src_p2l, dst_p2l = np.asarray(src_p2l), np.asarray(dst_p2l)
+    R, me = dims.ep, dims.ep_rank
+    s = len(dst_p2l) // R
+    src = _sources(src_p2l, dst_p2l, R)
+    dst_rank = np.arange(len(dst_p2l)) // s
+    # Sends: (dest rank, dest slot) order; receives: (source rank, my slot) order, which is
+    # the order each source sends them in.
+    send = sorted((int(d), p) for p, d in enumerate(dst_rank) if src[p, 0] == me and d != me)
+    recv = sorted((int(src[p, 0]), p) for p in range(me * s, (me + 1) * s) if src[p, 0] != me)
+    local = [(p - me * s, int(src[p, 1])) for p in range(me * s, (me + 1) * s)
+             if src[p, 0] == me]
+    dev = tensors[0].device
+    send_rows = torch.tensor([int(src[p, 1]) for _, p in send], dtype=torch.int64, device=dev)
+    recv_slots = torch.tensor([p - me * s for _, p in recv], dtype=torch.int64, device=dev)
+    local_dst = torch.tensor([a for a, _ in local], dtype=torch.int64, device=dev)
+    local_src = torch.tensor([b for _, b in local], dtype=torch.int64, device=dev)
+    fields = [t.index_select(0, send_rows) for t in tensors]
+    if R > 1:
+        send_splits = np.bincount([d for d, _ in send], minlength=R).tolist()
+        recv_splits = np.bincount([q for q, _ in recv], minlength=R).tolist()
+        got = Exchange(dims.group_info("ep"), send_splits, recv_splits)(*fields)
+    else:
+        got = fields
+    out = []
+    for t, g in zip(tensors, got):
+        new_t = t.new_empty((s, *t.shape[1:]))
+        if local_dst.numel():
+            new_t.index_copy_(0, local_dst, t.index_select(0, local_src))
+        if recv_slots.numel():
+            new_t.index_copy_(0, recv_slots, g.to(t.dtype))
+        out.append(new_t)
+    return out, len(send), len(recv)
+
+
+def expert_tensors(moe: nn.Module, optimizer: torch.optim.Optimizer | None = None
+                   ) -> list[torch.Tensor]:
+    """The expert weights of one MoE layer and, when ``optimizer`` holds state for them,
+    every state tensor shaped like the weight (AdamW's exp_avg / exp_avg_sq), in a fixed
+    order; scalar entries such as 'step' are shared by all experts and left out."""
+    tensors = []
+    for pname in _EXPERT_PARAMS:
+        p = getattr(moe.experts, pname, None)
+        if p is None:
+            continue
+        tensors.append(p.data)
+        if optimizer is not None and p in optimizer.state:
+            st = optimizer.state[p]
+            for key in sorted(st):
+                t = st[key]
+                if isinstance(t, torch.Tensor) and t.shape == p.shape:
+                    tensors.append(t)
+    return tensors
+
+
+def logical_layout(num_experts: int) -> np.ndarray:
+    """The layout without redundancy: slot x holds logical expert x (E/ep per rank)."""
+    return np.arange(num_experts, dtype=np.int64)
 
 
 @torch.no_grad()
@@ -360,8 +434,6 @@ def move_to_placement(module: nn.Module, dims, new: Placement,
     Collective: every rank of the world calls it with the same ``new``.
     Returns {'copies_sent': n, 'copies_received': n} for this rank.
     """
-    from ..dispatch.comm import Exchange
-
     old = get_placement(module)
     if old is None:
         raise ValueError("move_to_placement: the module has no placement; use apply_placement")
@@ -370,58 +442,17 @@ def move_to_placement(module: nn.Module, dims, new: Placement,
     if new.num_physical_experts != old.num_physical_experts:
         raise ValueError(f"move_to_placement: the new placement has {new.num_physical_experts} "
                          f"slots, the module {old.num_physical_experts}; the slot count is fixed")
-    R, me = dims.ep, dims.ep_rank
-    s = old.slots_per_rank
-    info = dims.group_info("ep")
     sent = received = 0
     for i, moe in enumerate(layers):
         old_p2l, new_p2l = old.phy2log[i].numpy(), new.phy2log[i].numpy()
         if np.array_equal(old_p2l, new_p2l):
             continue
-        src = _movement(old_p2l, new_p2l, R)
-        dst_rank = np.arange(len(new_p2l)) // s
-        # Sends: (dest rank, dest slot) order; receives: (source rank, my slot) order,
-        # which is the order each source sends them in.
-        send = [(int(d), p) for p, d in enumerate(dst_rank) if src[p, 0] == me and d != me]
-        send.sort()
-        recv = [(int(src[p, 0]), p) for p in range(me * s, (me + 1) * s) if src[p, 0] != me]
-        recv.sort()
-        local = [(p - me * s, int(src[p, 1])) for p in range(me * s, (me + 1) * s)
-                 if src[p, 0] == me]
-        send_splits = np.bincount([d for d, _ in send], minlength=R).tolist()
-        recv_splits = np.bincount([q for q, _ in recv], minlength=R).tolist()
-        send_rows = torch.tensor([int(src[p, 1]) for _, p in send], dtype=torch.int64)
-        recv_slots = torch.tensor([p - me * s for _, p in recv], dtype=torch.int64)
-        local_dst = torch.tensor([a for a, _ in local], dtype=torch.int64)
-        local_src = torch.tensor([b for _, b in local], dtype=torch.int64)
-
-        tensors = []
-        for pname in _EXPERT_PARAMS:
-            p = getattr(moe.experts, pname, None)
-            if p is None:
-                continue
-            tensors.append(p.data)
-            if optimizer is not None and p in optimizer.state:
-                st = optimizer.state[p]
-                for key in sorted(st):
-                    t = st[key]
-                    if isinstance(t, torch.Tensor) and t.shape == p.shape:
-                        tensors.append(t)
-        dev = tensors[0].device
-        fields = [t.index_select(0, send_rows.to(dev)) for t in tensors]
-        if R > 1:
-            got = Exchange(info, send_splits, recv_splits)(*fields)
-        else:
-            got = fields
-        for t, g in zip(tensors, got):
-            new_t = torch.empty_like(t)
-            if local_dst.numel():
-                new_t.index_copy_(0, local_dst.to(dev), t.index_select(0, local_src.to(dev)))
-            if recv_slots.numel():
-                new_t.index_copy_(0, recv_slots.to(dev), g.to(t.dtype))
-            t.copy_(new_t)
-        sent += len(send)
-        received += len(recv)
+        tensors = expert_tensors(moe, optimizer)
+        moved, n_sent, n_recv = relayout_rows(tensors, old_p2l, new_p2l, dims)
+        for t, m in zip(tensors, moved):
+            t.copy_(m)
+        sent += n_sent
+        received += n_recv
         disp = moe.dispatcher
         if isinstance(disp, PlacedDispatcher):
             disp.set_layout(new.phy2log[i])
@@ -471,6 +502,27 @@ class Rebalancer:
             counts_LE = [counts_LE[k] for k in sorted(counts_LE)]
         self.loads.append(np.asarray(counts_LE.tolist() if isinstance(counts_LE, torch.Tensor)
                                      else counts_LE, dtype=np.float64))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The load window and move count (for checkpoints): {'loads': float64 [W, L, E],
+        'num_moves': int}."""
+        loads = (torch.from_numpy(np.stack(list(self.loads))) if self.loads
+                 else torch.zeros((0,), dtype=torch.float64))
+        return {"loads": loads, "num_moves": self.num_moves}
+
+    def load_state_dict(self, state: dict[str, Any]) -> bool:
+        """Restore :meth:`state_dict`; False (and nothing changed) when its loads are for
+        another number of layers or experts."""
+        loads = state.get("loads")
+        cur = get_placement(self.module)
+        shape = tuple(cur.replica_count.shape)
+        if not isinstance(loads, torch.Tensor) or (loads.numel() and tuple(loads.shape[1:]) != shape):
+            return False
+        self.loads.clear()
+        for row in loads.numpy() if loads.numel() else []:
+            self.loads.append(np.asarray(row, dtype=np.float64))
+        self.num_moves = int(state.get("num_moves", 0))
+        return True
 
     def plan(self) -> Placement:
         cur = get_placement(self.module)

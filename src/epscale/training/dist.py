@@ -151,6 +151,15 @@ def resolve_layout(par: ParallelConfig, world_size: int, num_experts: int) -> tu
     if num_experts % ep:
         raise ConfigError(f"config key 'parallel.ep' = {ep} is invalid: must divide "
                           f"moe.num_experts ({num_experts}) so every rank holds whole experts")
+    r = par.redundant_experts
+    if r and ep < 2:
+        raise ConfigError(f"config key 'parallel.redundant_experts' = {r} is invalid with ep={ep}: "
+                          "redundant copies spread load over EP ranks, so they need ep >= 2; "
+                          "set it to 0 or raise parallel.ep")
+    if r and (num_experts + r) % ep:
+        raise ConfigError(f"config key 'parallel.redundant_experts' = {r} is invalid: "
+                          f"moe.num_experts + redundant_experts = {num_experts + r} physical slots "
+                          f"must divide evenly over ep={ep} ranks; use a multiple of {ep}")
     if dp * ep != world_size:
         if world_size % ep:
             raise ConfigError(f"config key 'parallel.ep' = {ep} is invalid: the number of "

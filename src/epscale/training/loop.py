@@ -37,6 +37,7 @@ from .dist import LaunchEnv, init_process_group, make_dims, pick_device, set_thr
 from .guard import SpikeGuard
 from .optim import build_optimizer, ensure_optimizer_state, grad_norm_and_flags, lr_at, set_lr
 
+REBALANCER_FILE = "rebalancer.pt"  # the re-placement load window, beside a checkpoint's shards
 STOP_FILE = "STOP"  # touch RUN_DIR/STOP to stop gracefully (what `--nproc` forwards signals as)
 
 
@@ -103,12 +104,17 @@ class Trainer:
         self.use_bf16 = cfg.train.dtype == "bfloat16" or (cfg.train.dtype == "auto"
                                                             and self.device.type == "cuda")
         self.model = build_model(cfg, self.device)
+        self._resume_from = self._find_checkpoint()
+        self.rebalancer = None
+        placement, placement_note = None, None
+        if self.world > 1 and cfg.parallel.redundant_experts:
+            placement, placement_note = self._initial_placement()
         if self.world > 1:
             from ..parallel import parallelize
 
             parallelize(self.model, self.dims, dispatcher=cfg.parallel.dispatcher,
                         overlap_chunks=cfg.parallel.overlap_chunks,
-                        payload=cfg.parallel.payload)
+                        payload=cfg.parallel.payload, placement=placement)
             if cfg.parallel.spill_threshold is not None and self.dims.ep > 1:
                 from ..placement.spill import apply_spill
 
@@ -117,6 +123,12 @@ class Trainer:
         self.moe_layers = self.model.moe_layers()
         self.opt = build_optimizer(self.model, cfg.train)
         ensure_optimizer_state(self.opt)
+        if placement is not None and cfg.parallel.rebalance_every > 0:
+            from ..placement.runtime import Rebalancer
+
+            self.rebalancer = Rebalancer(self.model, self.dims, every=cfg.parallel.rebalance_every,
+                                         window=cfg.parallel.rebalance_window, optimizer=self.opt,
+                                         num_groups=max(1, cfg.moe.num_groups))
 
         self.splits = load_splits(cfg.data, cfg.model.vocab_size)
         self.loader = DataLoader(self.splits, cfg.model.seq_len, cfg.train.micro_batch_size,
@@ -131,6 +143,7 @@ class Trainer:
                                             flops_per_token=self.size.flops_per_token,
                                             peak_flops=peak_flops(self.device, dtype),
                                             dead_after_steps=cfg.metrics.dead_after_steps)
+        self.collector.set_placement(placement)
         self.writer = MetricsWriter.open(
             self.run_dir, rank=self.rank, run_name=cfg.name,
             tensorboard=cfg.metrics.tensorboard or None,  # None: the environment decides
@@ -139,10 +152,53 @@ class Trainer:
                                 cfg.train.spike_patience)
         self.step, self.num_skipped, self.num_rollbacks = 0, 0, 0
         self.unigram = byte_unigram_entropy(self.splits.train, cfg.model.vocab_size) if self.rank == 0 else None
-        self._print_start(layout_note)
+        self._print_start(layout_note, placement_note)
         self._resume()
 
-    def _print_start(self, layout_note: str | None) -> None:
+    def _find_checkpoint(self) -> tuple[Path, dict] | None:
+        """The newest complete checkpoint of the run directory (rank 0 looks, every rank
+        gets the answer), or None for a fresh run."""
+        found = None
+        if self.rank == 0:
+            hit = ckpt.latest_valid(self.run_dir, report=self._warn)
+            found = (str(hit[0]), hit[1]) if hit else None
+        found = self._broadcast(found)
+        return (Path(found[0]), found[1]) if found else None
+
+    def _initial_placement(self):
+        """The redundant-expert placement to start from, and a line saying where it came
+        from: the checkpoint's when it fits this layout; else planned from the checkpoint's
+        load window when that fits; else from uniform loads (the first re-plan fixes it)."""
+        import numpy as np
+
+        from ..placement import plan_placement
+        from ..placement.runtime import placement_from_dict
+
+        cfg = self.cfg
+        E = cfg.moe.num_experts
+        P = E + cfg.parallel.redundant_experts
+        L = len(self.model.moe_layers())
+        path, meta = self._resume_from or (None, {})
+        saved = meta.get("placement")
+        if saved:
+            try:
+                pl = placement_from_dict(saved)
+            except (KeyError, TypeError, ValueError) as e:
+                raise ckpt.CheckpointError(f"checkpoint '{path}' has an unreadable placement in "
+                                           f"meta.json: {e}") from e
+            if tuple(pl.phy2log.shape) == (L, P) and pl.num_ranks == self.dims.ep and \
+                    pl.replica_count.shape[1] == E:
+                return pl, f"expert placement restored from {path.name}"
+        loads, source = np.ones((L, E)), "uniform loads"
+        window = ckpt.load_extra(path, REBALANCER_FILE) if path is not None else None
+        if window is not None and window["loads"].numel() and \
+                tuple(window["loads"].shape[1:]) == (L, E):
+            loads, source = window["loads"].sum(0).numpy(), f"the loads saved in {path.name}"
+        pl = plan_placement(loads, P, self.dims.ep_num_nodes, self.dims.ep,
+                            max(1, cfg.moe.num_groups))
+        return pl, f"expert placement planned from {source}"
+
+    def _print_start(self, layout_note: str | None, placement_note: str | None = None) -> None:
         if self.rank != 0:
             return
         cfg, s = self.cfg, self.size
@@ -164,6 +220,13 @@ class Trainer:
             f"batch: {self.loader.samples_per_step} sequences x {m.seq_len} = "
             f"{self.loader.samples_per_step * m.seq_len:,} tokens per step, {cfg.train.steps} steps",
         ]
+        if placement_note:
+            par = cfg.parallel
+            every = (f"re-planned every {par.rebalance_every} steps" if par.rebalance_every
+                     else "kept fixed (rebalance_every: 0)")
+            lines.append(f"experts: {moe.num_experts} logical in {moe.num_experts + par.redundant_experts}"
+                         f" slots ({(moe.num_experts + par.redundant_experts) // self.dims.ep} per EP "
+                         f"rank), {every}; {placement_note}")
         if layout_note:
             lines.append(f"note: {layout_note}")
         for line in lines:
@@ -173,11 +236,7 @@ class Trainer:
 
     def _resume(self) -> None:
         """Continue from the newest complete checkpoint of the run directory, if any."""
-        path = None
-        if self.rank == 0:
-            found = ckpt.latest_valid(self.run_dir, report=self._warn)
-            path = str(found[0]) if found else None
-        path = self._broadcast(path)
+        path = str(self._resume_from[0]) if self._resume_from else None
         event = {"world_size": self.world, "dp": self.dims.dp, "ep": self.dims.ep,
                  "total_params": self.size.total_params, "active_params": self.size.active_params,
                  "flops_per_token": self.size.flops_per_token, "host": socket.gethostname()}
@@ -201,6 +260,10 @@ class Trainer:
         self.guard.load_state_dict(meta.get("guard") or {})
         self.num_skipped = int(meta.get("num_skipped", 0))
         self.num_rollbacks = int(meta.get("num_rollbacks", 0))
+        if self.rebalancer is not None and self._resume_from is not None:
+            state = ckpt.load_extra(self._resume_from[0], REBALANCER_FILE)
+            if state is not None:
+                self.rebalancer.load_state_dict(state)
 
     # ================================================================== helpers
     def _barrier(self) -> None:
@@ -306,13 +369,38 @@ class Trainer:
                                     num_tokens=accum * cfg.train.micro_batch_size * cfg.model.seq_len,
                                     loss=loss_sum, lr=lr, grad_norm=grad_norm,
                                     breakdown=breakdown, skipped=skip, extra=extra)
+        counts = {lay["layer"]: lay["tokens_per_expert"] for lay in rec["layers"]}
         if not skip and cfg.moe.bias_update_speed > 0:
             from ..balancing import update_expert_biases
 
-            counts = {lay["layer"]: lay["tokens_per_expert"] for lay in rec["layers"]}
             update_expert_biases(self.model, self.dims, cfg.moe.bias_update_speed, counts)
+        if self.rebalancer is not None and not skip:
+            self._rebalance(step, counts)
         self._stop_flag = stop or (self.stop_at is not None and step >= self.stop_at)
         return rec
+
+    def _rebalance(self, step: int, counts: dict) -> None:
+        """Feed the step's loads to the re-placement window; re-place when due (moves
+        expert weights and AdamW state between ranks; the model's function is unchanged)."""
+        from ..placement.runtime import get_placement
+
+        self.rebalancer.observe(counts)
+        old = get_placement(self.model)
+        t0 = time.perf_counter()
+        new = self.rebalancer.maybe_replace(step)
+        if new is None:
+            return
+        import numpy as np
+
+        window = np.sum(self.rebalancer.loads, axis=0)
+        self.collector.set_placement(new)
+        self.writer.event("replacement", step=step, seconds=time.perf_counter() - t0,
+                          num_moves=self.rebalancer.num_moves,
+                          imbalance_before=float(old.imbalance(window).max()),
+                          imbalance_after=float(new.imbalance(window).max()),
+                          max_replicas=int(new.replica_count.max()))
+        self._log(f"re-placement at step {step}: planned max/mean rank load "
+                  f"{float(old.imbalance(window).max()):.3f} -> {float(new.imbalance(window).max()):.3f}")
 
     def _eval_due(self) -> bool:
         every = self.cfg.train.eval_every
@@ -338,9 +426,17 @@ class Trainer:
         meta = {"data": self.loader.state_dict(), "guard": self.guard.state_dict(),
                 "num_skipped": self.num_skipped, "num_rollbacks": self.num_rollbacks,
                 "config": to_dict(self.cfg)}
+        extra = {}
+        from ..placement.runtime import get_placement, placement_to_dict
+
+        placement = get_placement(self.model)
+        if placement is not None:
+            meta["placement"] = placement_to_dict(placement)
+        if self.rebalancer is not None:
+            extra[REBALANCER_FILE] = self.rebalancer.state_dict()
         t0 = time.perf_counter()
         path = ckpt.save(self.run_dir, self.step, self.model, self.opt, self.dims, meta,
-                         keep=self.cfg.train.ckpt_keep)
+                         keep=self.cfg.train.ckpt_keep, extra_files=extra)
         dt = time.perf_counter() - t0
         self.writer.event("checkpoint", step=self.step, path=str(path), seconds=dt)
         self._log(f"checkpoint: {path} ({dt:.2f}s)")
