@@ -99,11 +99,11 @@ def _step(par, dims, x, g):
     return y.detach(), x.grad
 
 
-def _equivalence_cases(runner, rank, world, dims, tag):
+def _equivalence_cases(runner, rank, world, dims, tag, backends=BACKENDS):
     from epscale.placement import PlacedDispatcher, apply_placement
     from epscale.placement.runtime import expert_grad_sq_norm
 
-    for backend, chunks in BACKENDS:
+    for backend, chunks in backends:
         for name, over, hot, extra in CASES:
             if chunks > 1 and (over.get("aux_loss_coeff") or over.get("capacity_factor")):
                 continue  # the overlapped path is exercised on the plain cases
@@ -224,6 +224,10 @@ def _worker(rank, world):
         dp2 = epscale.ParallelDims(dp=2, ep=2)
         _equivalence_cases(runner, rank, world, dp2, "dp=2 ep=2")
         _replacement_case(runner, rank, world, dp2, "dp=2 ep=2")
+        # 2 emulated nodes x 2 ranks: the hierarchical backend under the placement
+        nodes = epscale.ParallelDims(dp=1, ep=4, ranks_per_node=2)
+        _equivalence_cases(runner, rank, world, nodes, "ep=4 as 2 nodes",
+                           backends=[("hierarchical", 1), ("hierarchical", 2)])
     return runner.failures, runner.num_cases
 
 

@@ -87,6 +87,9 @@ def _worker(rank, world):
         dp2 = epscale.ParallelDims(dp=2, ep=2)
         _equivalence(runner, rank, world, dp2, ["alltoall", "dedup"],
                      [c for c in CASES if c[0] in ("top2 hot rank0", "two layers")], "dp=2 ep=2")
+        # 2 emulated nodes x 2 ranks: spill-over around the hierarchical backend
+        nodes = epscale.ParallelDims(dp=1, ep=4, ranks_per_node=2)
+        _equivalence(runner, rank, world, nodes, ["hierarchical"], CASES, "ep=4 as 2 nodes")
     _other_cases(runner, rank, world, dims)
     return runner.failures, runner.num_cases
 
