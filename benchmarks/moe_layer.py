@@ -16,7 +16,9 @@ Figures per (config, dtype, implementation), best step of all timed steps:
                lost nothing to routing would score 1.0. ``vs peak`` divides by a square
                2048^3 matmul instead (the machine's best GEMM rate in that dtype).
   peak MB      peak tensor memory allocated during one step (torch profiler, all tensors
-               allocated in the step: activations, workspaces and gradients).
+               allocated in the step: activations, workspaces and gradients; the previous
+               step's gradients and epscale's kept buffers are dropped before it, so
+               neither offsets nor hides anything).
 
 The other implementations get our weights copied in (router gate, w1/w3/w2), so they do
 identical work; their outputs are checked against ours before timing. Implementations
@@ -57,12 +59,22 @@ class Impl:
 
 # ------------------------------------------------------------------ implementations
 
-def build_epscale(shape, dtype, fuse: bool = True, gemm: str = "auto") -> Impl:
+def build_epscale(shape, dtype, fuse: bool = True, gemm: str = "auto",
+                  compiled: bool = False, workspace: bool = True) -> Impl:
     cfg = epscale.MoEConfig(dim=shape["D"], hidden_dim=shape["F"], num_experts=shape["E"],
                             top_k=shape["K"], score_func="softmax", route_norm=True)
     torch.manual_seed(0)
     moe = epscale.MoE(cfg).to(dtype)
     moe.experts.gemm = gemm
+    moe.experts.compile_kernels = compiled
+    if not workspace:
+        moe.experts.workspace = None
+    if compiled:
+        return Impl("epscale (compiled element-wise)", moe, moe,
+                    "moe.compile_kernels=on: generated C++ kernels around the GEMMs")
+    if not workspace:
+        return Impl("epscale (no workspace)", moe, moe,
+                    "fresh gradient/activation buffers every step")
     if gemm == "grouped":
         return Impl("epscale (grouped_mm GEMMs)", moe, moe,
                     "grouped_mm per chunk instead of the per-expert mm loop")
@@ -194,12 +206,41 @@ def make_step(impl: Impl, x_TD: torch.Tensor, gy_TD: torch.Tensor):
     return step
 
 
-def peak_step_memory(step) -> int:
-    """Peak bytes of tensors allocated during ``step`` (profiler memory events, in order)."""
+def peak_step_memory(step, module: torch.nn.Module, x_TD: torch.Tensor) -> int:
+    """Peak bytes of tensors allocated during ``step`` (profiler memory events, in order).
+    The previous step's gradients are dropped before the profiled step rather than inside
+    it, so that freeing them does not offset the new step's allocations; buffers epscale
+    keeps across steps (its workspace) are dropped too, so that the step allocates them
+    again and they count."""
     from torch.profiler import ProfilerActivity, profile
 
-    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    module.zero_grad(set_to_none=True)
+    x_TD.grad = None
+    ws = getattr(getattr(module, "experts", None), "workspace", None)
+    if ws is not None:
+        ws.clear()
+    try:  # exact allocation/free order (a private API; fall back to op-level totals)
+        from torch.profiler._memory_profiler import Action, MemoryProfileTimeline
+    except ImportError:
+        Action = MemoryProfileTimeline = None
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True,
+                                  record_shapes=MemoryProfileTimeline is not None,
+                                  with_stack=MemoryProfileTimeline is not None) as prof:
         step()
+    if MemoryProfileTimeline is not None:
+        created: set = set()
+        cur = peak = 0
+        timeline = MemoryProfileTimeline(prof._memory_profile()).timeline
+        for _, action, (key, _version), nbytes in timeline:
+            if action == Action.CREATE:
+                created.add(key)
+                cur += nbytes
+            elif action == Action.DESTROY and key in created:
+                cur -= nbytes
+            peak = max(peak, cur)
+        return peak
+    # Op-level fallback: an op's net allocation counts at its start, so frees inside a
+    # long op (e.g. an autograd node releasing saved tensors) are seen early.
     deltas = []
     for e in prof.events():
         d = e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage
@@ -251,6 +292,10 @@ def bench_one(label: str, shape, dtype, args) -> dict:
         impls.append(build_epscale(shape, dtype, fuse=False))
     if "grouped" in wanted:
         impls.append(build_epscale(shape, dtype, gemm="grouped"))
+    if "compiled" in wanted:
+        impls.append(build_epscale(shape, dtype, compiled=True))
+    if "noworkspace" in wanted:
+        impls.append(build_epscale(shape, dtype, workspace=False))
     for key, build in (("torchtitan", lambda: build_torchtitan(ours.module, shape, dtype)),
                        ("mixtral", lambda: build_mixtral(ours.module, shape, dtype, None)),
                        ("mixtral-grouped", lambda: build_mixtral(ours.module, shape, dtype,
@@ -295,7 +340,7 @@ def bench_one(label: str, shape, dtype, args) -> dict:
         rows.append(dict(impl=i.name, step_ms=1e3 * t, tokens_per_s=T / t,
                          useful_gflops=useful / t / 1e9, efficiency=(useful / t) / dense_rate,
                          eff_vs_peak=(useful / t) / peak_rate,
-                         peak_mb=peak_step_memory(steps[i.name]) / 2 ** 20,
+                         peak_mb=peak_step_memory(steps[i.name], i.module, x_TD) / 2 ** 20,
                          rel_diff=diffs.get(i.name, 0.0), note=i.note))
     return dict(config=label, dtype=str(dtype).replace("torch.", ""), shape=shape,
                 dense_gflops=dense_rate / 1e9, peak_gflops=peak_rate / 1e9, results=rows,
@@ -325,7 +370,9 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default=None, help="custom E,K,D,F,T instead of --configs")
     p.add_argument("--dtypes", default="bfloat16,float32")
     p.add_argument("--impls", default="rows,grouped,torchtitan,mixtral,mixtral-grouped",
-                   help="others beside epscale: rows, grouped, torchtitan, mixtral, mixtral-grouped")
+                   help="others beside epscale: rows, grouped, compiled (moe.compile_kernels=on), "
+                        "noworkspace (fresh buffers every step), torchtitan, mixtral, "
+                        "mixtral-grouped")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds over implementations")
     p.add_argument("--reps", type=int, default=2, help="timed steps per implementation per round")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fused import CHUNK_BYTES, HAS_GROUPED_MM, ExpertPlan, FusedExperts
+from .fused import CHUNK_BYTES, HAS_GROUPED_MM, ExpertPlan, FusedExperts, Workspace
 
 
 def _grouped_linear(x_RD: torch.Tensor, w_eDF: torch.Tensor, offs_e: torch.Tensor | None,
@@ -59,7 +59,7 @@ class GroupedExperts(nn.Module):
     """
 
     def __init__(self, num_experts: int, dim: int, hidden_dim: int, activation: str = "swiglu",
-                 use_grouped_mm: str = "auto"):
+                 use_grouped_mm: str = "auto", compile_kernels: str = "off"):
         super().__init__()
         self.num_experts = num_experts
         self.dim, self.hidden_dim, self.activation = dim, hidden_dim, activation
@@ -71,6 +71,15 @@ class GroupedExperts(nn.Module):
         self.gemm = "auto"
         self.impl = "fused"
         self.chunk_bytes = CHUNK_BYTES  # target size of one [C, D] chunk buffer (fused impl)
+        # Weight-gradient and saved pre-activation buffers kept across steps (fused impl;
+        # see fused.Workspace). None allocates fresh ones every step.
+        self.workspace: Workspace | None = Workspace()
+        # moe.compile_kernels: 'on' fuses the element-wise work of the fused impl into
+        # generated C++ kernels (torch.compile); 'off' (default) stays eager.
+        if compile_kernels not in ("off", "on"):
+            raise ValueError(f"GroupedExperts: compile_kernels={compile_kernels!r}; "
+                             "allowed: 'off', 'on'")
+        self.compile_kernels = compile_kernels == "on"
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim)) if activation == "swiglu" else None
@@ -108,7 +117,8 @@ class GroupedExperts(nn.Module):
         plan = ExpertPlan.build(counts, x_RD.shape[-1] * x_RD.element_size(), self.chunk_bytes,
                                 self._grouped(x_RD))
         w1, w3, w2 = self._weights(x_RD.dtype)
-        return FusedExperts.apply(x_RD, None, w1, w3, w2, None, plan, self.activation)
+        return FusedExperts.apply(x_RD, None, w1, w3, w2, None, plan, self.activation,
+                                  self.workspace, self.compile_kernels)
 
     def forward_scatter(self, x_TD: torch.Tensor, src_R: torch.Tensor, weight_R: torch.Tensor,
                         tokens_per_expert_e: torch.Tensor | list[int]) -> torch.Tensor:
@@ -123,7 +133,8 @@ class GroupedExperts(nn.Module):
         plan = ExpertPlan.build(counts, x_TD.shape[-1] * x_TD.element_size(), self.chunk_bytes,
                                 self._grouped(x_TD))
         w1, w3, w2 = self._weights(x_TD.dtype)
-        return FusedExperts.apply(x_TD, weight_R, w1, w3, w2, src_R, plan, self.activation)
+        return FusedExperts.apply(x_TD, weight_R, w1, w3, w2, src_R, plan, self.activation,
+                                  self.workspace, self.compile_kernels)
 
     def _forward_autograd(self, x_RD: torch.Tensor, tokens_per_expert_e: torch.Tensor) -> torch.Tensor:
         use_grouped = (self.use_grouped_mm and x_RD.dtype in (torch.float32, torch.bfloat16)
@@ -143,6 +154,7 @@ class GroupedExperts(nn.Module):
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, dim={self.dim}, hidden={self.hidden_dim}, "
                 f"act={self.activation}, impl={self.impl}, gemm={self.gemm}, "
+                f"compiled={self.compile_kernels}, "
                 f"grouped_mm={self.use_grouped_mm}")
 
 

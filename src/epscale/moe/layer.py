@@ -54,7 +54,7 @@ class MoE(nn.Module):
         self.cfg = cfg
         self.router = TopKRouter(cfg)
         self.experts = GroupedExperts(cfg.num_experts, cfg.dim, cfg.hidden_dim,
-                                      cfg.activation, cfg.use_grouped_mm)
+                                      cfg.activation, cfg.use_grouped_mm, cfg.compile_kernels)
         self.shared_experts = (FeedForward(cfg.dim, cfg.shared_width, cfg.activation)
                                if cfg.num_shared_experts > 0 else None)
         self.dispatcher: Dispatcher = LocalDispatcher(cfg.num_experts)

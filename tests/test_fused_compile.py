@@ -1,0 +1,98 @@
+"""moe.compile_kernels='on': the generated element-wise kernels against the reference
+(same tolerances as the eager paths), no recompilation when the row counts change, and
+the eager fallback (one warning) without a C++ compiler or when compilation fails.
+
+Compiling costs seconds per graph, so this file keeps to a few variants; the eager
+kernel is covered variant by variant in test_moe_layer.py.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from epscale import MoEConfig
+from epscale.moe import fused
+from test_moe_layer import VARIANTS, compare, make_moe
+
+pytestmark = pytest.mark.skipif(fused._no_compiler_reason() is not None,
+                                reason="no C++ compiler for torch.compile")
+
+
+def compiled_moe(dtype=torch.float32, path="fused", **kw):
+    moe = make_moe(dtype, path=path, compile_kernels="on", **kw)
+    assert moe.experts.compile_kernels
+    return moe
+
+
+@pytest.mark.parametrize("path", ["fused", "rows"])
+@pytest.mark.parametrize("name", ["softmax-norm", "gelu-cap-shared", "deepseek-like"])
+def test_compiled_matches_reference_fp32(name, path):
+    compare(compiled_moe(path=path, **VARIANTS[name]), (2, 12), tol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["fused", "rows"])
+@pytest.mark.parametrize("name", ["softmax-norm", "gelu-cap-shared"])
+def test_compiled_matches_reference_bf16(name, path):
+    moe = compiled_moe(torch.bfloat16, path=path, **VARIANTS[name])
+    compare(moe, (2, 12), tol=3e-2, dtype=torch.bfloat16)
+
+
+def test_compiled_small_chunks_and_empty_expert():
+    moe = compiled_moe(num_experts=8, top_k=3)
+    moe.router.expert_bias[2] = -100.0
+    moe.experts.chunk_bytes = 200
+    compare(moe, (20,), tol=1e-5)
+
+
+def test_no_recompile_when_rows_change():
+    from torch._dynamo.utils import counters
+
+    moe = compiled_moe()
+    compare(moe, (24,), tol=1e-5)  # warm up: compiles
+    compare(moe, (40,), tol=1e-5)  # a second size may add the dynamic-shape graphs
+    before = counters["stats"]["unique_graphs"]
+    for T in (31, 57, 90):
+        compare(moe, (T,), tol=1e-5)
+    assert counters["stats"]["unique_graphs"] == before
+
+
+@pytest.fixture
+def fresh_compiled(monkeypatch):
+    """A fresh build state, so that a simulated failure does not leak into other tests."""
+    state = fused._Compiled()
+    monkeypatch.setattr(fused, "_COMPILED", state)
+    return state
+
+
+def test_falls_back_without_compiler(monkeypatch, fresh_compiled):
+    monkeypatch.setattr(fused, "_no_compiler_reason", lambda: "no C++ compiler found (test)")
+    moe = compiled_moe()
+    with pytest.warns(RuntimeWarning, match="eager.*no C\\+\\+ compiler"):
+        compare(moe, (2, 12), tol=1e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once, not per call
+        compare(moe, (2, 12), tol=1e-5)
+
+
+def test_falls_back_when_compilation_fails(monkeypatch, fresh_compiled):
+    def broken_compile(fn, **kw):
+        def run(*args):
+            raise RuntimeError("C++ compile error (simulated)")
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    moe = compiled_moe()
+    with pytest.warns(RuntimeWarning, match="compilation failed"):
+        compare(moe, (2, 12), tol=1e-5)
+    assert fresh_compiled.failed is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compare(moe, (2, 12), tol=1e-5)
+
+
+def test_config_knob_validated():
+    with pytest.raises(ValueError, match="moe.compile_kernels"):
+        MoEConfig(compile_kernels="yes")

@@ -1,0 +1,99 @@
+"""The fused kernel's workspace (buffers kept across steps): reused only when nothing else
+holds them, so gradients stay right under accumulation, retain_graph and callers that
+keep a gradient.
+
+Legend: T tokens, D model dim.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+
+from epscale import MoE, MoEConfig
+from epscale.dispatch.local import LocalDispatcher
+from epscale.moe.fused import Workspace
+
+SMALL = dict(dim=16, hidden_dim=24, num_experts=4, top_k=2)
+
+
+def make(path: str = "fused", workspace: bool = True) -> MoE:
+    torch.manual_seed(0)
+    moe = MoE(MoEConfig(**SMALL))
+    if path == "rows":
+        moe.dispatcher = LocalDispatcher(moe.cfg.num_experts, fuse=False)
+    if not workspace:
+        moe.experts.workspace = None
+    return moe
+
+
+def step(moe: MoE, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(32, SMALL["dim"], generator=g)
+    moe(x).square().sum().backward()
+
+
+def grads(moe: MoE) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in moe.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("path", ["fused", "rows"])
+def test_buffers_reused_after_set_to_none(path):
+    moe = make(path)
+    step(moe, 0)
+    ptr = moe.experts.w1.grad.data_ptr()
+    moe.zero_grad(set_to_none=True)
+    step(moe, 1)
+    assert moe.experts.w1.grad.data_ptr() == ptr
+
+
+@pytest.mark.parametrize("path", ["fused", "rows"])
+def test_gradient_accumulation_matches_fresh_buffers(path):
+    ref, moe = make(path, workspace=False), make(path)
+    for m in (ref, moe):
+        for seed in (0, 1, 2):  # no zero_grad in between: grads accumulate
+            step(m, seed)
+    for name, g in grads(ref).items():
+        torch.testing.assert_close(grads(moe)[name], g, msg=name)
+
+
+def test_retain_graph_and_held_gradient():
+    ref, moe = make(workspace=False), make()
+    for m in (ref, moe):
+        x = torch.randn(32, SMALL["dim"], generator=torch.Generator().manual_seed(3))
+        loss = m(x).square().sum()
+        loss.backward(retain_graph=True)
+        loss.backward()  # the saved pre-activations must still be intact
+    torch.testing.assert_close(grads(moe), grads(ref))
+    held = moe.experts.w2.grad  # a caller keeps the gradient and drops it from the param
+    kept = held.clone()
+    moe.zero_grad(set_to_none=True)
+    step(moe, 4)
+    assert moe.experts.w2.grad.data_ptr() != held.data_ptr()
+    assert torch.equal(held, kept)
+
+
+def test_copies_and_pickles_start_empty():
+    moe = make()
+    step(moe, 0)
+    assert "buffers" in repr(moe.experts.workspace)
+    other = copy.deepcopy(moe)
+    assert isinstance(other.experts.workspace, Workspace)
+    assert other.experts.workspace._store == {}
+    step(other, 1)
+    experts = pickle.loads(pickle.dumps(moe.experts))  # MoE itself holds a lambda (timer)
+    assert experts.workspace._store == {}
+
+
+def test_take_grows_and_respects_dtype():
+    ws = Workspace()
+    a = ws.take("b", (4, 8), torch.bfloat16, torch.device("cpu"))
+    ptr = a.data_ptr()
+    del a
+    b = ws.take("b", (2, 8), torch.float32, torch.device("cpu"))  # same bytes: reused
+    assert b.data_ptr() == ptr and b.dtype == torch.float32 and b.shape == (2, 8)
+    c = ws.take("b", (4, 8), torch.float32, torch.device("cpu"))  # b still alive: fresh
+    assert c.data_ptr() != ptr
