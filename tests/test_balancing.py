@@ -177,3 +177,52 @@ def _worker(rank, world):
 def test_distributed_balancing():
     results = run_distributed(_worker, 2, timeout_s=120)
     assert_no_failures(results, min_cases=2)
+
+
+def test_adaptive_rule_grows_while_the_sign_holds_and_halves_on_a_flip():
+    torch.manual_seed(0)
+    m = epscale.MoE(epscale.MoEConfig(dim=16, hidden_dim=8, num_experts=4, top_k=1,
+                                      bias_update_rule="adaptive"))
+    assert {"router.expert_bias_step", "router.expert_bias_sign"} <= set(m.state_dict())
+    u = 0.01
+    hot = torch.tensor([[8.0, 0.0, 4.0, 4.0]])   # expert 0 over, 1 under, 2-3 at the mean
+    cold = torch.tensor([[0.0, 8.0, 4.0, 4.0]])  # the signs of 0 and 1 flip
+    update_expert_biases(m, None, u, hot)
+    assert m.router.expert_bias.tolist() == pytest.approx([-u, u, 0, 0])
+    update_expert_biases(m, None, u, hot)        # same sign: step x1.2
+    assert m.router.expert_bias.tolist() == pytest.approx([-2.2 * u, 2.2 * u, 0, 0])
+    update_expert_biases(m, None, u, cold)       # flipped: step halves (1.2u -> 0.6u)
+    assert m.router.expert_bias.tolist() == pytest.approx([-1.6 * u, 1.6 * u, 0, 0])
+    for _ in range(40):                          # bounded by 10u and u/100
+        update_expert_biases(m, None, u, hot)
+    assert m.router.expert_bias_step[0].item() == pytest.approx(10 * u)
+    for i in range(40):
+        update_expert_biases(m, None, u, hot if i % 2 else cold)
+    assert m.router.expert_bias_step[0].item() == pytest.approx(u / 100)
+    with pytest.raises(epscale.config.ConfigError, match="bias_update_rule"):
+        epscale.MoEConfig(dim=16, hidden_dim=8, num_experts=4, top_k=1, bias_update_rule="rprop")
+
+
+def test_adaptive_rule_balances_a_skewed_router_without_swinging():
+    """A router leaning hard to one expert: the sign rule at a step large enough to
+    recover quickly ends up swinging (loads alternate step to step), the adaptive rule
+    settles (MaxVio lower over the last steps)."""
+    x = torch.randn(2048, 16, generator=torch.Generator().manual_seed(3))
+
+    def run(rule):
+        m = _skewed_moe(E=8, K=2, hot=0, seed=4)
+        m.cfg.bias_update_rule = rule
+        if rule == "adaptive":
+            m.router.register_buffer("expert_bias_step", torch.zeros(8))
+            m.router.register_buffer("expert_bias_sign", torch.zeros(8))
+        vio = []
+        for _ in range(120):
+            m.reset_token_counts()
+            with torch.no_grad():
+                m(x)
+            vio.append(max_vio(m.tokens_per_expert.tolist()))
+            update_expert_biases(m, None, 0.05)
+        return sum(vio[-40:]) / 40
+
+    sign, adaptive = run("sign"), run("adaptive")
+    assert adaptive < 0.1 < sign, (sign, adaptive)

@@ -95,10 +95,35 @@ def update_expert_biases(module: nn.Module, dims=None, u: float = 1e-3,
                              f"{bias_E.numel()} experts")
         if u > 0:
             load_E = load_E.to(bias_E.device)
-            bias_E += (u * torch.sign(load_E.mean() - load_E)).to(bias_E.dtype)
+            sign_E = torch.sign(load_E.mean() - load_E).to(bias_E.dtype)
+            if getattr(m.router.cfg, "bias_update_rule", "sign") == "adaptive":
+                bias_E += _adaptive_step(m.router, sign_E, u) * sign_E
+            else:
+                bias_E += u * sign_E
         if reset:
             m.reset_token_counts()
     return loads_LE
+
+
+ADAPTIVE_GROW, ADAPTIVE_SHRINK = 1.2, 0.5   # per-step factors of the adaptive rule
+ADAPTIVE_MAX, ADAPTIVE_MIN = 10.0, 0.01     # its step bounds, in units of u
+
+
+def _adaptive_step(router: nn.Module, sign_E: torch.Tensor, u: float) -> torch.Tensor:
+    """The per-expert step of ``bias_update_rule='adaptive'`` (sign-based, Rprop-like):
+    it starts at u, grows x1.2 while an expert's sign(mean - load) repeats and halves
+    when it flips, within [u/100, 10u]. A sign-rule bias with a fixed step swings around
+    the balance point with period 2 whenever a step of u moves more load than the
+    imbalance it corrects; halving on every flip damps that swing, growing while the sign
+    holds keeps the recovery of a collapsed router fast. Updates the router's
+    ``expert_bias_step`` / ``expert_bias_sign`` buffers in place and returns the step."""
+    step_E, last_E = router.expert_bias_step, router.expert_bias_sign
+    step_E[step_E == 0] = u  # first update
+    agree = sign_E * last_E
+    factor = torch.where(agree > 0, ADAPTIVE_GROW, torch.where(agree < 0, ADAPTIVE_SHRINK, 1.0))
+    step_E.mul_(factor).clamp_(ADAPTIVE_MIN * u, ADAPTIVE_MAX * u)
+    last_E.copy_(sign_E)
+    return step_E
 
 
 def global_batch_balance_loss(scores_TE: torch.Tensor, chosen_TK: torch.Tensor,

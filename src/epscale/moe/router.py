@@ -39,6 +39,9 @@ class TopKRouter(nn.Module):
         self.cfg = cfg
         self.gate = nn.Linear(cfg.dim, cfg.num_experts, bias=False)
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts), persistent=True)
+        if cfg.bias_update_rule == "adaptive":  # per-expert step and last sign (checkpointed)
+            self.register_buffer("expert_bias_step", torch.zeros(cfg.num_experts), persistent=True)
+            self.register_buffer("expert_bias_sign", torch.zeros(cfg.num_experts), persistent=True)
         nn.init.normal_(self.gate.weight, std=cfg.dim ** -0.5)
 
     def forward(self, x_TD: torch.Tensor) -> RouterOutput:
