@@ -97,3 +97,18 @@ def test_take_grows_and_respects_dtype():
     assert b.data_ptr() == ptr and b.dtype == torch.float32 and b.shape == (2, 8)
     c = ws.take("b", (4, 8), torch.float32, torch.device("cpu"))  # b still alive: fresh
     assert c.data_ptr() != ptr
+
+
+def test_rows_output_held_by_caller_is_not_overwritten():
+    moe = make()
+    experts = moe.experts
+    g = torch.Generator().manual_seed(5)
+    x1, x2 = (torch.randn(12, SMALL["dim"], generator=g) for _ in range(2))
+    counts = torch.tensor([3, 0, 5, 4])
+    y1 = experts(x1, counts)
+    kept = y1.clone()
+    y2 = experts(x2, counts)
+    assert torch.equal(y1, kept) and y1.data_ptr() != y2.data_ptr()
+    del y1, y2
+    y3 = experts(x1, counts)  # nothing holds the buffer now: reused, same result
+    torch.testing.assert_close(y3, kept)

@@ -231,12 +231,16 @@ def _kernels(compiled: bool):
 
 
 def _call(fn, eager, *args):
-    """Run a compiled kernel; if it cannot compile, warn once and stay eager from then on."""
+    """Run a compiled kernel; if it cannot compile, warn once and stay eager from then on
+    (also for the remaining chunks of the call in progress)."""
+    if _COMPILED.failed is not None:
+        return eager(*args)
     try:
         return fn(*args)
     except Exception as e:  # noqa: BLE001 - backend/compiler errors of any kind
         if _COMPILED.failed is None:
-            _COMPILED.fail(f"compilation failed: {type(e).__name__}: {str(e).splitlines()[0]}")
+            first = (str(e).splitlines() or [""])[0]
+            _COMPILED.fail(f"compilation failed: {type(e).__name__}: {first}")
         return eager(*args)
 
 
@@ -351,7 +355,8 @@ class FusedExperts(torch.autograd.Function):
             out = _accumulator("fwd", (x.shape[0], D), acc_dtype, dt, dev)
             y32_CD = y_CD if acc_dtype == dt else torch.empty((C, D), dtype=acc_dtype, device=dev)
         else:
-            out = torch.empty((R, D), dtype=dt, device=dev)
+            # The caller's combine consumes it before backward needs [R, D] for gx (same buffer).
+            out = take("rows_RD", (R, D), dt, dev)
         for ch in _chunks(plan, dev):
             r0, r1 = ch.r0, ch.r1
             n = r1 - r0
@@ -420,7 +425,8 @@ class FusedExperts(torch.autograd.Function):
         acc_dtype = torch.float32 if dt != torch.float64 else dt
         if need_x:
             gx = (_accumulator("bwd", (x.shape[0], D), acc_dtype, dt, dev) if scatter
-                  else torch.empty((R, D), dtype=dt, device=dev))
+                  else (ws.take("rows_RD", (R, D), dt, dev) if ws is not None
+                        else torch.empty((R, D), dtype=dt, device=dev)))
         else:
             gx = None
         s_CF = torch.empty((C, Fh), dtype=dt, device=dev)
