@@ -139,9 +139,8 @@ def _weight_grad(a_CX: torch.Tensor, g_CY: torch.Tensor, grad_EXY: torch.Tensor,
 #   combine:  widen to fp32, weight and scatter-add into the [T, D] accumulator in one
 #             pass (eager: copy, multiply, index_add_).
 # Compiled with dynamic shapes, so a new number of rows per chunk does not recompile.
-# Internally fp32 (bf16 inputs are widened once, results rounded once). With several
-# threads the generated scatter-add uses atomic adds, so the fp32 summation order, and
-# with it the last bits, may differ from run to run.
+# Internally fp32 (bf16 inputs are widened once, results rounded once). Generated
+# single-threaded (see _build), so the scatter-add is sequential and deterministic.
 
 
 def _act_backward_eager(ga_CF, h1_CF, h3_CF, w_C):
@@ -201,8 +200,12 @@ class _Compiled:
         if why is not None:
             self.fail(why)
             return
-        self.fns = (torch.compile(_act_backward_eager, dynamic=True),
-                    torch.compile(_combine_eager, dynamic=True))
+        # Single-threaded generated code: a chunk's element-wise pass is ~0.1 ms, too
+        # short for an OpenMP fork/join, and the generated scatter-add then needs no
+        # atomics (deterministic). Parallel code measured up to 1.5x slower per step.
+        opts = {"cpp.threads": 1}
+        self.fns = (torch.compile(_act_backward_eager, dynamic=True, options=opts),
+                    torch.compile(_combine_eager, dynamic=True, options=opts))
 
     def fail(self, why: str) -> None:
         self.failed, self.fns = why, None
