@@ -2,7 +2,7 @@
 
     python benchmarks/balance.py                       # both parts (spawns its own processes)
     python benchmarks/balance.py --part synthetic      # part 1 only
-    python benchmarks/balance.py --part train          # part 2 only (runs `epscale train` 3x)
+    python benchmarks/balance.py --part train          # part 2 only (runs `epscale train` 8x)
 
 Part 1 (synthetic skew): EP ranks run the real MoE layer (real dispatch, grouped experts,
 combine, forward and backward) on routing drawn from a Zipf law over the experts whose
@@ -24,9 +24,12 @@ time of the whole step, and the wall time of the step; worst-rank idle = max ove
 of 1 - t_r / max_r t_r, averaged over the measured steps.
 
 Part 2 (real training): ``epscale train --config configs/tiny.yaml`` with no balancing,
-the aux loss (0.01) and loss-free balancing (u = 1e-3, the DeepSeek-V3 value, and the
-faster 3e-3 and 1e-2), same seed and data: MaxVio_batch per step (from metrics.jsonl),
-the worst-rank idle fraction and the final validation loss.
+the aux loss (0.01), loss-free balancing with the sign rule (u = 1e-3, the DeepSeek-V3
+value, and the faster 3e-3 and 1e-2) and with the adaptive rule (u = 1e-3, 3e-3), and
+no balancing plus 2 redundant expert slots re-planned every 10 steps; same seed and data:
+MaxVio_batch per step (from metrics.jsonl), MaxVio_global, the swing (lag-1
+autocorrelation of the expert loads: negative when they alternate step to step), the
+worst-rank idle fraction and the final validation loss.
 
 Outputs: tables on stdout, benchmarks/out/balance_*.json and balance_*.png.
 Legend: T tokens per rank, D model dim, F expert hidden dim, E experts, K top-k.
@@ -85,7 +88,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--train-steps", type=int, default=300)
     p.add_argument("--reuse-runs", action="store_true",
                    help="part 2: read finished runs in benchmarks/out instead of training again")
-    p.add_argument("--train-runs", default="none,aux,loss-free,loss-free u=3e-3,loss-free u=1e-2")
+    p.add_argument("--train-runs", default=",".join(TRAIN_RUNS))
     return p.parse_args()
 
 
@@ -374,6 +377,12 @@ TRAIN_RUNS = {
     "loss-free": ["moe.aux_loss_coeff=0.0", "moe.bias_update_speed=0.001"],
     "loss-free u=3e-3": ["moe.aux_loss_coeff=0.0", "moe.bias_update_speed=0.003"],
     "loss-free u=1e-2": ["moe.aux_loss_coeff=0.0", "moe.bias_update_speed=0.01"],
+    "adaptive u=1e-3": ["moe.aux_loss_coeff=0.0", "moe.bias_update_speed=0.001",
+                        "moe.bias_update_rule=adaptive"],
+    "adaptive u=3e-3": ["moe.aux_loss_coeff=0.0", "moe.bias_update_speed=0.003",
+                        "moe.bias_update_rule=adaptive"],
+    "none +2 slots": ["moe.aux_loss_coeff=0.0", "moe.bias_update_speed=0.0",
+                      "parallel.redundant_experts=2", "parallel.rebalance_every=10"],
 }
 
 
@@ -415,7 +424,16 @@ def part_train(a) -> dict:
         for r in steps:
             glob = window.update([lay["tokens_per_expert"] for lay in r["layers"]])
             glob_hist.append(max(glob))
+        # Swing: lag-1 autocorrelation of each expert's load deviation (last 100 steps,
+        # mean over experts and layers); negative = loads alternate step to step.
+        swing = []
+        for li in range(len(steps[-1]["layers"])):
+            c = np.asarray([r["layers"][li]["tokens_per_expert"] for r in steps[-100:]], float)
+            d = c / c.mean(axis=1, keepdims=True) - 1.0
+            swing += [np.corrcoef(d[:-1, e], d[1:, e])[0, 1] for e in range(c.shape[1])
+                      if d[:, e].std() > 0]
         results[name] = {"steps": [r["step"] for r in steps], "max_vio": vio,
+                         "swing": float(np.mean(swing)) if swing else float("nan"),
                          "mean_layer_max_vio": vio_mean, "worst_rank_idle": idle,
                          "global_max_vio_last100": glob, "global_max_vio": glob_hist,
                          "loss": [r["loss"] for r in steps], "val": vals, "seconds": took}
@@ -433,7 +451,8 @@ def _print_train(results):
           "MaxVio_global\n(loads summed over the last 100 steps; worst / mean layer), worst-rank "
           "idle (last 100), final validation loss")
     print(f"{'run':>16} {'MaxVio first10':>14} {'MaxVio last100':>14} {'mean-layer last100':>18} "
-          f"{'global worst/mean':>17} {'idle last100':>12} {'final val':>9} {'val - none':>10}")
+          f"{'global worst/mean':>17} {'swing':>6} {'idle last100':>12} {'final val':>9} "
+          f"{'val - none':>10}")
     base = results.get("none", {}).get("val")
     for name, r in results.items():
         n = len(r["max_vio"])
@@ -444,6 +463,7 @@ def _print_train(results):
               f"{statistics.mean(r['max_vio'][last]):14.3f} "
               f"{statistics.mean(r['mean_layer_max_vio'][last]):18.3f} "
               f"{max(r['global_max_vio_last100']):8.3f} /{statistics.mean(r['global_max_vio_last100']):7.3f} "
+              f"{r.get('swing', float('nan')):+6.2f} "
               f"{statistics.mean(r['worst_rank_idle'][last]):12.3f} {fv:9.4f} {dv:+10.4f}")
 
 

@@ -193,20 +193,20 @@ def test_adaptive_rule_grows_while_the_sign_holds_and_halves_on_a_flip():
     assert m.router.expert_bias.tolist() == pytest.approx([-2.2 * u, 2.2 * u, 0, 0])
     update_expert_biases(m, None, u, cold)       # flipped: step halves (1.2u -> 0.6u)
     assert m.router.expert_bias.tolist() == pytest.approx([-1.6 * u, 1.6 * u, 0, 0])
-    for _ in range(40):                          # bounded by 10u and u/100
+    for _ in range(40):                          # bounded by 10u and u/10
         update_expert_biases(m, None, u, hot)
     assert m.router.expert_bias_step[0].item() == pytest.approx(10 * u)
     for i in range(40):
         update_expert_biases(m, None, u, hot if i % 2 else cold)
-    assert m.router.expert_bias_step[0].item() == pytest.approx(u / 100)
+    assert m.router.expert_bias_step[0].item() == pytest.approx(u / 10)
     with pytest.raises(epscale.config.ConfigError, match="bias_update_rule"):
         epscale.MoEConfig(dim=16, hidden_dim=8, num_experts=4, top_k=1, bias_update_rule="rprop")
 
 
 def test_adaptive_rule_balances_a_skewed_router_without_swinging():
-    """A router leaning hard to one expert: the sign rule at a step large enough to
-    recover quickly ends up swinging (loads alternate step to step), the adaptive rule
-    settles (MaxVio lower over the last steps)."""
+    """A router leaning hard to one expert, the same fixed batch every step: the sign rule
+    recovers, then swings around the balance point (a step of u moves more load than it
+    corrects); the adaptive rule recovers at least as fast and settles much closer."""
     x = torch.randn(2048, 16, generator=torch.Generator().manual_seed(3))
 
     def run(rule):
@@ -221,8 +221,11 @@ def test_adaptive_rule_balances_a_skewed_router_without_swinging():
             with torch.no_grad():
                 m(x)
             vio.append(max_vio(m.tokens_per_expert.tolist()))
-            update_expert_biases(m, None, 0.05)
-        return sum(vio[-40:]) / 40
+            update_expert_biases(m, None, 0.01)
+        recovered = next(i for i, v in enumerate(vio) if v < 0.3)
+        return sum(vio[-40:]) / 40, recovered
 
-    sign, adaptive = run("sign"), run("adaptive")
-    assert adaptive < 0.1 < sign, (sign, adaptive)
+    (sign, sign_at), (adaptive, adaptive_at) = run("sign"), run("adaptive")
+    assert adaptive_at <= sign_at, (sign_at, adaptive_at)
+    assert adaptive < 0.08 and sign > 0.12, (sign, adaptive)
+

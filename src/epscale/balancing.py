@@ -106,13 +106,13 @@ def update_expert_biases(module: nn.Module, dims=None, u: float = 1e-3,
 
 
 ADAPTIVE_GROW, ADAPTIVE_SHRINK = 1.2, 0.5   # per-step factors of the adaptive rule
-ADAPTIVE_MAX, ADAPTIVE_MIN = 10.0, 0.01     # its step bounds, in units of u
+ADAPTIVE_MAX, ADAPTIVE_MIN = 10.0, 0.1       # its step bounds, in units of u
 
 
 def _adaptive_step(router: nn.Module, sign_E: torch.Tensor, u: float) -> torch.Tensor:
     """The per-expert step of ``bias_update_rule='adaptive'`` (sign-based, Rprop-like):
     it starts at u, grows x1.2 while an expert's sign(mean - load) repeats and halves
-    when it flips, within [u/100, 10u]. A sign-rule bias with a fixed step swings around
+    when it flips, within [u/10, 10u]. A sign-rule bias with a fixed step swings around
     the balance point with period 2 whenever a step of u moves more load than the
     imbalance it corrects; halving on every flip damps that swing, growing while the sign
     holds keeps the recovery of a collapsed router fast. Updates the router's

@@ -51,7 +51,7 @@ class MoEConfig:
     bias_update_speed: loss-free balancing step ``u`` (0 disables the update).
     bias_update_rule: 'sign' (``b_i += u * sign(mean - load_i)``, DeepSeek-V3) or
     'adaptive' (the same sign, with a per-expert step that grows x1.2 while the sign
-    holds and halves when it flips, within [u/100, 10u]: fast from a collapsed router,
+    holds and halves when it flips, within [u/10, 10u]: fast from a collapsed router,
     no period-2 swing around balance).
     use_grouped_mm: 'auto' uses torch's grouped GEMM where it exists, 'never' a loop.
     compile_kernels: 'on' fuses the element-wise work around the expert GEMMs (activation
