@@ -80,6 +80,11 @@ def test_memory_scales_with_ep_and_dtype():
     assert bf.memory.params == 2 * bf.memory.params_per_rank
     assert bf.memory.optimizer == 12 * bf.memory.params_per_rank
     assert bf.memory.activations == pytest.approx(one.activations / 2)
+    # 4 redundant slots over ep=4: one more expert copy per rank (ignored at ep=1)
+    from epscale.config import ParallelConfig
+    red = RunConfig(model=cfg.model, moe=cfg.moe, parallel=ParallelConfig(redundant_experts=4))
+    assert model_size(red, ep=4).memory.params_per_rank == four.params_per_rank + size.expert_params / 8
+    assert model_size(red, ep=1).memory.params_per_rank == one.params_per_rank
     with pytest.raises(ConfigError, match="parallel.ep = 3"):
         model_size(cfg, ep=3)
     with pytest.raises(ConfigError, match="param_dtype"):

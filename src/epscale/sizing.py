@@ -177,8 +177,9 @@ def memory_per_rank(run_cfg: RunConfig, *, dp: int | None = None, ep: int | None
                     param_dtype: str | None = None, grad_dtype: str | None = None,
                     optim_dtype: str = "float32", act_dtype: str | None = None
                     ) -> MemoryEstimate:
-    """Training memory of one rank when routed experts are sharded ``ep`` ways and all
-    other weights are replicated (no ZeRO/FSDP sharding, as epscale's trainer does).
+    """Training memory of one rank when routed experts are sharded ``ep`` ways (plus the
+    ``parallel.redundant_experts`` copies) and all other weights are replicated (no
+    ZeRO/FSDP sharding, as epscale's trainer does).
 
     Activations: one micro-batch of ``train.micro_batch_size * model.seq_len`` tokens;
     an MoE layer's experts see ``T*K`` rows on average (balanced routing).
@@ -201,7 +202,9 @@ def memory_per_rank(run_cfg: RunConfig, *, dp: int | None = None, ep: int | None
     ab = _dtype_bytes("act_dtype", act_dtype)
     c = _counts(model, moe)
     total = sum(v for k, v in c.items() if k != "num_moe_layers")
-    per_rank = total - c["expert_params"] + c["expert_params"] / ep
+    # Redundant expert slots (parallel.redundant_experts) add copies to the EP group.
+    slots = moe.num_experts + (par.redundant_experts if ep > 1 else 0)
+    per_rank = total - c["expert_params"] + c["expert_params"] * slots / (moe.num_experts * ep)
     master = 4 if pb < 4 else 0
     # Activations saved for backward per token, in elements.
     D, L = model.dim, model.num_layers
