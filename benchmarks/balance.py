@@ -432,7 +432,9 @@ def part_train(a) -> dict:
             d = c / c.mean(axis=1, keepdims=True) - 1.0
             swing += [np.corrcoef(d[:-1, e], d[1:, e])[0, 1] for e in range(c.shape[1])
                       if d[:, e].std() > 0]
+        frozen = _frozen_router_vio(run_dir)
         results[name] = {"steps": [r["step"] for r in steps], "max_vio": vio,
+                         "frozen_router_vio": frozen,
                          "swing": float(np.mean(swing)) if swing else float("nan"),
                          "mean_layer_max_vio": vio_mean, "worst_rank_idle": idle,
                          "global_max_vio_last100": glob, "global_max_vio": glob_hist,
@@ -442,8 +444,48 @@ def part_train(a) -> dict:
               f"{vals[-1][1] if vals else float('nan'):.4f}", flush=True)
     (OUT / "balance_train.json").write_text(json.dumps(results))
     _print_train(results)
+    _print_frozen(results)
     _plot_train(results)
     return results
+
+
+FROZEN_BATCHES = (8, 32, 128)  # sequences per batch for the frozen-router check
+
+
+def _frozen_router_vio(run_dir: Path, num_tokens: int = 32768) -> dict[int, float] | None:
+    """MaxVio_batch (mean over layers and batches) of the run's final model with its router
+    and bias frozen, on random training batches of 8, 32 and 128 sequences (num_tokens in
+    all per size). Separates what a batch's content does (falls with the batch size) from
+    where the bias left the balance (does not)."""
+    from epscale import checkpoint as ckpt
+    from epscale.config import load_config
+    from epscale.data import load_splits
+    from epscale.model import build_model
+    from epscale.training.dist import SingleProcessDims
+
+    found = ckpt.latest_valid(run_dir, report=lambda _m: None)
+    if found is None:
+        return None
+    cfg = load_config(run_dir / "config.yaml", [])
+    model = build_model(cfg)
+    ckpt.load(found[0], model, None, SingleProcessDims(), restore_rng=False)
+    model.eval()
+    toks = load_splits(cfg.data, cfg.model.vocab_size).train
+    S = cfg.model.seq_len
+    rng = np.random.default_rng(0)
+    out = {}
+    for B in FROZEN_BATCHES:
+        vio = []
+        for _ in range(max(1, num_tokens // (B * S))):
+            starts = rng.integers(0, len(toks) - S - 1, size=B)
+            x = torch.from_numpy(np.stack([toks[i:i + S] for i in starts]).astype(np.int64))
+            with torch.no_grad():
+                model(x)
+            for m in model.moe_layers():
+                c = m.last_stats["tokens_per_expert"].double()
+                vio.append(float(c.max() / c.mean() - 1))
+        out[B] = statistics.mean(vio)
+    return out
 
 
 def _print_train(results):
@@ -465,6 +507,16 @@ def _print_train(results):
               f"{max(r['global_max_vio_last100']):8.3f} /{statistics.mean(r['global_max_vio_last100']):7.3f} "
               f"{r.get('swing', float('nan')):+6.2f} "
               f"{statistics.mean(r['worst_rank_idle'][last]):12.3f} {fv:9.4f} {dv:+10.4f}")
+
+
+def _print_frozen(results):
+    print("\nFinal model, router and bias frozen: MaxVio_batch (mean over layers) on random "
+          "training batches of\n" + ", ".join(f"{b} x 128 tokens" for b in FROZEN_BATCHES))
+    for name, r in results.items():
+        f = r.get("frozen_router_vio")
+        if f:
+            print(f"{name:>16} " + " ".join(f"{f[b] if b in f else f[str(b)]:8.3f}"
+                                            for b in FROZEN_BATCHES))
 
 
 def _plot_train(results):
