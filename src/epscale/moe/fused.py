@@ -131,8 +131,8 @@ def _weight_grad(a_CX: torch.Tensor, g_CY: torch.Tensor, grad_EXY: torch.Tensor,
 
 # ------------------------------------------------------------------ compiled element-wise
 
-# Optional generated kernels (moe.compile_kernels='on'): torch.compile (inductor, C++/OpenMP
-# on CPU) fuses the element-wise work around the GEMMs of one chunk into single passes:
+# Optional generated kernels (moe.compile_kernels='on'): torch.compile (inductor, C++ on
+# CPU) fuses the element-wise work around the GEMMs of one chunk into single passes:
 #   backward: recompute SwiGLU/GELU, the gate-weight gradient, the weighted activation
 #             for dW2, dL/dh1 (and dL/dh3): one pass instead of ~9 eager ones, one exp
 #             per element instead of two;
@@ -254,7 +254,8 @@ _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 class Workspace:
     """Large buffers one :class:`GroupedExperts` keeps from step to step: the weight
-    gradients and the saved [R, F] pre-activations.
+    gradients, the saved [R, F] pre-activations and, in row mode, one [R, D] buffer for
+    the output (consumed by the caller's combine) and later the input gradient.
 
     Why: on CPU a fresh buffer of tens of MB is mmap'ed and page-faulted in on every
     step (glibc serves allocations above 32 MB with mmap and unmaps them on free); on the
