@@ -61,7 +61,7 @@ OUT = ROOT / "benchmarks" / "out"
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--part", choices=["all", "synthetic", "train"], default="all")
-    p.add_argument("--tag", default="", help="suffix of part 1's output files")
+    p.add_argument("--tag", default="", help="suffix of the output files (json, png)")
     p.add_argument("--ep", type=int, default=4)
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--top-k", type=int, default=8)
@@ -89,6 +89,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--reuse-runs", action="store_true",
                    help="part 2: read finished runs in benchmarks/out instead of training again")
     p.add_argument("--train-runs", default=",".join(TRAIN_RUNS))
+    p.add_argument("--seeds", type=int, default=1,
+                   help="part 2: runs per strategy (train.seed and data.seed moved by 1..N-1)")
     return p.parse_args()
 
 
@@ -392,61 +394,102 @@ def part_train(a) -> dict:
     OUT.mkdir(parents=True, exist_ok=True)
     results = {}
     for name in a.train_runs.split(","):
-        run_dir = OUT / f"balance_train_{name.replace(' ', '_').replace('=', '')}"
-        done = run_dir / "metrics.jsonl"
-        took = float("nan")
-        if a.reuse_runs and done.exists() and '"event":"end"' in done.read_text():
-            print(f"  {name}: reusing the finished run in {run_dir}", flush=True)
-        else:
-            if run_dir.exists():
-                import shutil
-                shutil.rmtree(run_dir)
-            cmd = [sys.executable, "-m", "epscale", "train", "--config",
-                   str(ROOT / "configs/tiny.yaml"), "--run-dir", str(run_dir),
-                   f"train.steps={a.train_steps}", f"train.eval_every={max(a.train_steps // 3, 1)}",
-                   "train.ckpt_every=0", *TRAIN_RUNS[name]]
-            t0 = time.perf_counter()
-            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-            took = time.perf_counter() - t0
-            if proc.returncode != 0:
-                print(f"  {name}: epscale train failed (exit {proc.returncode}):\n"
-                      f"{proc.stderr[-2000:]}")
-                continue
-        steps = [json.loads(line) for line in done.read_text().splitlines() if line.strip()]
-        steps = [r for r in steps if "step" in r and "layers" in r]
-        vio = [max(lay["max_vio"] for lay in r["layers"]) for r in steps]
-        vio_mean = [statistics.mean(lay["max_vio"] for lay in r["layers"]) for r in steps]
-        idle = [r.get("worst_rank_idle", float("nan")) for r in steps]
-        vals = [(r["step"], r["val_loss"]) for r in steps if "val_loss" in r]
-        # MaxVio_global: the loads summed over the last 100 steps, per layer
-        window = RunningMaxVio(window=100)
-        glob_hist = []
-        for r in steps:
-            glob = window.update([lay["tokens_per_expert"] for lay in r["layers"]])
-            glob_hist.append(max(glob))
-        # Swing: lag-1 autocorrelation of each expert's load deviation (last 100 steps,
-        # mean over experts and layers); negative = loads alternate step to step.
-        swing = []
-        for li in range(len(steps[-1]["layers"])):
-            c = np.asarray([r["layers"][li]["tokens_per_expert"] for r in steps[-100:]], float)
-            d = c / c.mean(axis=1, keepdims=True) - 1.0
-            swing += [np.corrcoef(d[:-1, e], d[1:, e])[0, 1] for e in range(c.shape[1])
-                      if d[:, e].std() > 0]
-        frozen = _frozen_router_vio(run_dir)
-        results[name] = {"steps": [r["step"] for r in steps], "max_vio": vio,
-                         "frozen_router_vio": frozen,
-                         "swing": float(np.mean(swing)) if swing else float("nan"),
-                         "mean_layer_max_vio": vio_mean, "worst_rank_idle": idle,
-                         "global_max_vio_last100": glob, "global_max_vio": glob_hist,
-                         "loss": [r["loss"] for r in steps], "val": vals, "seconds": took}
-        timing = f" in {took:.0f}s" if took == took else ""
-        print(f"  {name}: {len(steps)} steps{timing}, final val loss "
-              f"{vals[-1][1] if vals else float('nan'):.4f}", flush=True)
-    (OUT / "balance_train.json").write_text(json.dumps(results))
+        per_seed = []
+        for seed in range(a.seeds):
+            r = _train_run(a, name, seed)
+            if r is not None:
+                per_seed.append(r)
+        if per_seed:
+            results[name] = per_seed[0]
+            results[name]["seeds"] = [_last100(r) for r in per_seed]
+    (OUT / f"balance_train{a.tag}.json").write_text(json.dumps(results))
     _print_train(results)
     _print_frozen(results)
-    _plot_train(results)
+    if a.seeds > 1:
+        _print_seeds(results)
+    _plot_train(results, a.tag)
     return results
+
+
+def _train_run(a, name: str, seed: int) -> dict | None:
+    """One `epscale train` run of part 2 (seed 0: the recipe's seeds; seed i: train.seed
+    and data.seed moved by i) and its balance figures; None when it failed."""
+    suffix = f"_seed{seed}" if seed else ""
+    run_dir = OUT / f"balance_train_{name.replace(' ', '_').replace('=', '')}{suffix}"
+    label = f"{name} (seed {seed})" if seed else name
+    done = run_dir / "metrics.jsonl"
+    took = float("nan")
+    if a.reuse_runs and done.exists() and '"event":"end"' in done.read_text():
+        print(f"  {label}: reusing the finished run in {run_dir}", flush=True)
+    else:
+        if run_dir.exists():
+            import shutil
+            shutil.rmtree(run_dir)
+        seeds = [f"train.seed={1234 + seed}", f"data.seed={seed}"] if seed else []
+        cmd = [sys.executable, "-m", "epscale", "train", "--config",
+               str(ROOT / "configs/tiny.yaml"), "--run-dir", str(run_dir),
+               f"train.steps={a.train_steps}", f"train.eval_every={max(a.train_steps // 3, 1)}",
+               "train.ckpt_every=0", *TRAIN_RUNS[name], *seeds]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        took = time.perf_counter() - t0
+        if proc.returncode != 0:
+            print(f"  {label}: epscale train failed (exit {proc.returncode}):\n"
+                  f"{proc.stderr[-2000:]}")
+            return None
+    steps = [json.loads(line) for line in done.read_text().splitlines() if line.strip()]
+    steps = [r for r in steps if "step" in r and "layers" in r]
+    vio = [max(lay["max_vio"] for lay in r["layers"]) for r in steps]
+    vio_mean = [statistics.mean(lay["max_vio"] for lay in r["layers"]) for r in steps]
+    idle = [r.get("worst_rank_idle", float("nan")) for r in steps]
+    vals = [(r["step"], r["val_loss"]) for r in steps if "val_loss" in r]
+    # MaxVio_global: the loads summed over the last 100 steps, per layer
+    window = RunningMaxVio(window=100)
+    glob_hist, glob = [], []
+    for r in steps:
+        glob = window.update([lay["tokens_per_expert"] for lay in r["layers"]])
+        glob_hist.append(max(glob))
+    # Swing: lag-1 autocorrelation of each expert's load deviation (last 100 steps,
+    # mean over experts and layers); negative = loads alternate step to step.
+    swing = []
+    for li in range(len(steps[-1]["layers"])):
+        c = np.asarray([r["layers"][li]["tokens_per_expert"] for r in steps[-100:]], float)
+        d = c / c.mean(axis=1, keepdims=True) - 1.0
+        swing += [np.corrcoef(d[:-1, e], d[1:, e])[0, 1] for e in range(c.shape[1])
+                  if d[:, e].std() > 0]
+    frozen = _frozen_router_vio(run_dir) if seed == 0 else None
+    timing = f" in {took:.0f}s" if took == took else ""
+    print(f"  {label}: {len(steps)} steps{timing}, final val loss "
+          f"{vals[-1][1] if vals else float('nan'):.4f}", flush=True)
+    return {"steps": [r["step"] for r in steps], "max_vio": vio,
+            "frozen_router_vio": frozen,
+            "swing": float(np.mean(swing)) if swing else float("nan"),
+            "mean_layer_max_vio": vio_mean, "worst_rank_idle": idle,
+            "global_max_vio_last100": glob, "global_max_vio": glob_hist,
+            "loss": [r["loss"] for r in steps], "val": vals, "seconds": took}
+
+
+def _last100(r: dict) -> dict:
+    n = len(r["max_vio"])
+    last = slice(max(0, n - 100), n)
+    return {"val": r["val"][-1][1] if r["val"] else float("nan"),
+            "max_vio_batch": statistics.mean(r["mean_layer_max_vio"][last]),
+            "max_vio_global": statistics.mean(r["global_max_vio_last100"]),
+            "idle": statistics.mean(r["worst_rank_idle"][last])}
+
+
+def _print_seeds(results):
+    print("\nOver seeds (train.seed and data.seed moved together): mean [min, max] of the final "
+          "validation loss,\nMaxVio_batch (mean layer, last 100 steps), MaxVio_global (mean "
+          "layer) and worst-rank idle")
+    for name, r in results.items():
+        rows = r["seeds"]
+        cells = []
+        for key in ("val", "max_vio_batch", "max_vio_global", "idle"):
+            v = [x[key] for x in rows]
+            cells.append(f"{statistics.mean(v):.3f} [{min(v):.3f}, {max(v):.3f}]")
+        print(f"{name:>16} ({len(rows)} seeds) val {cells[0]}  batch {cells[1]}  "
+              f"global {cells[2]}  idle {cells[3]}")
 
 
 FROZEN_BATCHES = (8, 32, 128)  # sequences per batch for the frozen-router check
@@ -519,33 +562,40 @@ def _print_frozen(results):
                                             for b in FROZEN_BATCHES))
 
 
-def _plot_train(results):
+def _plot_train(results, tag: str = ""):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
+    def smooth(v, k):
+        v = np.asarray(v, dtype=float)
+        return np.convolve(v, np.ones(k) / k, mode="valid") if len(v) >= k else v
+
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
     for name, r in results.items():
-        v = np.asarray(r["max_vio"])
-        k = 10
-        smooth = np.convolve(v, np.ones(k) / k, mode="valid") if len(v) >= k else v
-        line, = axes[0].plot(r["steps"][len(r["steps"]) - len(smooth):], smooth, label=name)
-        axes[1].plot(r["steps"], r["global_max_vio"], label=name, color=line.get_color())
-        axes[2].plot(r["steps"], r["loss"], label=name, lw=0.6, color=line.get_color())
+        steps = r["steps"]
+        v = smooth(r["max_vio"], 10)
+        line, = axes[0].plot(steps[len(steps) - len(v):], v, label=name)
+        c = line.get_color()
+        axes[1].plot(steps, r["global_max_vio"], label=name, color=c)
+        idle = smooth(r["worst_rank_idle"], 10)
+        axes[2].plot(steps[len(steps) - len(idle):], idle, label=name, color=c)
+        loss = smooth(r["loss"], 25)
+        axes[3].plot(steps[len(steps) - len(loss):], loss, label=name, color=c)
         if r["val"]:
-            axes[2].plot(*zip(*r["val"]), "o", ms=4, color=line.get_color())
+            axes[3].plot(*zip(*r["val"]), "o", ms=4, color=c)
     for ax in axes[:2]:
         ax.axhline(0.2, color="grey", ls=":", lw=1)
-        ax.set_xlabel("step")
-    axes[0].set_title("MaxVio_batch (worst layer, 10-step mean)")
-    axes[1].set_title("MaxVio_global (worst layer, loads of the last 100 steps)")
-    axes[2].set_title("training loss (lines) and validation loss (dots)")
-    axes[2].set_xlabel("step")
-    axes[2].set_ylim(1.7, 3.0)
     for ax in axes:
-        ax.legend(fontsize=8)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=7)
+    axes[0].set_title("MaxVio_batch (worst layer, 10-step mean)")
+    axes[1].set_title("MaxVio_global (worst layer, last 100 steps' loads)")
+    axes[2].set_title("worst-rank idle fraction (10-step mean)")
+    axes[3].set_title("training loss (25-step mean), validation (dots)")
+    axes[3].set_ylim(1.85, 2.8)
     fig.tight_layout()
-    fig.savefig(OUT / "balance_train.png", dpi=110)
+    fig.savefig(OUT / f"balance_train{tag}.png", dpi=100)
     plt.close(fig)
 
 
