@@ -88,7 +88,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--train-steps", type=int, default=300)
     p.add_argument("--reuse-runs", action="store_true",
                    help="part 2: read finished runs in benchmarks/out instead of training again")
-    p.add_argument("--train-runs", default=",".join(TRAIN_RUNS))
+    p.add_argument("--train-runs", default=",".join(DEFAULT_TRAIN_RUNS))
     p.add_argument("--seeds", type=int, default=1,
                    help="part 2: runs per strategy (train.seed and data.seed moved by 1..N-1)")
     return p.parse_args()
@@ -385,7 +385,14 @@ TRAIN_RUNS = {
                         "moe.bias_update_rule=adaptive"],
     "none +2 slots": ["moe.aux_loss_coeff=0.0", "moe.bias_update_speed=0.0",
                       "parallel.redundant_experts=2", "parallel.rebalance_every=10"],
+    # Not in the default list: 4x the recipe's batch (4,096 tokens per step), to see how
+    # much of MaxVio_batch is the batch's content.
+    "adaptive u=1e-3 4x batch": ["moe.aux_loss_coeff=0.0", "moe.bias_update_speed=0.001",
+                                 "moe.bias_update_rule=adaptive", "train.micro_batch_size=16"],
+    "none 4x batch": ["moe.aux_loss_coeff=0.0", "moe.bias_update_speed=0.0",
+                      "train.micro_batch_size=16"],
 }
+DEFAULT_TRAIN_RUNS = [n for n in TRAIN_RUNS if "4x batch" not in n]
 
 
 def part_train(a) -> dict:
