@@ -47,6 +47,8 @@ def describe(config: str, overrides: list[str] | None = None, **layout) -> dict:
     out["layout"] = {"dp": layout.get("dp") or cfg.parallel.dp,
                      "ep": layout.get("ep") or cfg.parallel.ep,
                      "world": (layout.get("dp") or cfg.parallel.dp) * (layout.get("ep") or cfg.parallel.ep)}
+    if out["layout"]["ep"] > 1:
+        out["layout"]["redundant_experts"] = cfg.parallel.redundant_experts
     pub = PUBLISHED.get(cfg.name)
     if pub is not None:
         out["published"] = dict(pub)
@@ -84,8 +86,10 @@ def run(args) -> int:
     t.add_row("training FLOPs / token", f"{info['flops_per_token'] / 1e9:.1f} GFLOP", "")
     console.print(t)
     mem, lay = info["memory"], info["layout"]
+    copies = (f" plus {lay['redundant_experts']} redundant expert copies"
+              if lay.get("redundant_experts") else "")
     m = Table(title=f"memory per rank, dp={lay['dp']} x ep={lay['ep']} ({lay['world']} ranks; "
-                    "experts sharded over ep, everything else replicated)")
+                    f"experts sharded over ep{copies}, everything else replicated)")
     m.add_column("part")
     m.add_column("bytes", justify="right")
     m.add_row("parameters held", _fmt_count(mem["params_per_rank"]))
