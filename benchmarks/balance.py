@@ -14,7 +14,8 @@ small real gate). What is real: everything from the top-k on, and the balancing:
   aux        the Switch aux loss (coefficient --aux-coeff) through the real layer, trained
              into the router (gate + a per-expert logit offset) by SGD (--aux-lr); there is
              no language-model loss pulling the other way, so this is its best case
-  loss-free  epscale.balancing.update_expert_biases after every step (u = --u)
+  loss-free  epscale.balancing.update_expert_biases after every step (u = --u), sign rule
+  adaptive   the same with moe.bias_update_rule=adaptive
   +N slots   redundant experts: apply_placement + Rebalancer re-planning every --every
              steps from the last --every steps' loads (weights move between ranks)
   spill      apply_spill (threshold 1.3, min 32 rows per piece)
@@ -83,7 +84,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--aux-lr", type=float, default=20.0)
     p.add_argument("--every", type=int, default=5, help="re-placement period (steps)")
     p.add_argument("--extra-slots", default="1,2", help="redundant slots per rank")
-    p.add_argument("--strategies", default="none,aux,loss-free,placement,spill,spill@1.1",
+    p.add_argument("--strategies", default="none,aux,loss-free,adaptive,placement,spill,spill@1.1",
                    help="spill@X: spill-over with threshold X (plain spill: the default 1.3)")
     p.add_argument("--train-steps", type=int, default=300)
     p.add_argument("--reuse-runs", action="store_true",
@@ -111,6 +112,9 @@ class DriftingZipfRouter(nn.Module):
         nn.init.normal_(self.gate.weight, std=0.02)
         self.offset = nn.Parameter(torch.zeros(E))
         self.register_buffer("expert_bias", torch.zeros(E))
+        if cfg.bias_update_rule == "adaptive":
+            self.register_buffer("expert_bias_step", torch.zeros(E))
+            self.register_buffer("expert_bias_sign", torch.zeros(E))
         self.zipf_s, self.drift, self.rank, self.seed = zipf_s, drift, rank, seed
         self.step = 0
         g = torch.Generator().manual_seed(seed)          # same walk on every rank
@@ -171,7 +175,8 @@ def _build_layer(a, strategy, zipf_s, dims, rank):
 
     E = a.experts
     cfg = epscale.MoEConfig(dim=a.dim, hidden_dim=a.hidden, num_experts=E, top_k=a.top_k,
-                            aux_loss_coeff=a.aux_coeff if strategy == "aux" else 0.0)
+                            aux_loss_coeff=a.aux_coeff if strategy == "aux" else 0.0,
+                            bias_update_rule="adaptive" if strategy == "adaptive" else "sign")
     torch.manual_seed(0)
     moe = epscale.MoE(cfg)
     moe.router = DriftingZipfRouter(cfg, zipf_s, a.drift, rank)
@@ -218,7 +223,7 @@ def _run_strategy(a, strategy, zipf_s, dims, rank, world):
                     off += n
         counts = moe.tokens_per_expert.detach().to(torch.float64).clone()
         dist.all_reduce(counts)  # the step's logical loads (what the metrics record holds)
-        if strategy == "loss-free":
+        if strategy in ("loss-free", "adaptive"):
             update_expert_biases(moe, dims, a.u, counts[None])
         if reb is not None:
             sync_replica_gradients(moe, dims)
