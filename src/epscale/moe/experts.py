@@ -113,12 +113,7 @@ class GroupedExperts(nn.Module):
     def forward(self, x_RD: torch.Tensor, tokens_per_expert_e: torch.Tensor) -> torch.Tensor:
         if self.impl == "autograd":
             return self._forward_autograd(x_RD, tokens_per_expert_e)
-        counts = self._check_counts(tokens_per_expert_e, x_RD.shape[0])
-        plan = ExpertPlan.build(counts, x_RD.shape[-1] * x_RD.element_size(), self.chunk_bytes,
-                                self._grouped(x_RD))
-        w1, w3, w2 = self._weights(x_RD.dtype)
-        return FusedExperts.apply(x_RD, None, w1, w3, w2, None, plan, self.activation,
-                                  self.workspace, self.compile_kernels)
+        return self._fused(x_RD, None, None, self._check_counts(tokens_per_expert_e, x_RD.shape[0]))
 
     def forward_scatter(self, x_TD: torch.Tensor, src_R: torch.Tensor, weight_R: torch.Tensor,
                         tokens_per_expert_e: torch.Tensor | list[int]) -> torch.Tensor:
@@ -129,11 +124,16 @@ class GroupedExperts(nn.Module):
         tokens_per_expert_e: int64 [e] group sizes (a tensor, or a host list when the
         caller already synced). Returns [T, D] in x's dtype.
         """
-        counts = self._check_counts(tokens_per_expert_e, src_R.shape[0])
-        plan = ExpertPlan.build(counts, x_TD.shape[-1] * x_TD.element_size(), self.chunk_bytes,
-                                self._grouped(x_TD))
-        w1, w3, w2 = self._weights(x_TD.dtype)
-        return FusedExperts.apply(x_TD, weight_R, w1, w3, w2, src_R, plan, self.activation,
+        return self._fused(x_TD, src_R, weight_R,
+                           self._check_counts(tokens_per_expert_e, src_R.shape[0]))
+
+    def _fused(self, x: torch.Tensor, src_R: torch.Tensor | None, weight_R: torch.Tensor | None,
+               counts: list[int]) -> torch.Tensor:
+        """The fused kernel over ``x`` ([R, D] rows, or [T, D] tokens gathered by src_R)."""
+        plan = ExpertPlan.build(counts, x.shape[-1] * x.element_size(), self.chunk_bytes,
+                                self._grouped(x))
+        w1, w3, w2 = self._weights(x.dtype)
+        return FusedExperts.apply(x, weight_R, w1, w3, w2, src_R, plan, self.activation,
                                   self.workspace, self.compile_kernels)
 
     def _forward_autograd(self, x_RD: torch.Tensor, tokens_per_expert_e: torch.Tensor) -> torch.Tensor:
