@@ -160,24 +160,11 @@ class _PlacedExperts:
         self.views: dict[str, dict[str, torch.Tensor]] = {}  # param name -> logical views
         self._live: list[tuple[int, list[torch.Tensor], list[torch.Tensor]]] = []
 
-    def _fields(self, moe) -> list[tuple[str, str, torch.Tensor]]:
-        """(param name suffix, 'param' | optimizer key, live tensor) in a fixed order."""
-        out = []
-        for pname in ("w1", "w2", "w3"):
-            p = getattr(moe.experts, pname, None)
-            if p is None:
-                continue
-            out.append((pname, "param", p.data))
-            st = self.opt.state.get(p) if self.opt is not None else None
-            if st:
-                out += [(pname, k, st[k]) for k in ("exp_avg", "exp_avg_sq")]
-        return out
-
     def _collect(self, load: bool) -> None:
-        from .placement.runtime import logical_layout, relayout_rows
+        from .placement.runtime import expert_state, logical_layout, relayout_rows
 
         for i, prefix, moe in self.layers:
-            fields = self._fields(moe)
+            fields = expert_state(moe, self.opt, keys=("exp_avg", "exp_avg_sq"))
             live = [t for _, _, t in fields]
             E, ep = moe.cfg.num_experts, self.dims.ep
             if load:

@@ -314,7 +314,7 @@ class StepStatsCollector:
         layers_out = []
         total_assign = total_dropped = 0.0
         idle_by_rank = np.zeros(self.ep)
-        placed_loads = (self.placement.rank_loads(np.asarray(counts_by_layer, dtype=np.float64))
+        placed_loads_LR = (self.placement.rank_loads(np.asarray(counts_by_layer, dtype=np.float64))
                         if self.placement is not None and self.layers else None)
         for idx, (lid, _name, m) in enumerate(self.layers):
             counts = counts_by_layer[idx]
@@ -323,8 +323,8 @@ class StepStatsCollector:
             assign = n_tok * self.top_k[idx]
             total_assign += assign
             total_dropped += n_drop
-            if placed_loads is not None:
-                loads = [int(round(v)) for v in placed_loads[idx].tolist()]
+            if placed_loads_LR is not None:
+                loads = [int(round(v)) for v in placed_loads_LR[idx].tolist()]
             else:
                 loads = rank_loads(counts, self.expert_to_rank[idx], self.ep)
             peak = max(loads) if loads else 0

@@ -395,24 +395,25 @@ def relayout_rows(tensors: Sequence[torch.Tensor], src_p2l, dst_p2l, dims
     return out, len(send), len(recv)
 
 
-def expert_tensors(moe: nn.Module, optimizer: torch.optim.Optimizer | None = None
-                   ) -> list[torch.Tensor]:
-    """The expert weights of one MoE layer and, when ``optimizer`` holds state for them,
-    every state tensor shaped like the weight (AdamW's exp_avg / exp_avg_sq), in a fixed
-    order; scalar entries such as 'step' are shared by all experts and left out."""
-    tensors = []
+def expert_state(moe: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 keys: Sequence[str] | None = None) -> list[tuple[str, str, torch.Tensor]]:
+    """(weight name, 'param' or optimizer-state key, tensor) for one MoE layer's expert
+    weights and, when ``optimizer`` holds state for them, every state tensor shaped like
+    the weight (AdamW's exp_avg / exp_avg_sq; ``keys`` restricts to those), in a fixed
+    order. Scalar entries such as 'step' are shared by all experts and left out."""
+    out = []
     for pname in _EXPERT_PARAMS:
         p = getattr(moe.experts, pname, None)
         if p is None:
             continue
-        tensors.append(p.data)
-        if optimizer is not None and p in optimizer.state:
-            st = optimizer.state[p]
-            for key in sorted(st):
-                t = st[key]
-                if isinstance(t, torch.Tensor) and t.shape == p.shape:
-                    tensors.append(t)
-    return tensors
+        out.append((pname, "param", p.data))
+        st = optimizer.state.get(p) if optimizer is not None else None
+        for key in sorted(st or ()):
+            t = st[key]
+            if (isinstance(t, torch.Tensor) and t.shape == p.shape
+                    and (keys is None or key in keys)):
+                out.append((pname, key, t))
+    return out
 
 
 def logical_layout(num_experts: int) -> np.ndarray:
@@ -447,7 +448,7 @@ def move_to_placement(module: nn.Module, dims, new: Placement,
         old_p2l, new_p2l = old.phy2log[i].numpy(), new.phy2log[i].numpy()
         if np.array_equal(old_p2l, new_p2l):
             continue
-        tensors = expert_tensors(moe, optimizer)
+        tensors = [t for _, _, t in expert_state(moe, optimizer)]
         moved, n_sent, n_recv = relayout_rows(tensors, old_p2l, new_p2l, dims)
         for t, m in zip(tensors, moved):
             t.copy_(m)

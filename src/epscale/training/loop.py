@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -169,8 +170,6 @@ class Trainer:
         """The redundant-expert placement to start from, and a line saying where it came
         from: the checkpoint's when it fits this layout; else planned from the checkpoint's
         load window when that fits; else from uniform loads (the first re-plan fixes it)."""
-        import numpy as np
-
         from ..placement import plan_placement
         from ..placement.runtime import placement_from_dict
 
@@ -189,12 +188,12 @@ class Trainer:
             if tuple(pl.phy2log.shape) == (L, P) and pl.num_ranks == self.dims.ep and \
                     pl.replica_count.shape[1] == E:
                 return pl, f"expert placement restored from {path.name}"
-        loads, source = np.ones((L, E)), "uniform loads"
+        loads_LE, source = np.ones((L, E)), "uniform loads"
         window = ckpt.load_extra(path, REBALANCER_FILE) if path is not None else None
         if window is not None and window["loads"].numel() and \
                 tuple(window["loads"].shape[1:]) == (L, E):
-            loads, source = window["loads"].sum(0).numpy(), f"the loads saved in {path.name}"
-        pl = plan_placement(loads, P, self.dims.ep_num_nodes, self.dims.ep,
+            loads_LE, source = window["loads"].sum(0).numpy(), f"the loads saved in {path.name}"
+        pl = plan_placement(loads_LE, P, self.dims.ep_num_nodes, self.dims.ep,
                             max(1, cfg.moe.num_groups))
         return pl, f"expert placement planned from {source}"
 
@@ -224,9 +223,9 @@ class Trainer:
             par = cfg.parallel
             every = (f"re-planned every {par.rebalance_every} steps" if par.rebalance_every
                      else "kept fixed (rebalance_every: 0)")
-            lines.append(f"experts: {moe.num_experts} logical in {moe.num_experts + par.redundant_experts}"
-                         f" slots ({(moe.num_experts + par.redundant_experts) // self.dims.ep} per EP "
-                         f"rank), {every}; {placement_note}")
+            slots = moe.num_experts + par.redundant_experts
+            lines.append(f"experts: {moe.num_experts} logical in {slots} slots "
+                         f"({slots // self.dims.ep} per EP rank), {every}; {placement_note}")
         if layout_note:
             lines.append(f"note: {layout_note}")
         for line in lines:
@@ -390,17 +389,14 @@ class Trainer:
         new = self.rebalancer.maybe_replace(step)
         if new is None:
             return
-        import numpy as np
-
-        window = np.sum(self.rebalancer.loads, axis=0)
+        window_LE = np.sum(self.rebalancer.loads, axis=0)
+        before, after = (float(pl.imbalance(window_LE).max()) for pl in (old, new))
         self.collector.set_placement(new)
         self.writer.event("replacement", step=step, seconds=time.perf_counter() - t0,
-                          num_moves=self.rebalancer.num_moves,
-                          imbalance_before=float(old.imbalance(window).max()),
-                          imbalance_after=float(new.imbalance(window).max()),
-                          max_replicas=int(new.replica_count.max()))
+                          num_moves=self.rebalancer.num_moves, imbalance_before=before,
+                          imbalance_after=after, max_replicas=int(new.replica_count.max()))
         self._log(f"re-placement at step {step}: planned max/mean rank load "
-                  f"{float(old.imbalance(window).max()):.3f} -> {float(new.imbalance(window).max()):.3f}")
+                  f"{before:.3f} -> {after:.3f}")
 
     def _eval_due(self) -> bool:
         every = self.cfg.train.eval_every
