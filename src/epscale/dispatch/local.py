@@ -5,8 +5,8 @@ Legend: T tokens, D model dim, K top-k, E experts, A = T*K assignments, R kept a
 Besides the generic ``dispatch``/``combine`` pair, this backend offers
 ``dispatch_compute_combine``: with every expert on this rank the gather, the expert
 compute and the weighted combine run as one chunked kernel
-(:class:`epscale.moe.fused.FusedExperts`) and no [R, D] tensor is ever built. The MoE
-layer uses it whenever its dispatcher has it (``fuse=True``).
+(:class:`epscale.moe.fused.FusedExperts`) with its own buffers, kept from step to step.
+The MoE layer uses it whenever its dispatcher has it (``fuse=True``).
 """
 
 from __future__ import annotations
@@ -82,12 +82,22 @@ class LocalDispatcher(Dispatcher):
             order_R, tokens_per_expert_E, counts = sort_by_expert(topk_idx_TK, self.num_experts)
             src_R = order_R // K
             weight_R = topk_weight_TK.reshape(-1).index_select(0, order_R)
+            pos_TK = assignment_rows(order_R, topk_idx_TK.shape)
         with timer("experts"):
-            y_TD = experts.forward_scatter(x_TD, src_R, weight_R, counts)
+            y_TD = experts.forward_scatter(x_TD, src_R, weight_R, counts, pos_TK)
         return y_TD, tokens_per_expert_E
 
     def __repr__(self) -> str:
         return f"LocalDispatcher(experts={self.num_experts}, fuse={self.fuse})"
+
+
+def assignment_rows(order_R: torch.Tensor, shape_TK) -> torch.Tensor:
+    """pos_TK: the row of each (token, k) assignment, R (one past the last row) where it
+    was dropped; the inverse of ``order_R``."""
+    R = order_R.numel()
+    pos_A = torch.full((shape_TK[0] * shape_TK[1],), R, dtype=torch.long, device=order_R.device)
+    pos_A[order_R] = torch.arange(R, device=order_R.device)
+    return pos_A.view(shape_TK)
 
 
 def unpermute_weighted(y_RD: torch.Tensor, order_R: torch.Tensor,

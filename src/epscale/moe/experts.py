@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fused import CHUNK_BYTES, HAS_GROUPED_MM, ExpertPlan, FusedExperts, Workspace
+from .fused import CHUNK_BYTES, HAS_GROUPED_MM, ExpertPlan, FusedExperts, Workspace, token_slots
 
 
 def _grouped_linear(x_RD: torch.Tensor, w_eDF: torch.Tensor, offs_e: torch.Tensor | None,
@@ -116,24 +116,29 @@ class GroupedExperts(nn.Module):
         return self._fused(x_RD, None, None, self._check_counts(tokens_per_expert_e, x_RD.shape[0]))
 
     def forward_scatter(self, x_TD: torch.Tensor, src_R: torch.Tensor, weight_R: torch.Tensor,
-                        tokens_per_expert_e: torch.Tensor | list[int]) -> torch.Tensor:
+                        tokens_per_expert_e: torch.Tensor | list[int],
+                        pos_TK: torch.Tensor | None = None) -> torch.Tensor:
         """y_TD[t] = sum over rows r with src_R[r] == t of weight_R[r] * expert_e(r)(x_TD[t]).
 
         x_TD: [T, D]; src_R: int64 [R], the token of each row, rows grouped by expert in
         ascending order; weight_R: float [R] gate weights (differentiable);
         tokens_per_expert_e: int64 [e] group sizes (a tensor, or a host list when the
-        caller already synced). Returns [T, D] in x's dtype.
+        caller already synced); pos_TK: int64 [T, K] the row of each assignment, R where
+        dropped (the dispatcher has it for free; derived from src_R with a sort when
+        None). Returns [T, D] in x's dtype.
         """
         return self._fused(x_TD, src_R, weight_R,
-                           self._check_counts(tokens_per_expert_e, src_R.shape[0]))
+                           self._check_counts(tokens_per_expert_e, src_R.shape[0]), pos_TK)
 
     def _fused(self, x: torch.Tensor, src_R: torch.Tensor | None, weight_R: torch.Tensor | None,
-               counts: list[int]) -> torch.Tensor:
+               counts: list[int], pos_TK: torch.Tensor | None = None) -> torch.Tensor:
         """The fused kernel over ``x`` ([R, D] rows, or [T, D] tokens gathered by src_R)."""
         plan = ExpertPlan.build(counts, x.shape[-1] * x.element_size(), self.chunk_bytes,
                                 self._grouped(x))
         w1, w3, w2 = self._weights(x.dtype)
-        return FusedExperts.apply(x, weight_R, w1, w3, w2, src_R, plan, self.activation,
+        if src_R is not None and pos_TK is None:
+            pos_TK = token_slots(src_R, x.shape[0])
+        return FusedExperts.apply(x, weight_R, w1, w3, w2, src_R, pos_TK, plan, self.activation,
                                   self.workspace, self.compile_kernels)
 
     def _forward_autograd(self, x_RD: torch.Tensor, tokens_per_expert_e: torch.Tensor) -> torch.Tensor:

@@ -1,27 +1,38 @@
-"""Chunked expert compute: gather -> GEMM -> activation -> GEMM -> weighted scatter, one
+"""Chunked expert compute: gather -> GEMM -> activation -> GEMM -> combine, one
 cache-sized chunk of experts at a time, with a hand-written backward.
 
-Legend: T tokens, D model dim, F expert hidden dim, E experts (local), R rows (kept
-assignments, grouped by expert in ascending order), C rows of one chunk.
+Legend: T tokens, D model dim, F expert hidden dim, E experts (local), K top-k, R rows
+(kept assignments, grouped by expert in ascending order), C rows of one chunk.
 
-Why: on CPU the cost beside the GEMMs is memory traffic and page faults. The plain
-autograd formulation materialises several [R, D] tensors per step (gathered inputs,
-expert outputs, their gradients); at R = T*K these are tens of MB each, freshly
-allocated (mmap + page faults) every step. Here only [C, D] chunk buffers exist, reused
-for every chunk, and the gathered input is re-gathered in backward instead of saved.
-The [R, F] pre-activations are the only per-row tensors kept for backward.
+Why: on CPU the cost beside the GEMMs is memory traffic, page faults and per-op
+overhead. Inputs are gathered one [C, D] chunk at a time into a buffer reused for every
+chunk (and re-gathered in backward instead of saved); the [R, F] pre-activations are the
+only per-row tensors kept for backward; large buffers come from a :class:`Workspace` that
+keeps them mapped from step to step.
 
 Two modes share one kernel:
 
-* scatter mode (no expert parallelism): rows are gathered from ``x_TD`` by ``src_R``
-  (the token of each row) and results are multiplied by ``weight_R`` and summed back
-  into [T, D] (fp32 accumulation for bf16), so the layer never builds [R, D] at all.
-  ``weight_R`` gets its gradient here too: dL/dw_r = <dL/dy_t . W2_e^T, a_r>.
+* gathered mode (no expert parallelism): rows are gathered from ``x_TD`` by ``src_R``
+  (the token of each row). The activation is multiplied by the row's gate weight
+  ``weight_R`` before the second GEMM (w * (a W2) = (w * a) W2: a [C, F] pass instead of
+  a [C, D] one), whose output goes straight into a [R + 1, D] rows buffer; the last row is
+  zeros for dropped assignments. Then :func:`gather_combine` sums each token's K rows,
+  block of tokens by block of tokens, through ``pos_TK`` (the row of each assignment): in
+  fp32 with one rounding for bf16. ``weight_R`` gets its gradient here too:
+  dL/dw_r = <dL/dy_t . W2_e^T, a_r>. The input gradient takes the same road back.
 * row mode (after an EP dispatcher): input is ``x_RD`` itself, output is [R, D].
 
-Matmuls run per expert with ``torch.mm(out=...)`` into slices of the chunk buffers, or
-with ``grouped_mm`` over a chunk when that is available and allowed.
+The combine is a gather, not a scatter-add into an fp32 [T, D] accumulator (what this
+kernel did before): it reads each row once, writes each token once, needs no zeroing and
+no fp32 [T, D] round trip, and a gather parallelises over threads without atomics. See
+benchmarks/RESULTS.md for what it measured; it costs the [R + 1, D] rows buffer.
+
+Matmuls run per expert with ``torch.mm(out=...)`` into views of the chunk buffers, or
+with ``grouped_mm`` over a chunk when that is available and allowed. The per-expert and
+per-chunk views are cut once per call (``unbind``/``split``), not op by op in the loop:
+with 64-128 experts, Python and dispatch overhead is several percent of a step.
 """
+
 
 from __future__ import annotations
 
@@ -104,43 +115,54 @@ def _chunks(plan: ExpertPlan, device: torch.device) -> list[_Chunk]:
     return out
 
 
-def _chunk_mm(a_CX: torch.Tensor, w_EXY: torch.Tensor, out_CY: torch.Tensor, ch: _Chunk,
-              transpose_w: bool = False, accumulate: bool = False) -> None:
-    """out[rows of e] (+)= a[rows of e] @ w[e] (or w[e]^T) for every expert of a chunk."""
+class _Weights:
+    """One stacked expert weight [E, X, Y] (or its transpose) and its per-expert views,
+    cut once per call."""
+
+    def __init__(self, w_EXY: torch.Tensor, transpose: bool = False):
+        self.stacked = w_EXY.transpose(1, 2) if transpose else w_EXY
+        self.per_expert = self.stacked.unbind(0)
+
+
+def _segments(t_CX: torch.Tensor, ch: _Chunk) -> list[torch.Tensor]:
+    """Views of a chunk buffer, one per non-empty expert of the chunk (one split call)."""
+    if len(ch.segs) == 1:
+        return [t_CX]
+    return list(t_CX.split([n for _, _, n in ch.segs]))
+
+
+def _chunk_mm(a_CX: torch.Tensor, w: _Weights, out_CY: torch.Tensor, ch: _Chunk,
+              accumulate: bool = False) -> None:
+    """out[rows of e] (+)= a[rows of e] @ w[e] for every expert of a chunk."""
     if ch.offs is not None:
-        w = w_EXY[ch.e0:ch.e1]
-        res = F.grouped_mm(a_CX, w.transpose(1, 2) if transpose_w else w, offs=ch.offs)
+        res = F.grouped_mm(a_CX, w.stacked[ch.e0:ch.e1], offs=ch.offs)
         out_CY.add_(res) if accumulate else out_CY.copy_(res)
         return
-    for e, off, n in ch.segs:
-        w = w_EXY[e].t() if transpose_w else w_EXY[e]
+    experts = [e for e, _, _ in ch.segs]
+    for a, out, e in zip(_segments(a_CX, ch), _segments(out_CY, ch), experts):
         if accumulate:
-            out_CY[off:off + n].addmm_(a_CX[off:off + n], w)
+            out.addmm_(a, w.per_expert[e])
         else:
-            torch.mm(a_CX[off:off + n], w, out=out_CY[off:off + n])
+            torch.mm(a, w.per_expert[e], out=out)
 
 
-def _weight_grad(a_CX: torch.Tensor, g_CY: torch.Tensor, grad_EXY: torch.Tensor, ch: _Chunk) -> None:
+def _weight_grad(a_CX: torch.Tensor, g_CY: torch.Tensor, grad: _Weights, ch: _Chunk) -> None:
     """grad[e] = a[rows of e]^T @ g[rows of e]; each expert appears in exactly one chunk."""
     if ch.offs is not None:
-        grad_EXY[ch.e0:ch.e1].copy_(F.grouped_mm(a_CX.t(), g_CY, offs=ch.offs))
+        grad.stacked[ch.e0:ch.e1].copy_(F.grouped_mm(a_CX.t(), g_CY, offs=ch.offs))
         return
-    for e, off, n in ch.segs:
-        torch.mm(a_CX[off:off + n].t(), g_CY[off:off + n], out=grad_EXY[e])
+    for a, g, (e, _, _) in zip(_segments(a_CX, ch), _segments(g_CY, ch), ch.segs):
+        torch.mm(a.t(), g, out=grad.per_expert[e])
 
 
 # ------------------------------------------------------------------ compiled element-wise
 
-# Optional generated kernels (moe.compile_kernels='on'): torch.compile (inductor, C++ on
-# CPU) fuses the element-wise work around the GEMMs of one chunk into single passes:
-#   backward: recompute SwiGLU/GELU, the gate-weight gradient, the weighted activation
-#             for dW2, dL/dh1 (and dL/dh3): one pass instead of ~9 eager ones, one exp
-#             per element instead of two;
-#   combine:  widen to fp32, weight and scatter-add into the [T, D] accumulator in one
-#             pass (eager: copy, multiply, index_add_).
+# Optional generated kernel (moe.compile_kernels='on'): torch.compile (inductor, C++ on
+# CPU) fuses the element-wise work of one chunk's backward into a single pass: recompute
+# SwiGLU/GELU, the gate-weight gradient, the weighted activation for dW2, dL/dh1 (and
+# dL/dh3); one pass instead of ~9 eager ones, one exp per element instead of two.
 # Compiled with dynamic shapes, so a new number of rows per chunk does not recompile.
-# Internally fp32 (bf16 inputs are widened once, results rounded once). Generated
-# single-threaded (see _build), so the scatter-add is sequential and deterministic.
+# Internally fp32 (bf16 inputs are widened once, results rounded once).
 
 
 def _act_backward_eager(ga_CF, h1_CF, h3_CF, w_C):
@@ -171,21 +193,13 @@ def _act_backward_eager(ga_CF, h1_CF, h3_CF, w_C):
     return gw, a.to(dt), gh1, gh3
 
 
-def _combine_eager(acc_TD, idx_C, y_CD, w_C):
-    """acc[idx[c]] += w[c] * y[c] (w None: weight 1), y widened to acc's dtype."""
-    y = y_CD.to(acc_TD.dtype)
-    if w_C is not None:
-        y = y * w_C.to(acc_TD.dtype).unsqueeze(1)
-    acc_TD.index_add_(0, idx_C, y)
-
-
 class _Compiled:
     """The compiled kernels, built on first use; eager (with one warning) when there is no
     C++ compiler or compilation fails."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self.fns = None          # (act_backward, combine) once ready
+        self.fns = None          # (act_backward,) once ready
         self.failed: str | None = None
 
     def get(self):
@@ -201,11 +215,9 @@ class _Compiled:
             self.fail(why)
             return
         # Single-threaded generated code: a chunk's element-wise pass is ~0.1 ms, too
-        # short for an OpenMP fork/join, and the generated scatter-add then needs no
-        # atomics (deterministic). Parallel code measured up to 1.5x slower per step.
+        # short for an OpenMP fork/join; parallel code measured up to 1.5x slower.
         opts = {"cpp.threads": 1}
-        self.fns = (torch.compile(_act_backward_eager, dynamic=True, options=opts),
-                    torch.compile(_combine_eager, dynamic=True, options=opts))
+        self.fns = (torch.compile(_act_backward_eager, dynamic=True, options=opts),)
 
     def fail(self, why: str) -> None:
         self.failed, self.fns = why, None
@@ -228,8 +240,8 @@ _COMPILED = _Compiled()
 
 
 def _kernels(compiled: bool):
-    """(act_backward, combine) to use: compiled when asked for and available, else eager
-    (None: the eager kernel's own multi-pass code in FusedExperts)."""
+    """(act_backward,) to use: compiled when asked for and available, else None (the
+    eager kernel's own multi-pass code in FusedExperts)."""
     return _COMPILED.get() if compiled else None
 
 
@@ -247,7 +259,6 @@ def _call(fn, eager, *args):
         return eager(*args)
 
 
-_WORKSPACE = threading.local()
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
@@ -306,117 +317,151 @@ class Workspace:
         return f"Workspace({len(self._store)} buffers, {mb:.0f} MB)"
 
 
-def _accumulator(key: str, shape, acc_dtype, out_dtype, device) -> torch.Tensor:
-    """A zeroed [T, D] accumulator. When it is only a temporary (it gets converted to
-    ``out_dtype`` before returning), it is reused across calls: a fresh 10+ MB buffer
-    costs page faults on every step, more than zeroing one that is already mapped.
-    Per thread, so that concurrent callers never share one."""
-    if acc_dtype == out_dtype:  # the accumulator is the result itself: must be fresh
-        return torch.zeros(shape, dtype=acc_dtype, device=device)
-    bufs = getattr(_WORKSPACE, "bufs", None)
-    if bufs is None:
-        bufs = _WORKSPACE.bufs = {}
-    buf = bufs.get(key)
-    if buf is None or buf.shape != torch.Size(shape) or buf.dtype != acc_dtype or buf.device != device:
-        buf = bufs[key] = torch.empty(shape, dtype=acc_dtype, device=device)
-    return buf.zero_()
-
-
 def _take_fresh(name: str, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+# Bytes of the per-block buffers of the gather-combine (one block of tokens' K rows).
+COMBINE_BLOCK_BYTES = 1 << 20
+
+
+def gather_combine(rows_RD: torch.Tensor, pos_TK: torch.Tensor, out_TD: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum over k of rows[pos[t, k]], token block by token block.
+
+    ``rows_RD`` has one extra last row of zeros that dropped assignments point at. The sum
+    is exact in fp32/fp64 order k = 0, 1, ...; in bf16/fp16 it is taken in fp32 and
+    rounded once (for K <= 2 the low-precision add itself rounds once)."""
+    T, K = pos_TK.shape
+    D = rows_RD.shape[1]
+    dt = rows_RD.dtype
+    low = dt in (torch.bfloat16, torch.float16)
+    B = max(1, min(T, COMBINE_BLOCK_BYTES // max(1, K * D * rows_RD.element_size())))
+    g_buf = torch.empty((B * K, D), dtype=dt, device=rows_RD.device)
+    acc32 = torch.empty((B, D), dtype=torch.float32, device=rows_RD.device) if low and K > 2 else None
+    flat = pos_TK.reshape(-1)
+    for b0 in range(0, T, B):
+        b1 = min(T, b0 + B)
+        n = b1 - b0
+        o = out_TD[b0:b1]
+        if K == 1:
+            torch.index_select(rows_RD, 0, flat[b0:b1], out=o)
+            continue
+        g = torch.index_select(rows_RD, 0, flat[b0 * K:b1 * K], out=g_buf[:n * K]).view(n, K, D)
+        if acc32 is None:
+            torch.add(g[:, 0], g[:, 1], out=o)
+            for k in range(2, K):
+                o.add_(g[:, k])
+        else:
+            o.copy_(torch.sum(g, dim=1, dtype=torch.float32, out=acc32[:n]))
+    return out_TD
+
+
+def token_slots(src_R: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """``pos_TK`` for rows that only know their token: row ids of each token's rows,
+    padded with R (the zero row) where a token has fewer rows than the busiest one.
+    For callers that do not have the dispatcher's assignment order; costs a sort."""
+    R = src_R.shape[0]
+    dev = src_R.device
+    counts_T = torch.bincount(src_R, minlength=num_tokens)
+    K = max(1, int(counts_T.max())) if R else 1
+    order = torch.sort(src_R, stable=True).indices
+    tok = src_R.index_select(0, order)
+    first_T = torch.cumsum(counts_T, 0) - counts_T
+    slot = torch.arange(R, device=dev) - first_T.index_select(0, tok)
+    pos_TK = torch.full((num_tokens, K), R, dtype=torch.long, device=dev)
+    pos_TK[tok, slot] = order
+    return pos_TK
 
 
 class FusedExperts(torch.autograd.Function):
     """See the module docstring. Arguments of ``forward``:
 
-    x: [T, D] (scatter mode) or [R, D] (row mode), fp32 or bf16.
-    weight_R: fp32 [R] gate weights (scatter mode) or None.
+    x: [T, D] (gathered mode) or [R, D] (row mode), fp32 or bf16.
+    weight_R: fp32 [R] gate weights (gathered mode) or None.
     w1, w3, w2: [E, D, F], [E, D, F] or None (GELU), [E, F, D] in x's dtype.
-    src_R: int64 [R] token of each row (scatter mode) or None.
+    src_R: int64 [R] token of each row (gathered mode) or None.
+    pos_TK: int64 [T, K] row of each assignment, R where dropped (gathered mode) or None.
     plan: :class:`ExpertPlan`. activation: 'swiglu' or 'gelu'.
-    ws: a :class:`Workspace` to take the saved pre-activations and weight gradients
-    from, or None (fresh buffers). compiled: use the generated element-wise kernels
-    (see ``_Compiled``) where they can be built.
-    Returns [T, D] (scatter mode) or [R, D] (row mode) in x's dtype.
+    ws: a :class:`Workspace` to take the rows buffer, the saved pre-activations and the
+    weight gradients from, or None (fresh buffers). compiled: use the generated
+    element-wise kernel (see ``_Compiled``) where it can be built.
+    Returns [T, D] (gathered mode) or [R, D] (row mode) in x's dtype.
     """
 
     @staticmethod
-    def forward(ctx, x, weight_R, w1, w3, w2, src_R, plan: ExpertPlan, activation: str,
+    def forward(ctx, x, weight_R, w1, w3, w2, src_R, pos_TK, plan: ExpertPlan, activation: str,
                 ws: Workspace | None = None, compiled: bool = False):
-        scatter = src_R is not None
+        gathered = src_R is not None
         R, D, Fh = plan.num_rows, x.shape[-1], w1.shape[-1]
         dt, dev = x.dtype, x.device
         C = plan.max_chunk_rows
         take = ws.take if ws is not None else _take_fresh
-        kern = _kernels(compiled)
+        chunks = _chunks(plan, dev)
+        sizes = [ch.r1 - ch.r0 for ch in chunks]
+        W1, W2 = _Weights(w1), _Weights(w2)
+        W3 = _Weights(w3) if w3 is not None else None
         h1_RF = take("h1", (R, Fh), dt, dev)
-        h3_RF = take("h3", (R, Fh), dt, dev) if w3 is not None else None
+        h3_RF = take("h3", (R, Fh), dt, dev) if W3 is not None else None
+        h1s = h1_RF.split(sizes)
+        h3s = h3_RF.split(sizes) if h3_RF is not None else None
         a_CF = torch.empty((C, Fh), dtype=dt, device=dev)
-        if scatter:
+        if gathered:
+            # Rows of weighted expert outputs, plus one zero row for dropped assignments.
+            rows_RD = take("rows_RD", (R + 1, D), dt, dev)
+            rows_RD[R].zero_()
             x_CD = torch.empty((C, D), dtype=dt, device=dev)
-            y_CD = torch.empty((C, D), dtype=dt, device=dev)
-            acc_dtype = torch.float32 if dt != torch.float64 else dt
-            out = _accumulator("fwd", (x.shape[0], D), acc_dtype, dt, dev)
-            y32_CD = y_CD if acc_dtype == dt else torch.empty((C, D), dtype=acc_dtype, device=dev)
+            srcs, wts = src_R.split(sizes), weight_R.split(sizes)
         else:
             # The caller's combine consumes it before backward needs [R, D] for gx (same buffer).
-            out = take("rows_RD", (R, D), dt, dev)
-        for ch in _chunks(plan, dev):
-            r0, r1 = ch.r0, ch.r1
-            n = r1 - r0
-            if scatter:
-                xc = torch.index_select(x, 0, src_R[r0:r1], out=x_CD[:n])
-            else:
-                xc = x[r0:r1]
-            h1c = h1_RF[r0:r1]
-            _chunk_mm(xc, w1, h1c, ch)
+            rows_RD = take("rows_RD", (R, D), dt, dev)
+            xs = x.split(sizes)
+        outs = rows_RD[:R].split(sizes)
+        for i, ch in enumerate(chunks):
+            n = sizes[i]
+            xc = torch.index_select(x, 0, srcs[i], out=x_CD[:n]) if gathered else xs[i]
+            _chunk_mm(xc, W1, h1s[i], ch)
             ac = a_CF[:n]
-            if h3_RF is not None:
-                h3c = h3_RF[r0:r1]
-                _chunk_mm(xc, w3, h3c, ch)
-                torch.ops.aten.silu.out(h1c, out=ac)
-                ac.mul_(h3c)
+            if W3 is not None:
+                _chunk_mm(xc, W3, h3s[i], ch)
+                torch.ops.aten.silu.out(h1s[i], out=ac)
+                ac.mul_(h3s[i])
             else:
-                torch.ops.aten.gelu.out(h1c, out=ac)
-            if scatter:
-                yc = y_CD[:n]
-                _chunk_mm(ac, w2, yc, ch)
-                if kern is not None:
-                    _call(kern[1], _combine_eager, out, src_R[r0:r1], yc, weight_R[r0:r1])
-                else:
-                    y32 = y32_CD[:n]
-                    if y32 is not yc:
-                        y32.copy_(yc)  # widen to fp32 (two passes beat one mixed-dtype mul)
-                    y32.mul_(weight_R[r0:r1].to(y32.dtype).unsqueeze(1))
-                    out.index_add_(0, src_R[r0:r1], y32)
-            else:
-                _chunk_mm(ac, w2, out[r0:r1], ch)
-        ctx.save_for_backward(x, weight_R, w1, w3, w2, src_R, h1_RF, h3_RF)
+                torch.ops.aten.gelu.out(h1s[i], out=ac)
+            if gathered:
+                ac.mul_(wts[i].unsqueeze(1))
+            _chunk_mm(ac, W2, outs[i], ch)
+        out = rows_RD
+        if gathered:
+            out = gather_combine(rows_RD, pos_TK, torch.empty((x.shape[0], D), dtype=dt, device=dev))
+        ctx.save_for_backward(x, weight_R, w1, w3, w2, src_R, pos_TK, h1_RF, h3_RF)
         ctx.plan = plan
-        ctx.activation = activation
         ctx.ws = ws
         ctx.compiled = compiled
-        return out.to(dt) if out.dtype != dt else out
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight_R, w1, w3, w2, src_R, h1_RF, h3_RF = ctx.saved_tensors
+        x, weight_R, w1, w3, w2, src_R, pos_TK, h1_RF, h3_RF = ctx.saved_tensors
         plan: ExpertPlan = ctx.plan
-        scatter = src_R is not None
+        gathered = src_R is not None
         need_x, need_wt, need_w1, need_w3, need_w2 = ctx.needs_input_grad[:5]
         dt, dev = x.dtype, x.device
         R, D, Fh = plan.num_rows, x.shape[-1], w1.shape[-1]
         C = plan.max_chunk_rows
         grad_out = grad_out.to(dt).contiguous()
-
         ws: Workspace | None = ctx.ws
         kern = _kernels(ctx.compiled)
+        chunks = _chunks(plan, dev)
+        sizes = [ch.r1 - ch.r0 for ch in chunks]
+
+        def take(name, shape, dtype):
+            return (ws.take(name, shape, dtype, dev) if ws is not None
+                    else torch.empty(shape, dtype=dtype, device=dev))
 
         def weight_grad_buffer(name, w, needed):
             if not needed or w is None:
                 return None
-            g = (ws.take(name, w.shape, w.dtype, w.device) if ws is not None and w.is_contiguous()
-                 else torch.empty_like(w))
+            g = take(name, w.shape, w.dtype) if w.is_contiguous() else torch.empty_like(w)
             for e, n in enumerate(plan.counts):
                 if n == 0:
                     g[e].zero_()  # an expert that got no rows gets an exact zero gradient
@@ -425,42 +470,46 @@ class FusedExperts(torch.autograd.Function):
         gw1, gw3, gw2 = (weight_grad_buffer("gw1", w1, need_w1),
                          weight_grad_buffer("gw3", w3, need_w3),
                          weight_grad_buffer("gw2", w2, need_w2))
-        g_weight_R = torch.empty(R, dtype=torch.float32, device=dev) if need_wt and scatter else None
-        acc_dtype = torch.float32 if dt != torch.float64 else dt
+        GW1, GW3, GW2 = (_Weights(g) if g is not None else None for g in (gw1, gw3, gw2))
+        W1T, W2T = _Weights(w1, transpose=True), _Weights(w2, transpose=True)
+        W3T = _Weights(w3, transpose=True) if w3 is not None else None
+        g_weight_R = torch.empty(R, dtype=torch.float32, device=dev) if need_wt and gathered else None
+        gx_rows = None
         if need_x:
-            gx = (_accumulator("bwd", (x.shape[0], D), acc_dtype, dt, dev) if scatter
-                  else (ws.take("rows_RD", (R, D), dt, dev) if ws is not None
-                        else torch.empty((R, D), dtype=dt, device=dev)))
-        else:
-            gx = None
+            # Gathered mode: per-row input gradients, then the same gather-combine as the
+            # forward (the zero row again for dropped assignments). Row mode: the result.
+            gx_rows = take("rows_RD", (R + 1 if gathered else R, D), dt)
+            if gathered:
+                gx_rows[R].zero_()
+        h1s = h1_RF.split(sizes)
+        h3s = h3_RF.split(sizes) if h3_RF is not None else None
+        gxs = gx_rows[:R].split(sizes) if gx_rows is not None else None
+        gwts = g_weight_R.split(sizes) if g_weight_R is not None else None
         s_CF = torch.empty((C, Fh), dtype=dt, device=dev)
         a_CF = torch.empty((C, Fh), dtype=dt, device=dev)
         ga_CF = torch.empty((C, Fh), dtype=dt, device=dev)
         gh1_CF = torch.empty((C, Fh), dtype=dt, device=dev)
         gh3_CF = torch.empty((C, Fh), dtype=dt, device=dev) if w3 is not None else None
-        if scatter:
+        if gathered:
             x_CD = torch.empty((C, D), dtype=dt, device=dev)
             gy_CD = torch.empty((C, D), dtype=dt, device=dev)
-            gx_CD = torch.empty((C, D), dtype=dt, device=dev)
-            gx32_CD = gx_CD if acc_dtype == dt else torch.empty((C, D), dtype=acc_dtype, device=dev)
+            srcs, wts = src_R.split(sizes), weight_R.split(sizes)
+        else:
+            xs, gys = x.split(sizes), grad_out.split(sizes)
 
-        for ch in _chunks(plan, dev):
-            r0, r1 = ch.r0, ch.r1
-            n = r1 - r0
-            gyc = (torch.index_select(grad_out, 0, src_R[r0:r1], out=gy_CD[:n]) if scatter
-                   else grad_out[r0:r1])
-            h1c = h1_RF[r0:r1]
-            h3c = h3_RF[r0:r1] if w3 is not None else None
-            # dL/da (unweighted in scatter mode) = gy @ W2^T
+        for i, ch in enumerate(chunks):
+            n = sizes[i]
+            gyc = torch.index_select(grad_out, 0, srcs[i], out=gy_CD[:n]) if gathered else gys[i]
+            h1c = h1s[i]
+            h3c = h3s[i] if h3s is not None else None
+            # dL/da (unweighted in gathered mode) = gy @ W2^T
             gac = ga_CF[:n]
-            _chunk_mm(gyc, w2, gac, ch, transpose_w=True)
+            _chunk_mm(gyc, W2T, gac, ch)
             if kern is not None:  # one generated pass for everything element-wise
                 gwc, ac, gh1c, gh3c = _call(kern[0], _act_backward_eager, gac, h1c, h3c,
-                                            weight_R[r0:r1] if scatter else None)
-                if g_weight_R is not None:
-                    g_weight_R[r0:r1].copy_(gwc)
-                if gw2 is not None:
-                    _weight_grad(ac, gyc, gw2, ch)
+                                            wts[i] if gathered else None)
+                if gwts is not None:
+                    gwts[i].copy_(gwc)
             else:
                 # Recompute the activation from the saved pre-activations (cheap, [C, F]).
                 ac = a_CF[:n]
@@ -469,16 +518,13 @@ class FusedExperts(torch.autograd.Function):
                     torch.mul(sc, h3c, out=ac)
                 else:
                     torch.ops.aten.gelu.out(h1c, out=ac)
-                if scatter:
-                    wc = weight_R[r0:r1]
-                    if g_weight_R is not None:
-                        torch.sum(gac * ac, dim=1, dtype=torch.float32, out=g_weight_R[r0:r1])
-                    wc_col = wc.to(dt).unsqueeze(1)
+                if gathered:
+                    if gwts is not None:
+                        torch.sum(gac * ac, dim=1, dtype=torch.float32, out=gwts[i])
+                    wc_col = wts[i].to(dt).unsqueeze(1)
                     gac.mul_(wc_col)
-                    if gw2 is not None:
+                    if GW2 is not None:
                         ac.mul_(wc_col)  # w2's gradient sees the weighted activation
-                if gw2 is not None:
-                    _weight_grad(ac, gyc, gw2, ch)
                 # Back through the activation: gh1 (and gh3 for SwiGLU), in place in ga's buffer.
                 if w3 is not None:
                     gh3c = torch.mul(gac, sc, out=gh3_CF[:n])
@@ -487,25 +533,19 @@ class FusedExperts(torch.autograd.Function):
                 else:
                     gh1c = torch.ops.aten.gelu_backward.grad_input(gac, h1c, grad_input=gh1_CF[:n])
                     gh3c = None
-            if gw1 is not None or gw3 is not None:
-                xc = (torch.index_select(x, 0, src_R[r0:r1], out=x_CD[:n]) if scatter
-                      else x[r0:r1])
-                if gw1 is not None:
-                    _weight_grad(xc, gh1c, gw1, ch)
-                if gw3 is not None:
-                    _weight_grad(xc, gh3c, gw3, ch)
-            if gx is not None:
-                gxc = gx_CD[:n] if scatter else gx[r0:r1]
-                _chunk_mm(gh1c, w1, gxc, ch, transpose_w=True)
+            if GW2 is not None:
+                _weight_grad(ac, gyc, GW2, ch)
+            if GW1 is not None or GW3 is not None:
+                xc = torch.index_select(x, 0, srcs[i], out=x_CD[:n]) if gathered else xs[i]
+                if GW1 is not None:
+                    _weight_grad(xc, gh1c, GW1, ch)
+                if GW3 is not None:
+                    _weight_grad(xc, gh3c, GW3, ch)
+            if gxs is not None:
+                _chunk_mm(gh1c, W1T, gxs[i], ch)
                 if gh3c is not None:
-                    _chunk_mm(gh3c, w3, gxc, ch, transpose_w=True, accumulate=True)
-                if scatter and kern is not None:
-                    _call(kern[1], _combine_eager, gx, src_R[r0:r1], gxc, None)
-                elif scatter:
-                    g32 = gx32_CD[:n]
-                    if g32 is not gxc:
-                        g32.copy_(gxc)
-                    gx.index_add_(0, src_R[r0:r1], g32)
-        if gx is not None and gx.dtype != dt:
-            gx = gx.to(dt)
-        return gx, g_weight_R, gw1, gw3, gw2, None, None, None, None, None
+                    _chunk_mm(gh3c, W3T, gxs[i], ch, accumulate=True)
+        gx = gx_rows
+        if gx is not None and gathered:
+            gx = gather_combine(gx_rows, pos_TK, torch.empty((x.shape[0], D), dtype=dt, device=dev))
+        return gx, g_weight_R, gw1, gw3, gw2, None, None, None, None, None, None

@@ -2,8 +2,9 @@
 (+ shared experts, overlapped with the combine where the backend can).
 
 Without expert parallelism (the ``local`` dispatcher, ``fuse=True``) the three middle
-steps run as one chunked kernel (moe/fused.py) that never builds [R, D] tensors; any
-other dispatcher takes the generic path. Both are tested against moe/reference.py.
+steps run as one chunked kernel (moe/fused.py) that gathers, computes and combines
+chunk by chunk into buffers kept from step to step; any other dispatcher takes the
+generic path. Both are tested against moe/reference.py.
 
 Legend: T tokens, D model dim, E experts, e local experts, K top-k, R received rows.
 """
@@ -25,10 +26,14 @@ from .router import TopKRouter
 
 
 def _nonfinite_rows(x_TD: torch.Tensor) -> torch.Tensor:
-    """Bool [T]: rows holding a NaN or inf. One fp32 row sum instead of an element-wise
-    isfinite pass (the sum is non-finite iff an element is, barring fp32 overflow of
-    finite values, which is bad input too)."""
-    return ~torch.isfinite(torch.sum(x_TD, dim=-1, dtype=torch.float32))
+    """Bool [T]: rows holding a NaN or inf. One row sum instead of an element-wise
+    isfinite pass (the sum is non-finite iff an element is, barring overflow of finite
+    values past the fp32 range, which is bad input too). bf16 and fp32 share fp32's
+    range and are summed as they are (the CPU reduction accumulates bf16 in fp32);
+    widening all of x first would be a fresh [T, D] fp32 copy every step. fp16 is summed
+    in fp32, as its own range would overflow on finite rows."""
+    dtype = torch.float32 if x_TD.dtype == torch.float16 else None
+    return ~torch.isfinite(torch.sum(x_TD, dim=-1, dtype=dtype))
 
 
 class MoE(nn.Module):
