@@ -1,0 +1,149 @@
+"""One MoE layer from two revisions of epscale, side by side in one process: the
+working tree's ``epscale`` against ``src/epscale`` of a git revision, loaded as a
+second package. For claims of the form "this change made the layer N% faster".
+
+    .venv/bin/python benchmarks/ab_revisions.py --base HEAD~1
+    .venv/bin/python benchmarks/ab_revisions.py --base e3b2090~1 --configs coarse,fine,narrow \\
+        --threads 1 --clock cpu --rounds 6 --json ab.json
+
+Both layers get the same weights and the same input; their outputs must agree within
+the dtype's tolerance before anything is timed. Steps (forward + backward, gradients
+set to None between steps) alternate between the two in every round, so a noisy
+neighbour hits both alike; each side's figure is its best step. speedup = base time /
+new time (above 1: the working tree is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import epscale
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = {
+    "coarse": dict(E=8, K=2, D=1024, F=1024, T=4096),
+    "fine": dict(E=64, K=8, D=1024, F=256, T=4096),
+    "narrow": dict(E=128, K=8, D=512, F=128, T=2048),
+    "mid": dict(E=32, K=4, D=768, F=512, T=2048),
+    "wide": dict(E=16, K=2, D=512, F=1408, T=2048),
+}
+
+
+def load_revision(rev: str, workdir: str):
+    """``src/epscale`` at ``rev`` imported as the package ``epscale_base``. Its modules
+    import each other relatively, so they stay inside that package."""
+    try:
+        blob = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "src/epscale"],
+                              check=True, capture_output=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        err = getattr(e, "stderr", b"") or b""
+        raise SystemExit(f"cannot read src/epscale at revision {rev!r} from {ROOT}: "
+                         f"{err.decode(errors='replace').strip() or e}")
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+        tar.extractall(workdir, filter="data")
+    pkg_dir = os.path.join(workdir, "src", "epscale")
+    spec = importlib.util.spec_from_file_location(
+        "epscale_base", os.path.join(pkg_dir, "__init__.py"), submodule_search_locations=[pkg_dir])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["epscale_base"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def build(pkg, shape, dtype, state=None):
+    cfg = pkg.MoEConfig(dim=shape["D"], hidden_dim=shape["F"], num_experts=shape["E"],
+                        top_k=shape["K"], score_func="softmax", route_norm=True)
+    torch.manual_seed(0)
+    moe = pkg.MoE(cfg).to(dtype)
+    if state is not None:
+        missing = moe.load_state_dict(state, strict=False)
+        if missing.missing_keys:
+            raise SystemExit(f"the base revision's layer has parameters the working tree's "
+                             f"has not: {missing.missing_keys}; compare revisions with one layout")
+    return moe
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base", required=True, help="git revision to compare the working tree against")
+    p.add_argument("--configs", default="coarse,fine", help="comma list of: " + ", ".join(CONFIGS))
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--reps", type=int, default=2, help="timed steps per side per round")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="cpu: process CPU time (needs --threads 1)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
+    if unknown:
+        p.error(f"unknown config {unknown[0]!r}; known: {', '.join(CONFIGS)}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.clock == "cpu" and torch.get_num_threads() != 1:
+        p.error("--clock cpu needs --threads 1")
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    dtype = getattr(torch, args.dtype)
+    with tempfile.TemporaryDirectory() as tmp:
+        base_pkg = load_revision(args.base, tmp)
+        print(f"base {args.base} vs working tree; torch {torch.__version__}, "
+              f"{torch.get_num_threads()} threads, {args.clock} clock, {args.dtype}")
+        print(f"{'config':8s} {'base ms':>8s} {'new ms':>8s} {'speedup':>8s}  out diff")
+        results = []
+        for name in args.configs.split(","):
+            shape = CONFIGS[name]
+            new = build(epscale, shape, dtype)
+            base = build(base_pkg, shape, dtype, new.state_dict())
+            g = torch.Generator().manual_seed(1)
+            x = torch.randn(shape["T"], shape["D"], generator=g).to(dtype).requires_grad_(True)
+            gy = torch.randn(shape["T"], shape["D"], generator=g).to(dtype)
+            with torch.no_grad():
+                yn, yb = new(x).float(), base(x).float()
+            diff = ((yn - yb).norm() / yb.norm()).item()
+            limit = 5e-2 if dtype != torch.float32 else 1e-4
+            if not diff < limit:
+                raise SystemExit(f"{name}: outputs differ by {diff:.3g} (relative norm, limit "
+                                 f"{limit}); the two revisions do not compute the same layer")
+
+            def step(moe):
+                moe.zero_grad(set_to_none=True)
+                x.grad = None
+                moe(x).backward(gy)
+
+            best = {"base": float("inf"), "new": float("inf")}
+            for _ in range(args.rounds):
+                for side, moe in (("base", base), ("new", new)):
+                    step(moe)  # warm-up after the other side ran
+                    for _ in range(args.reps):
+                        t0 = clock()
+                        step(moe)
+                        best[side] = min(best[side], clock() - t0)
+            speedup = best["base"] / best["new"]
+            print(f"{name:8s} {best['base'] * 1e3:8.1f} {best['new'] * 1e3:8.1f} {speedup:8.3f}  {diff:.1e}")
+            sys.stdout.flush()
+            results.append(dict(config=name, shape=shape, base_ms=best["base"] * 1e3,
+                                new_ms=best["new"] * 1e3, speedup=speedup, out_rel_diff=diff))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(benchmark="ab_revisions", base=args.base, torch=torch.__version__,
+                           threads=torch.get_num_threads(), clock=args.clock, dtype=args.dtype,
+                           command=" ".join(sys.argv), results=results), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        raise SystemExit(main())
