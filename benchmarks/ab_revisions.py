@@ -3,6 +3,7 @@ working tree's ``epscale`` against ``src/epscale`` of a git revision, loaded as 
 second package. For claims of the form "this change made the layer N% faster".
 
     .venv/bin/python benchmarks/ab_revisions.py --base HEAD~1
+    .venv/bin/python benchmarks/ab_revisions.py --base HEAD~1 --path rows   # the EP-style path
     .venv/bin/python benchmarks/ab_revisions.py --base e3b2090~1 --configs coarse,fine,narrow \\
         --threads 1 --clock cpu --rounds 6 --json ab.json
 
@@ -63,11 +64,14 @@ def load_revision(rev: str, workdir: str):
     return module
 
 
-def build(pkg, shape, dtype, state=None):
+def build(pkg, shape, dtype, path: str, state=None):
     cfg = pkg.MoEConfig(dim=shape["D"], hidden_dim=shape["F"], num_experts=shape["E"],
                         top_k=shape["K"], score_func="softmax", route_norm=True)
     torch.manual_seed(0)
     moe = pkg.MoE(cfg).to(dtype)
+    if path == "rows":  # dispatch -> experts(x_RD) -> combine, the path EP dispatchers take
+        local = importlib.import_module(pkg.__name__ + ".dispatch.local")
+        moe.dispatcher = local.LocalDispatcher(cfg.num_experts, fuse=False)
     if state is not None:
         missing = moe.load_state_dict(state, strict=False)
         if missing.missing_keys:
@@ -81,6 +85,9 @@ def main(argv=None) -> int:
     p.add_argument("--base", required=True, help="git revision to compare the working tree against")
     p.add_argument("--configs", default="coarse,fine", help="comma list of: " + ", ".join(CONFIGS))
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--path", default="fused", choices=("fused", "rows"),
+                   help="fused: the layer's default no-EP kernel; rows: generic dispatch -> "
+                        "experts -> combine, as under expert parallelism")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--reps", type=int, default=2, help="timed steps per side per round")
     p.add_argument("--threads", type=int, default=None)
@@ -100,13 +107,13 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         base_pkg = load_revision(args.base, tmp)
         print(f"base {args.base} vs working tree; torch {torch.__version__}, "
-              f"{torch.get_num_threads()} threads, {args.clock} clock, {args.dtype}")
+              f"{torch.get_num_threads()} threads, {args.clock} clock, {args.dtype}, {args.path} path")
         print(f"{'config':8s} {'base ms':>8s} {'new ms':>8s} {'speedup':>8s}  out diff")
         results = []
         for name in args.configs.split(","):
             shape = CONFIGS[name]
-            new = build(epscale, shape, dtype)
-            base = build(base_pkg, shape, dtype, new.state_dict())
+            new = build(epscale, shape, dtype, args.path)
+            base = build(base_pkg, shape, dtype, args.path, new.state_dict())
             g = torch.Generator().manual_seed(1)
             x = torch.randn(shape["T"], shape["D"], generator=g).to(dtype).requires_grad_(True)
             gy = torch.randn(shape["T"], shape["D"], generator=g).to(dtype)
@@ -138,7 +145,7 @@ def main(argv=None) -> int:
                                 new_ms=best["new"] * 1e3, speedup=speedup, out_rel_diff=diff))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(benchmark="ab_revisions", base=args.base, torch=torch.__version__,
+            json.dump(dict(benchmark="ab_revisions", base=args.base, path=args.path, torch=torch.__version__,
                            threads=torch.get_num_threads(), clock=args.clock, dtype=args.dtype,
                            command=" ".join(sys.argv), results=results), f, indent=1)
     return 0

@@ -1,4 +1,5 @@
 """The fused kernel's combine (rows buffer + per-token gather-sum), the slot map it reads,
+the dispatchers' blocked weighted row sum against the scatter-then-bmm form it replaced,
 the router's blocked fp32 gate and the layer's non-finite row check.
 
 Legend: T tokens, D model dim, K rows per token, R rows.
@@ -98,3 +99,48 @@ def test_nonfinite_rows(dtype):
     x[1, 3] = float("nan")
     x[3, 0] = float("-inf")
     assert _nonfinite_rows(x).tolist() == [False, True, False, True]
+
+
+def unpermute_by_copy(y_RD, order_R, w_TK):
+    """The former formulation: rows scattered into a [T*K, D] buffer, one bmm over all
+    tokens (plain autograd)."""
+    T, K = w_TK.shape
+    full = y_RD.new_zeros((T * K, y_RD.shape[1])).index_copy(0, order_R, y_RD)
+    return torch.bmm(w_TK.to(y_RD.dtype).unsqueeze(1), full.view(T, K, -1)).squeeze(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("K,drop", [(1, 0.0), (2, 0.3), (8, 0.1)])
+def test_weighted_row_sum_matches_scatter_then_bmm(K, drop, dtype, monkeypatch):
+    from epscale.dispatch import local
+
+    monkeypatch.setattr(local, "ROW_SUM_BLOCK_BYTES", 5 * K * 16 * 2)  # several blocks
+    g = torch.Generator().manual_seed(K)
+    T, D = 19, 16
+    keep = torch.rand(T * K, generator=g) >= drop
+    order = torch.randperm(T * K, generator=g)[keep[torch.arange(T * K)]]  # kept assignments, any order
+    y = torch.randn(order.numel(), D, generator=g).to(dtype)
+    w = torch.rand(T, K, generator=g)
+    gy = torch.randn(T, D, generator=g).to(dtype)
+    outs, grads = [], []
+    for fn in (local.unpermute_weighted, unpermute_by_copy):
+        yy, ww = y.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        out = fn(yy, order, ww)
+        out.backward(gy)
+        outs.append(out.detach())
+        grads.append((yy.grad, ww.grad))
+    assert torch.equal(outs[0], outs[1])  # the same products summed in the same order
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(grads[0][0], grads[1][0], **tol)
+    torch.testing.assert_close(grads[0][1], grads[1][1], **tol)
+
+
+def test_weighted_row_sum_with_no_rows():
+    from epscale.dispatch.local import unpermute_weighted
+
+    y = torch.zeros(0, 4, requires_grad=True)
+    w = torch.rand(3, 2, requires_grad=True)
+    out = unpermute_weighted(y, torch.zeros(0, dtype=torch.long), w)
+    assert torch.equal(out, torch.zeros(3, 4))
+    out.sum().backward()
+    assert torch.equal(w.grad, torch.zeros(3, 2))

@@ -28,6 +28,7 @@ import torch
 
 from .comm import Exchange, GroupInfo, exchange_counts
 from .ep import EPDispatcher, small_int_dtype
+from .local import weighted_rows_backward
 from .layout import get_dispatch_layout, group_rows_by_expert, select_true
 
 
@@ -80,10 +81,10 @@ def reduce_rows(y_RD: torch.Tensor, order_R: torch.Tensor, recv_w_MK: torch.Tens
 
 
 class _WeightedRowSum(torch.autograd.Function):
-    """out[m] = sum_{i: row(i)=m} w[order[i]] * y[i], with a hand-written backward: one
-    gather of the output grad, a batched dot product for the weight grads and an in-place
-    scale for the row grads (autograd's version makes three [R, D] temporaries and, in
-    bf16, two dtype round trips)."""
+    """out[m] = sum_{i: row(i)=m} w[order[i]] * y[i] by ``index_add_`` (with few local
+    experts per received row this beats the gather + batched product of
+    :class:`epscale.dispatch.local.WeightedRowSum`: 2.5 vs 6 ms for 2 rows per token,
+    D=1024, one CPU thread); the backward is the shared :func:`weighted_rows_backward`."""
 
     @staticmethod
     def forward(ctx, y_RD, order_R, w_MK):
@@ -98,20 +99,7 @@ class _WeightedRowSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_MD):
-        y_RD, order_R, w_R = ctx.saved_tensors
-        M, K = ctx.shape_w
-        g_RD = grad_MD.index_select(0, order_R // K)
-        grad_w = None
-        if ctx.needs_input_grad[2]:
-            if g_RD.dtype == torch.float32:  # measured on CPU: bmm wins in fp32, mul+sum in bf16
-                dot_R = torch.bmm(g_RD.unsqueeze(1), y_RD.unsqueeze(2)).view(-1)
-            else:
-                dot_R = (g_RD * y_RD).sum(1)
-            grad_w = torch.zeros(M * K, dtype=ctx.dtype_w, device=g_RD.device)
-            grad_w.index_copy_(0, order_R, dot_R.to(ctx.dtype_w))
-            grad_w = grad_w.view(M, K)
-        grad_y = g_RD.mul_(w_R.unsqueeze(1)) if ctx.needs_input_grad[0] else None
-        return grad_y, None, grad_w
+        return weighted_rows_backward(ctx, grad_MD)
 
 
 def relative_expert_ids(topk_idx_NK: torch.Tensor, base_N: torch.Tensor, span: int) -> torch.Tensor:

@@ -104,15 +104,78 @@ def unpermute_weighted(y_RD: torch.Tensor, order_R: torch.Tensor,
                        topk_weight_TK: torch.Tensor) -> torch.Tensor:
     """y_TD[t] = sum_k w[t, k] * y_RD[row of (t, k)]; missing (dropped) rows count as 0.
 
-    Scatters rows back to a [T*K, D] buffer, then one batched [1,K]x[K,D] product per token,
-    which is deterministic (no atomics) and differentiable in both y and the weights.
+    Per block of tokens: gather the block's K rows, then one batched [1,K]x[K,D] product
+    per token (fp32 accumulation, one rounding; deterministic, no atomics).
+    Differentiable in both y and the weights."""
+    return WeightedRowSum.apply(y_RD, order_R, topk_weight_TK)
+
+
+# Bytes of the gathered rows of one block of tokens in WeightedRowSum.
+ROW_SUM_BLOCK_BYTES = 1 << 20
+
+
+class WeightedRowSum(torch.autograd.Function):
+    """out[t] = sum_k w[t, k] * y[row of (t, k)], ``order_R[i]`` = t*K + k of row i; rows
+    that no (t, k) has (dropped, or on another rank) count as 0.
+
+    Forward, per block of tokens: gather the block's K rows into a small buffer (a zero
+    weight and row 0 stand in for a missing one) and take one batched [1,K]x[K,D]
+    product, so no [T*K, D] tensor is built. That used to be an index_copy into a fresh
+    [T*K, D] buffer and one bmm over all tokens: the same products in the same order,
+    3-6x slower on CPU, mostly page faults on the fresh buffer (benchmarks/RESULTS.md).
+    Backward: one gather of the output gradient, a row-wise dot product for the weight
+    gradients and an in-place scale for the row gradients (see :func:`weighted_rows_backward`).
     """
-    T, K = topk_weight_TK.shape
-    D = y_RD.shape[-1]
-    if order_R.numel() == T * K:
-        full_AD = torch.empty((T * K, D), dtype=y_RD.dtype, device=y_RD.device)
-    else:
-        full_AD = y_RD.new_zeros((T * K, D))
-    full_AD = full_AD.index_copy(0, order_R, y_RD)
-    w_T1K = topk_weight_TK.to(y_RD.dtype).unsqueeze(1)
-    return torch.bmm(w_T1K, full_AD.view(T, K, D)).squeeze(1)
+
+    @staticmethod
+    def forward(ctx, y_RD, order_R, w_TK):
+        T, K = w_TK.shape
+        R, D = y_RD.shape
+        dt, dev = y_RD.dtype, y_RD.device
+        out_TD = torch.empty((T, D), dtype=dt, device=dev)
+        if R == 0 or T == 0:
+            out_TD.zero_()
+        else:
+            pos_A = torch.full((T * K,), -1, dtype=torch.long, device=dev)
+            pos_A[order_R] = torch.arange(R, device=dev)
+            kept_A = pos_A >= 0
+            w_T1K = torch.where(kept_A.view(T, K), w_TK, 0).to(dt).unsqueeze(1)
+            pos_A = pos_A.clamp_(min=0)
+            B = max(1, min(T, ROW_SUM_BLOCK_BYTES // max(1, K * D * y_RD.element_size())))
+            buf = torch.empty((B * K, D), dtype=dt, device=dev)
+            for b0 in range(0, T, B):
+                b1 = min(T, b0 + B)
+                n = b1 - b0
+                g = torch.index_select(y_RD, 0, pos_A[b0 * K:b1 * K], out=buf[:n * K])
+                torch.bmm(w_T1K[b0:b1], g.view(n, K, D), out=out_TD[b0:b1].view(n, 1, D))
+        w_R = w_TK.reshape(-1).index_select(0, order_R).to(dt)
+        ctx.save_for_backward(y_RD, order_R, w_R)
+        ctx.shape_w, ctx.dtype_w = (T, K), w_TK.dtype
+        return out_TD
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        return weighted_rows_backward(ctx, grad_TD)
+
+
+def weighted_rows_backward(ctx, grad_MD: torch.Tensor):
+    """Gradients of out[m] = sum over rows i of m of w[order[i]] * y[i], for autograd
+    Functions that saved (y_RD, order_R, w_R in y's dtype), ``ctx.shape_w`` = (M, K) and
+    ``ctx.dtype_w``: one gather of the output gradient, a row-wise dot product for the
+    weight gradients and an in-place scale for the row gradients (autograd's version of
+    the formula makes three [R, D] temporaries and, in bf16, two dtype round trips).
+    Returns (grad_y, None, grad_w)."""
+    y_RD, order_R, w_R = ctx.saved_tensors
+    M, K = ctx.shape_w
+    g_RD = grad_MD.index_select(0, order_R // K)
+    grad_w = None
+    if ctx.needs_input_grad[2]:
+        if g_RD.dtype == torch.float32:  # measured on CPU: bmm wins in fp32, mul+sum in bf16
+            dot_R = torch.bmm(g_RD.unsqueeze(1), y_RD.unsqueeze(2)).view(-1)
+        else:
+            dot_R = (g_RD * y_RD).sum(1)
+        grad_w = torch.zeros(M * K, dtype=ctx.dtype_w, device=g_RD.device)
+        grad_w.index_copy_(0, order_R, dot_R.to(ctx.dtype_w))
+        grad_w = grad_w.view(M, K)
+    grad_y = g_RD.mul_(w_R.unsqueeze(1)) if ctx.needs_input_grad[0] else None
+    return grad_y, None, grad_w
