@@ -81,10 +81,10 @@ def reduce_rows(y_RD: torch.Tensor, order_R: torch.Tensor, recv_w_MK: torch.Tens
 
 
 class _WeightedRowSum(torch.autograd.Function):
-    """out[m] = sum_{i: row(i)=m} w[order[i]] * y[i] by ``index_add_`` (with few local
-    experts per received row this beats the gather + batched product of
-    :class:`epscale.dispatch.local.WeightedRowSum`: 2.5 vs 6 ms for 2 rows per token,
-    D=1024, one CPU thread); the backward is the shared :func:`weighted_rows_backward`."""
+    """out[m] = sum_{i: row(i)=m} w[order[i]] * y[i] by ``index_add_`` (kept rather than
+    :class:`epscale.dispatch.local.WeightedRowSum`: with few local experts per received
+    row it was the faster of the two in a CPU microbenchmark); the backward is the
+    shared :func:`weighted_rows_backward`."""
 
     @staticmethod
     def forward(ctx, y_RD, order_R, w_MK):
