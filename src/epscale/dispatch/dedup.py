@@ -28,7 +28,7 @@ import torch
 
 from .comm import Exchange, GroupInfo, exchange_counts
 from .ep import EPDispatcher, small_int_dtype
-from .local import weighted_rows_backward
+from .local import WeightedRowSum, save_for_weighted_rows_backward
 from .layout import get_dispatch_layout, group_rows_by_expert, select_true
 
 
@@ -80,26 +80,18 @@ def reduce_rows(y_RD: torch.Tensor, order_R: torch.Tensor, recv_w_MK: torch.Tens
     return _WeightedRowSum.apply(y_RD, order_R, recv_w_MK)
 
 
-class _WeightedRowSum(torch.autograd.Function):
+class _WeightedRowSum(WeightedRowSum):
     """out[m] = sum_{i: row(i)=m} w[order[i]] * y[i] by ``index_add_`` (kept rather than
     :class:`epscale.dispatch.local.WeightedRowSum`: with few local experts per received
-    row it was the faster of the two in a CPU microbenchmark); the backward is the
-    shared :func:`weighted_rows_backward`."""
+    row it was the faster of the two in a CPU microbenchmark); the backward is inherited."""
 
     @staticmethod
     def forward(ctx, y_RD, order_R, w_MK):
         M, K = w_MK.shape
-        row_R = order_R // K
-        w_R = w_MK.reshape(-1).index_select(0, order_R).to(y_RD.dtype)
+        w_R = save_for_weighted_rows_backward(ctx, y_RD, order_R, w_MK)
         out = y_RD.new_zeros((M, y_RD.shape[1]))
-        out.index_add_(0, row_R, y_RD * w_R.unsqueeze(1))
-        ctx.save_for_backward(y_RD, order_R, w_R)
-        ctx.shape_w, ctx.dtype_w = (M, K), w_MK.dtype
+        out.index_add_(0, order_R // K, y_RD * w_R.unsqueeze(1))
         return out
-
-    @staticmethod
-    def backward(ctx, grad_MD):
-        return weighted_rows_backward(ctx, grad_MD)
 
 
 def relative_expert_ids(topk_idx_NK: torch.Tensor, base_N: torch.Tensor, span: int) -> torch.Tensor:

@@ -148,9 +148,7 @@ class WeightedRowSum(torch.autograd.Function):
                 n = b1 - b0
                 g = torch.index_select(y_RD, 0, pos_A[b0 * K:b1 * K], out=buf[:n * K])
                 torch.bmm(w_T1K[b0:b1], g.view(n, K, D), out=out_TD[b0:b1].view(n, 1, D))
-        w_R = w_TK.reshape(-1).index_select(0, order_R).to(dt)
-        ctx.save_for_backward(y_RD, order_R, w_R)
-        ctx.shape_w, ctx.dtype_w = (T, K), w_TK.dtype
+        save_for_weighted_rows_backward(ctx, y_RD, order_R, w_TK)
         return out_TD
 
     @staticmethod
@@ -158,13 +156,21 @@ class WeightedRowSum(torch.autograd.Function):
         return weighted_rows_backward(ctx, grad_TD)
 
 
+def save_for_weighted_rows_backward(ctx, y_RD: torch.Tensor, order_R: torch.Tensor,
+                                    w_MK: torch.Tensor) -> torch.Tensor:
+    """What :func:`weighted_rows_backward` needs; returns the rows' weights in y's dtype."""
+    w_R = w_MK.reshape(-1).index_select(0, order_R).to(y_RD.dtype)
+    ctx.save_for_backward(y_RD, order_R, w_R)
+    ctx.shape_w, ctx.dtype_w = tuple(w_MK.shape), w_MK.dtype
+    return w_R
+
+
 def weighted_rows_backward(ctx, grad_MD: torch.Tensor):
-    """Gradients of out[m] = sum over rows i of m of w[order[i]] * y[i], for autograd
-    Functions that saved (y_RD, order_R, w_R in y's dtype), ``ctx.shape_w`` = (M, K) and
-    ``ctx.dtype_w``: one gather of the output gradient, a row-wise dot product for the
-    weight gradients and an in-place scale for the row gradients (autograd's version of
-    the formula makes three [R, D] temporaries and, in bf16, two dtype round trips).
-    Returns (grad_y, None, grad_w)."""
+    """Gradients of out[m] = sum over rows i of m of w[order[i]] * y[i] (forward saved with
+    :func:`save_for_weighted_rows_backward`): one gather of the output gradient, a
+    row-wise dot product for the weight gradients and an in-place scale for the row
+    gradients (autograd's version of the formula makes three [R, D] temporaries and, in
+    bf16, two dtype round trips). Returns (grad_y, None, grad_w)."""
     y_RD, order_R, w_R = ctx.saved_tensors
     M, K = ctx.shape_w
     g_RD = grad_MD.index_select(0, order_R // K)
