@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from epscale import MoE, MoEConfig
-from epscale.moe import fused, router
+from epscale import MoE, MoEConfig, blocks
+from epscale.moe import router
 from epscale.moe.fused import gather_combine, token_slots
 from epscale.moe.layer import _nonfinite_rows
 
@@ -26,7 +26,7 @@ def random_pos(T: int, K: int, R: int, drop: float, g: torch.Generator) -> torch
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("K", [1, 2, 3, 8])
 def test_gather_combine_sums_each_tokens_rows(K, dtype, monkeypatch):
-    monkeypatch.setattr(fused, "COMBINE_BLOCK_BYTES", 3 * K * 16 * 4)  # several blocks, last one partial
+    monkeypatch.setattr(blocks, "CPU_BLOCK_BYTES", 3 * K * 16 * 4)  # several blocks, last one partial
     g = torch.Generator().manual_seed(K)
     T, D = 23, 16
     R = T * K + 5
@@ -41,6 +41,14 @@ def test_gather_combine_sums_each_tokens_rows(K, dtype, monkeypatch):
         # Summed in fp32, rounded to bf16 once: within half a bf16 ulp (plus fp32 noise).
         err = (out.double() - ref32).abs()
         assert bool((err <= ref32.abs() * 2.0 ** -8 + 1e-6).all())
+
+
+def test_rows_per_block():
+    cpu, accel = torch.device("cpu"), torch.device("meta")  # meta stands in for an accelerator
+    assert blocks.rows_per_block(10_000, 1024, cpu) == blocks.CPU_BLOCK_BYTES // 1024
+    assert blocks.rows_per_block(10_000, 1024, accel) == 10_000  # bounded by 256 MB only
+    assert blocks.rows_per_block(10_000, 1 << 30, cpu) == 1
+    assert blocks.rows_per_block(7, 4, cpu) == 7
 
 
 def test_gather_combine_dropped_rows_contribute_nothing():
@@ -84,7 +92,7 @@ def test_forward_scatter_without_slots_matches_dispatcher_path(dtype):
 
 @pytest.mark.parametrize("T", [1, 7, 64])
 def test_gate_logits_blocked_match_one_fp32_matmul(T, monkeypatch):
-    monkeypatch.setattr(router, "GATE_BLOCK_BYTES", 3 * 32 * 4)  # 3 rows per block
+    monkeypatch.setattr(blocks, "CPU_BLOCK_BYTES", 3 * 32 * 4)  # 3 rows per block
     g = torch.Generator().manual_seed(T)
     x = torch.randn(T, 32, generator=g).bfloat16()
     w = torch.randn(6, 32, generator=g).bfloat16()
@@ -114,7 +122,7 @@ def unpermute_by_copy(y_RD, order_R, w_TK):
 def test_weighted_row_sum_matches_scatter_then_bmm(K, drop, dtype, monkeypatch):
     from epscale.dispatch import local
 
-    monkeypatch.setattr(local, "ROW_SUM_BLOCK_BYTES", 5 * K * 16 * 2)  # several blocks
+    monkeypatch.setattr(blocks, "CPU_BLOCK_BYTES", 5 * K * 16 * 2)  # several blocks
     g = torch.Generator().manual_seed(K)
     T, D = 19, 16
     keep = torch.rand(T * K, generator=g) >= drop

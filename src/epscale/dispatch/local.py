@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..blocks import rows_per_block
 from .base import Dispatcher
 
 
@@ -110,19 +111,16 @@ def unpermute_weighted(y_RD: torch.Tensor, order_R: torch.Tensor,
     return WeightedRowSum.apply(y_RD, order_R, topk_weight_TK)
 
 
-# Bytes of the gathered rows of one block of tokens in WeightedRowSum.
-ROW_SUM_BLOCK_BYTES = 1 << 20
-
-
 class WeightedRowSum(torch.autograd.Function):
     """out[t] = sum_k w[t, k] * y[row of (t, k)], ``order_R[i]`` = t*K + k of row i; rows
     that no (t, k) has (dropped, or on another rank) count as 0.
 
-    Forward, per block of tokens: gather the block's K rows into a small buffer (a zero
-    weight and row 0 stand in for a missing one) and take one batched [1,K]x[K,D]
-    product, so no [T*K, D] tensor is built. That used to be an index_copy into a fresh
-    [T*K, D] buffer and one bmm over all tokens: the same products in the same order,
-    3-6x slower on CPU, mostly page faults on the fresh buffer (benchmarks/RESULTS.md).
+    Forward, per block of tokens (:func:`epscale.blocks.rows_per_block`): gather the
+    block's K rows into a small buffer (a zero weight and row 0 stand in for a missing
+    one) and take one batched [1,K]x[K,D] product, so no [T*K, D] tensor is built. That used to be an index_copy into a
+    fresh [T*K, D] buffer and one bmm over all tokens: the same products in the same
+    order; on the layer's rows path the blocked form made a CPU step 1.05x (coarse) and
+    1.11x (fine) faster (benchmarks/RESULTS.md).
     Backward: one gather of the output gradient, a row-wise dot product for the weight
     gradients and an in-place scale for the row gradients (see :func:`weighted_rows_backward`).
     """
@@ -136,12 +134,10 @@ class WeightedRowSum(torch.autograd.Function):
         if R == 0 or T == 0:
             out_TD.zero_()
         else:
-            pos_A = torch.full((T * K,), -1, dtype=torch.long, device=dev)
-            pos_A[order_R] = torch.arange(R, device=dev)
-            kept_A = pos_A >= 0
-            w_T1K = torch.where(kept_A.view(T, K), w_TK, 0).to(dt).unsqueeze(1)
-            pos_A = pos_A.clamp_(min=0)
-            B = max(1, min(T, ROW_SUM_BLOCK_BYTES // max(1, K * D * y_RD.element_size())))
+            pos_A = assignment_rows(order_R, (T, K)).view(-1)
+            w_T1K = torch.where((pos_A < R).view(T, K), w_TK, 0).to(dt).unsqueeze(1)
+            pos_A = pos_A.clamp_(max=R - 1)
+            B = rows_per_block(T, K * D * y_RD.element_size(), dev)
             buf = torch.empty((B * K, D), dtype=dt, device=dev)
             for b0 in range(0, T, B):
                 b1 = min(T, b0 + B)

@@ -44,6 +44,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..blocks import rows_per_block
+
 HAS_GROUPED_MM = hasattr(F, "grouped_mm")
 
 # Bytes of one [C, D] chunk buffer the planner aims for: about one core's L2, so that a
@@ -321,12 +323,9 @@ def _take_fresh(name: str, shape, dtype: torch.dtype, device: torch.device) -> t
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-# Bytes of the per-block buffers of the gather-combine (one block of tokens' K rows).
-COMBINE_BLOCK_BYTES = 1 << 20
-
-
 def gather_combine(rows_RD: torch.Tensor, pos_TK: torch.Tensor, out_TD: torch.Tensor) -> torch.Tensor:
-    """out[t] = sum over k of rows[pos[t, k]], token block by token block.
+    """out[t] = sum over k of rows[pos[t, k]], token block by token block
+    (:func:`epscale.blocks.rows_per_block`).
 
     ``rows_RD`` has one extra last row of zeros that dropped assignments point at. The sum
     is exact in fp32/fp64 order k = 0, 1, ...; in bf16/fp16 it is taken in fp32 and
@@ -335,7 +334,7 @@ def gather_combine(rows_RD: torch.Tensor, pos_TK: torch.Tensor, out_TD: torch.Te
     D = rows_RD.shape[1]
     dt = rows_RD.dtype
     low = dt in (torch.bfloat16, torch.float16)
-    B = max(1, min(T, COMBINE_BLOCK_BYTES // max(1, K * D * rows_RD.element_size())))
+    B = rows_per_block(T, K * D * rows_RD.element_size(), rows_RD.device)
     g_buf = torch.empty((B * K, D), dtype=dt, device=rows_RD.device)
     acc32 = torch.empty((B, D), dtype=torch.float32, device=rows_RD.device) if low and K > 2 else None
     flat = pos_TK.reshape(-1)

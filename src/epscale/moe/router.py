@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..blocks import rows_per_block
 from ..config import MoEConfig
 
 
@@ -69,17 +70,15 @@ class TopKRouter(nn.Module):
         return RouterOutput(idx_TK, weight_TK, scores_TE, logits_TE, chosen_TK, num_dropped)
 
 
-# Rows of x widened to fp32 at a time by GateLinear: a cache-sized block (1 MB), so that
-# no fp32 copy of all of x is made. That copy is tens of MB at pretraining batch sizes,
-# freshly allocated every step (mmap + page faults on CPU): it measured ~6 ms of a 390 ms
-# layer step on the coarse benchmark shape, against well under 1 ms for the blocked form.
-GATE_BLOCK_BYTES = 1 << 20
-
-
 class GateLinear(torch.autograd.Function):
     """logits_TE = x_TD @ W_ED^T computed in fp32 (routing decisions are sensitive to
     rounding); the backward runs in x's dtype, where the gradients end up anyway. In bf16
-    that avoids two fp32 [T, D] GEMMs with a tiny inner dimension E, slow on CPU."""
+    that avoids two fp32 [T, D] GEMMs with a tiny inner dimension E, slow on CPU.
+
+    bf16 x is widened block by block of rows (:func:`epscale.blocks.rows_per_block`), not
+    all at once: on CPU a fresh fp32 copy of x (tens of MB at pretraining batch sizes) is
+    page-faulted in every step, which measured ~6 ms of a ~390 ms layer step on the
+    coarse benchmark shape."""
 
     @staticmethod
     def forward(ctx, x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
@@ -89,7 +88,7 @@ class GateLinear(torch.autograd.Function):
             return torch.mm(x_TD, w32_DE)
         T, D = x_TD.shape
         logits_TE = torch.empty((T, w_ED.shape[0]), dtype=torch.float32, device=x_TD.device)
-        B = max(1, min(T, GATE_BLOCK_BYTES // (4 * D)))
+        B = rows_per_block(T, 4 * D, x_TD.device)
         x32_BD = torch.empty((B, D), dtype=torch.float32, device=x_TD.device)
         for i in range(0, T, B):
             j = min(T, i + B)
