@@ -358,7 +358,8 @@ def gather_combine(rows_RD: torch.Tensor, pos_TK: torch.Tensor, out_TD: torch.Te
 def token_slots(src_R: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """``pos_TK`` for rows that only know their token: row ids of each token's rows,
     padded with R (the zero row) where a token has fewer rows than the busiest one.
-    For callers that do not have the dispatcher's assignment order; costs a sort."""
+    For callers that do not have the dispatcher's assignment order; costs a sort and a
+    second host sync (the busiest token's row count), which the dispatcher path avoids."""
     R = src_R.shape[0]
     dev = src_R.device
     counts_T = torch.bincount(src_R, minlength=num_tokens)
