@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from epscale import MoEConfig
-from epscale.moe import fused
+from epscale.moe import compiled_kernels
 from test_moe_layer import VARIANTS, compare, make_moe
 
-pytestmark = pytest.mark.skipif(fused._no_compiler_reason() is not None,
+pytestmark = pytest.mark.skipif(compiled_kernels.no_compiler_reason() is not None,
                                 reason="no C++ compiler for torch.compile")
 
 
@@ -62,13 +62,13 @@ def test_no_recompile_when_rows_change():
 @pytest.fixture
 def fresh_compiled(monkeypatch):
     """A fresh build state, so that a simulated failure does not leak into other tests."""
-    state = fused._Compiled()
-    monkeypatch.setattr(fused, "_COMPILED", state)
+    state = compiled_kernels.Compiled()
+    monkeypatch.setattr(compiled_kernels, "COMPILED", state)
     return state
 
 
 def test_falls_back_without_compiler(monkeypatch, fresh_compiled):
-    monkeypatch.setattr(fused, "_no_compiler_reason", lambda: "no C++ compiler found (test)")
+    monkeypatch.setattr(compiled_kernels, "no_compiler_reason", lambda: "no C++ compiler found (test)")
     moe = compiled_moe()
     with pytest.warns(RuntimeWarning, match="eager.*no C\\+\\+ compiler"):
         compare(moe, (2, 12), tol=1e-5)

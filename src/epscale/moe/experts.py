@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fused import CHUNK_BYTES, HAS_GROUPED_MM, ExpertPlan, FusedExperts, Workspace, token_slots
+from .fused import CHUNK_BYTES, HAS_GROUPED_MM, ExpertPlan, FusedExperts, token_slots
+from .workspace import Workspace
 
 
 def _grouped_linear(x_RD: torch.Tensor, w_eDF: torch.Tensor, offs_e: torch.Tensor | None,
@@ -72,7 +73,7 @@ class GroupedExperts(nn.Module):
         self.impl = "fused"
         self.chunk_bytes = CHUNK_BYTES  # target size of one [C, D] chunk buffer (fused impl)
         # Weight-gradient and saved pre-activation buffers kept across steps (fused impl;
-        # see fused.Workspace). None allocates fresh ones every step.
+        # see workspace.Workspace). None allocates fresh ones every step.
         self.workspace: Workspace | None = Workspace()
         # moe.compile_kernels: 'on' fuses the element-wise work of the fused impl into
         # generated C++ kernels (torch.compile); 'off' (default) stays eager.

@@ -36,15 +36,14 @@ with 64-128 experts, Python and dispatch overhead is several percent of a step.
 
 from __future__ import annotations
 
-import shutil
-import threading
-import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ..blocks import rows_per_block
+from .compiled_kernels import act_backward_eager, get_kernels, run_compiled
+from .workspace import Workspace, take_fresh
 
 HAS_GROUPED_MM = hasattr(F, "grouped_mm")
 
@@ -157,172 +156,6 @@ def _weight_grad(a_CX: torch.Tensor, g_CY: torch.Tensor, grad: _Weights, ch: _Ch
         torch.mm(a.t(), g, out=grad.per_expert[e])
 
 
-# ------------------------------------------------------------------ compiled element-wise
-
-# Optional generated kernel (moe.compile_kernels='on'): torch.compile (inductor, C++ on
-# CPU) fuses the element-wise work of one chunk's backward into a single pass: recompute
-# SwiGLU/GELU, the gate-weight gradient, the weighted activation for dW2, dL/dh1 (and
-# dL/dh3); one pass instead of ~9 eager ones, one exp per element instead of two.
-# Compiled with dynamic shapes, so a new number of rows per chunk does not recompile.
-# Internally fp32 (bf16 inputs are widened once, results rounded once).
-
-
-def _act_backward_eager(ga_CF, h1_CF, h3_CF, w_C):
-    """(dL/dw [C] fp32 or None, activation (weighted when w is given) [C, F],
-    dL/dh1 [C, F], dL/dh3 [C, F] or None) from dL/da (unweighted) and the
-    pre-activations. Written for the compiler: fp32 inside, one rounding at the end."""
-    dt = h1_CF.dtype
-    g, h1 = ga_CF.float(), h1_CF.float()
-    if h3_CF is not None:
-        h3 = h3_CF.float()
-        sig = torch.sigmoid(h1)
-        silu = h1 * sig
-        a = silu * h3
-    else:
-        a = F.gelu(h1)
-    gw = None
-    if w_C is not None:
-        gw = (g * a).sum(1)
-        w = w_C.float().unsqueeze(1)
-        g = g * w
-        a = a * w
-    if h3_CF is not None:
-        gh3 = (g * silu).to(dt)
-        gh1 = (g * h3 * sig * (1 + h1 * (1 - sig))).to(dt)
-    else:
-        gh3 = None
-        gh1 = torch.ops.aten.gelu_backward(g, h1).to(dt)
-    return gw, a.to(dt), gh1, gh3
-
-
-class _Compiled:
-    """The compiled kernels, built on first use; eager (with one warning) when there is no
-    C++ compiler or compilation fails."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self.fns = None          # (act_backward,) once ready
-        self.failed: str | None = None
-
-    def get(self):
-        if self.fns is None and self.failed is None:
-            with self._lock:
-                if self.fns is None and self.failed is None:
-                    self._build()
-        return self.fns
-
-    def _build(self) -> None:
-        why = _no_compiler_reason()
-        if why is not None:
-            self.fail(why)
-            return
-        # Single-threaded generated code: a chunk's element-wise pass is ~0.1 ms, too
-        # short for an OpenMP fork/join; parallel code measured up to 1.5x slower.
-        opts = {"cpp.threads": 1}
-        self.fns = (torch.compile(_act_backward_eager, dynamic=True, options=opts),)
-
-    def fail(self, why: str) -> None:
-        self.failed, self.fns = why, None
-        warnings.warn(f"moe.compile_kernels='on': running the eager element-wise kernels "
-                      f"instead ({why})", RuntimeWarning, stacklevel=3)
-
-
-def _no_compiler_reason() -> str | None:
-    try:
-        import torch._inductor.config as ic
-        cxx = ic.cpp.cxx[-1] if isinstance(ic.cpp.cxx, tuple) else ic.cpp.cxx
-    except Exception as e:  # noqa: BLE001 - an inductor that does not import
-        return f"torch._inductor unavailable: {type(e).__name__}: {e}"
-    if not cxx or shutil.which(cxx) is None:
-        return f"no C++ compiler found (looked for {cxx!r}; set CXX or install g++)"
-    return None
-
-
-_COMPILED = _Compiled()
-
-
-def _kernels(compiled: bool):
-    """(act_backward,) to use: compiled when asked for and available, else None (the
-    eager kernel's own multi-pass code in FusedExperts)."""
-    return _COMPILED.get() if compiled else None
-
-
-def _call(fn, eager, *args):
-    """Run a compiled kernel; if it cannot compile, warn once and stay eager from then on
-    (also for the remaining chunks of the call in progress)."""
-    if _COMPILED.failed is not None:
-        return eager(*args)
-    try:
-        return fn(*args)
-    except Exception as e:  # noqa: BLE001 - backend/compiler errors of any kind
-        if _COMPILED.failed is None:
-            first = (str(e).splitlines() or [""])[0]
-            _COMPILED.fail(f"compilation failed: {type(e).__name__}: {first}")
-        return eager(*args)
-
-
-
-_use_count = getattr(torch._C, "_storage_Use_Count", None)
-
-
-class Workspace:
-    """Large buffers one :class:`GroupedExperts` keeps from step to step: the weight
-    gradients, the saved [R, F] pre-activations and, in row mode, one [R, D] buffer for
-    the output (consumed by the caller's combine) and later the input gradient.
-
-    Why: on CPU a fresh buffer of tens of MB is mmap'ed and page-faulted in on every
-    step (glibc serves allocations above 32 MB with mmap and unmaps them on free); on the
-    fine-grained benchmark shape that kernel time was ~9% of the step. A buffer is handed
-    out again only when nothing but this workspace still references its storage (the
-    storage's use count), i.e. after ``zero_grad(set_to_none=True)`` dropped the previous
-    gradient and the previous backward released its saved tensors. Otherwise (gradient
-    accumulation, ``retain_graph``, a caller holding on to a gradient) a fresh buffer is
-    allocated, exactly as without a workspace. Memory: the cached buffers stay allocated
-    between steps (like gradients kept by ``zero_grad(set_to_none=False)``).
-    """
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._store: dict[str, torch.UntypedStorage] = {}
-
-    @staticmethod
-    def _free(s: torch.UntypedStorage) -> bool:
-        return _use_count is not None and _use_count(s._cdata) == 1  # only our reference
-
-    def take(self, name: str, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """An uninitialised tensor of ``shape``, reusing the cached storage when it is free."""
-        shape = torch.Size(shape)
-        nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
-        with self._lock:
-            s = self._store.get(name)
-            free = s is not None and self._free(s)
-            if free and s.device == device and s.nbytes() >= nbytes:
-                return torch.empty(0, dtype=dtype, device=device).set_(s, 0, shape)
-            t = torch.empty(shape, dtype=dtype, device=device)
-            if _use_count is not None and (s is None or free):
-                self._store[name] = t.untyped_storage()
-            return t
-
-    def clear(self) -> None:
-        with self._lock:
-            self._store.clear()
-
-    # Copies and pickles of a module start with an empty workspace (it is a cache).
-    def __deepcopy__(self, memo):
-        return Workspace()
-
-    def __reduce__(self):
-        return (Workspace, ())
-
-    def __repr__(self) -> str:
-        mb = sum(s.nbytes() for s in self._store.values()) / 2 ** 20
-        return f"Workspace({len(self._store)} buffers, {mb:.0f} MB)"
-
-
-def _take_fresh(name: str, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
 def gather_combine(rows_RD: torch.Tensor, pos_TK: torch.Tensor, out_TD: torch.Tensor) -> torch.Tensor:
     """out[t] = sum over k of rows[pos[t, k]], token block by token block
     (:func:`epscale.blocks.rows_per_block`).
@@ -384,7 +217,7 @@ class FusedExperts(torch.autograd.Function):
     plan: :class:`ExpertPlan`. activation: 'swiglu' or 'gelu'.
     ws: a :class:`Workspace` to take the rows buffer, the saved pre-activations and the
     weight gradients from, or None (fresh buffers). compiled: use the generated
-    element-wise kernel (see ``_Compiled``) where it can be built.
+    element-wise kernel (:mod:`epscale.moe.compiled_kernels`) where it can be built.
     Returns [T, D] (gathered mode) or [R, D] (row mode) in x's dtype.
     """
 
@@ -395,7 +228,7 @@ class FusedExperts(torch.autograd.Function):
         R, D, Fh = plan.num_rows, x.shape[-1], w1.shape[-1]
         dt, dev = x.dtype, x.device
         C = plan.max_chunk_rows
-        take = ws.take if ws is not None else _take_fresh
+        take = ws.take if ws is not None else take_fresh
         chunks = _chunks(plan, dev)
         sizes = [ch.r1 - ch.r0 for ch in chunks]
         W1, W2 = _Weights(w1), _Weights(w2)
@@ -450,7 +283,7 @@ class FusedExperts(torch.autograd.Function):
         C = plan.max_chunk_rows
         grad_out = grad_out.to(dt).contiguous()
         ws: Workspace | None = ctx.ws
-        kern = _kernels(ctx.compiled)
+        kern = get_kernels(ctx.compiled)
         chunks = _chunks(plan, dev)
         sizes = [ch.r1 - ch.r0 for ch in chunks]
 
@@ -506,7 +339,7 @@ class FusedExperts(torch.autograd.Function):
             gac = ga_CF[:n]
             _chunk_mm(gyc, W2T, gac, ch)
             if kern is not None:  # one generated pass for everything element-wise
-                gwc, ac, gh1c, gh3c = _call(kern[0], _act_backward_eager, gac, h1c, h3c,
+                gwc, ac, gh1c, gh3c = run_compiled(kern[0], act_backward_eager, gac, h1c, h3c,
                                             wts[i] if gathered else None)
                 if gwts is not None:
                     gwts[i].copy_(gwc)
