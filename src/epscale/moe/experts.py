@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fused import CHUNK_BYTES, HAS_GROUPED_MM, ExpertPlan, FusedExperts, token_slots
+from .fused import (BATCH_PAD_WASTE, CHUNK_BYTES, HAS_GROUPED_MM, ExpertPlan, FusedExperts,
+                    pad_expert_rows, token_slots)
 from .workspace import Workspace
 
 
@@ -72,6 +73,9 @@ class GroupedExperts(nn.Module):
         self.gemm = "auto"
         self.impl = "fused"
         self.chunk_bytes = CHUNK_BYTES  # target size of one [C, D] chunk buffer (fused impl)
+        # Pad chunks of small experts to equal rows and run them as one bmm when that adds
+        # at most this fraction of rows (fused impl without EP); None: never.
+        self.batch_pad_waste: float | None = BATCH_PAD_WASTE
         # Weight-gradient and saved pre-activation buffers kept across steps (fused impl;
         # see workspace.Workspace). None allocates fresh ones every step.
         self.workspace: Workspace | None = Workspace()
@@ -139,6 +143,11 @@ class GroupedExperts(nn.Module):
         w1, w3, w2 = self._weights(x.dtype)
         if src_R is not None and pos_TK is None:
             pos_TK = token_slots(src_R, x.shape[0])
+        if src_R is not None and self.batch_pad_waste is not None and not plan.grouped:
+            padded = plan.batched_padding(self.batch_pad_waste)
+            if padded is not None:  # chunks of small experts: one bmm each (fused.BATCH_PAD_WASTE)
+                src_R, weight_R, pos_TK = pad_expert_rows(src_R, weight_R, pos_TK, counts, padded)
+                plan = plan.with_counts(padded)
         return FusedExperts.apply(x, weight_R, w1, w3, w2, src_R, pos_TK, plan, self.activation,
                                   self.workspace, self.compile_kernels)
 

@@ -63,6 +63,8 @@ class ExpertPlan:
     chunks: tuple[tuple[int, int, int, int], ...]  # (row0, row1, expert0, expert1)
     num_rows: int
     grouped: bool = False                       # grouped_mm per chunk instead of a loop
+    batched: tuple[bool, ...] = ()              # per chunk: every expert has the same rows
+                                                # (padded), one bmm instead of a loop
 
     @staticmethod
     def build(counts: list[int], row_bytes: int, chunk_bytes: int = CHUNK_BYTES,
@@ -89,6 +91,32 @@ class ExpertPlan:
     def max_chunk_rows(self) -> int:
         return max((r1 - r0 for r0, r1, _, _ in self.chunks), default=0)
 
+    def batched_padding(self, max_waste: float) -> list[int] | None:
+        """Rows per expert after padding every chunk of two or more experts to its
+        largest expert, for chunks where that adds at most ``max_waste`` x their rows;
+        None when no chunk qualifies. (See :func:`pad_expert_rows` for the pad rows.)"""
+        padded, any_batched = list(self.counts), False
+        for r0, r1, e0, e1 in self.chunks:
+            m = max(self.counts[e0:e1])
+            if e1 - e0 >= 2 and m * (e1 - e0) <= (1 + max_waste) * (r1 - r0):
+                padded[e0:e1] = [m] * (e1 - e0)
+                any_batched = True
+        return padded if any_batched else None
+
+    def with_counts(self, counts: list[int]) -> "ExpertPlan":
+        """This plan's chunking (the same experts per chunk) over new row counts; a chunk
+        is batched when all its experts have the same count and there are two or more."""
+        starts, acc = [], 0
+        for n in counts:
+            starts.append(acc)
+            acc += n
+        chunks, batched = [], []
+        for _, _, e0, e1 in self.chunks:
+            chunks.append((starts[e0], starts[e1 - 1] + counts[e1 - 1], e0, e1))
+            batched.append(e1 - e0 >= 2 and len(set(counts[e0:e1])) == 1 and counts[e0] > 0)
+        return ExpertPlan(tuple(counts), tuple(starts), tuple(chunks), acc, self.grouped,
+                          tuple(batched))
+
 
 @dataclass(frozen=True)
 class _Chunk:
@@ -98,6 +126,7 @@ class _Chunk:
     e1: int
     segs: tuple[tuple[int, int, int], ...]  # (expert, row offset in the chunk, rows), non-empty
     offs: torch.Tensor | None               # int32 [e1 - e0] cumulative rows (grouped GEMM)
+    batched: bool = False                   # e1 - e0 experts of equal rows: one bmm
 
 
 def _chunks(plan: ExpertPlan, device: torch.device) -> list[_Chunk]:
@@ -107,12 +136,12 @@ def _chunks(plan: ExpertPlan, device: torch.device) -> list[_Chunk]:
                 for r0, _, e0, e1 in plan.chunks for e in range(e0, e1)]
         offs_all = torch.tensor(ends, dtype=torch.int32).to(device)  # one small copy
     out, at = [], 0
-    for r0, r1, e0, e1 in plan.chunks:
+    for i, (r0, r1, e0, e1) in enumerate(plan.chunks):
         segs = tuple((e, plan.starts[e] - r0, plan.counts[e]) for e in range(e0, e1)
                      if plan.counts[e])
         offs = offs_all[at:at + e1 - e0] if offs_all is not None else None
         at += e1 - e0
-        out.append(_Chunk(r0, r1, e0, e1, segs, offs))
+        out.append(_Chunk(r0, r1, e0, e1, segs, offs, bool(plan.batched and plan.batched[i])))
     return out
 
 
@@ -135,6 +164,12 @@ def _segments(t_CX: torch.Tensor, ch: _Chunk) -> list[torch.Tensor]:
 def _chunk_mm(a_CX: torch.Tensor, w: _Weights, out_CY: torch.Tensor, ch: _Chunk,
               accumulate: bool = False) -> None:
     """out[rows of e] (+)= a[rows of e] @ w[e] for every expert of a chunk."""
+    if ch.batched:
+        n = ch.e1 - ch.e0
+        a, out = a_CX.view(n, -1, a_CX.shape[-1]), out_CY.view(n, -1, out_CY.shape[-1])
+        w_e = w.stacked[ch.e0:ch.e1]
+        out.baddbmm_(a, w_e) if accumulate else torch.bmm(a, w_e, out=out)
+        return
     if ch.offs is not None:
         res = F.grouped_mm(a_CX, w.stacked[ch.e0:ch.e1], offs=ch.offs)
         out_CY.add_(res) if accumulate else out_CY.copy_(res)
@@ -149,6 +184,11 @@ def _chunk_mm(a_CX: torch.Tensor, w: _Weights, out_CY: torch.Tensor, ch: _Chunk,
 
 def _weight_grad(a_CX: torch.Tensor, g_CY: torch.Tensor, grad: _Weights, ch: _Chunk) -> None:
     """grad[e] = a[rows of e]^T @ g[rows of e]; each expert appears in exactly one chunk."""
+    if ch.batched:
+        n = ch.e1 - ch.e0
+        torch.bmm(a_CX.view(n, -1, a_CX.shape[-1]).transpose(1, 2),
+                  g_CY.view(n, -1, g_CY.shape[-1]), out=grad.stacked[ch.e0:ch.e1])
+        return
     if ch.offs is not None:
         grad.stacked[ch.e0:ch.e1].copy_(F.grouped_mm(a_CX.t(), g_CY, offs=ch.offs))
         return
@@ -186,6 +226,37 @@ def gather_combine(rows_RD: torch.Tensor, pos_TK: torch.Tensor, out_TD: torch.Te
         else:
             o.copy_(torch.sum(g, dim=1, dtype=torch.float32, out=acc32[:n]))
     return out_TD
+
+
+# Gathered mode: a chunk of small experts is padded to equal rows and run as one batched
+# GEMM (bmm) per matrix when that adds at most this fraction of its rows. Why: with many
+# narrow experts a chunk is a loop of tiny GEMMs, each paying a dispatch and a thread
+# fork/join; one bmm over them ran 1.3x (1 thread) to 1.7x (2 threads) faster for 128
+# experts of 128 x 512 x 128, and still 1.1x / 1.5x with 25% padding rows (microbenchmark
+# behind benchmarks/RESULTS.md). Chunks of one expert (most of the coarse and fine
+# benchmark shapes) are not affected.
+BATCH_PAD_WASTE = 0.25
+
+
+def pad_expert_rows(src_R: torch.Tensor, weight_R: torch.Tensor, pos_TK: torch.Tensor,
+                    counts: list[int], padded: list[int]):
+    """Rows re-laid out with ``padded[e] >= counts[e]`` rows per expert (gathered mode: the
+    caller owns the row layout). A pad row gathers token 0 and has gate weight 0: its
+    output is 0, it adds exactly 0 to every weight gradient (its activation gradient is
+    scaled by the weight), and no assignment points at it, so nothing combines it.
+    Returns (src_P, weight_P, pos_TK renumbered); weight_P is differentiable in weight_R."""
+    dev = src_R.device
+    R, P = src_R.numel(), sum(padded)
+    shift, offsets = 0, []
+    for n, p in zip(counts, padded):
+        offsets.append(shift)
+        shift += p - n
+    slot_R = torch.arange(R, device=dev) + torch.repeat_interleave(
+        torch.tensor(offsets, device=dev), torch.tensor(counts, device=dev), output_size=R)
+    src_P = torch.zeros(P, dtype=src_R.dtype, device=dev).index_copy_(0, slot_R, src_R)
+    weight_P = torch.zeros(P, dtype=weight_R.dtype, device=dev).index_copy(0, slot_R, weight_R)
+    slot_ext = torch.cat([slot_R, torch.tensor([P], device=dev)])  # the zero row stays last
+    return src_P, weight_P, slot_ext[pos_TK]
 
 
 def token_slots(src_R: torch.Tensor, num_tokens: int) -> torch.Tensor:

@@ -1,0 +1,92 @@
+"""Batched chunks of the fused kernel: small experts padded to equal rows and run as one
+bmm per matrix, against the reference (forward and backward) and against the per-expert
+loop; the padding and the plan that decides it.
+
+Legend: T tokens, K top-k, R rows, P padded rows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from epscale.moe import fused
+from epscale.moe.fused import ExpertPlan, pad_expert_rows
+from test_moe_layer import VARIANTS, compare, make_moe
+
+
+def batched_chunks_seen(moe, monkeypatch) -> list[bool]:
+    """Record, per forward, whether any chunk ran batched."""
+    seen = []
+    real = fused._chunks
+
+    def spy(plan, device):
+        out = real(plan, device)
+        seen.append(any(c.batched for c in out))
+        return out
+
+    monkeypatch.setattr(fused, "_chunks", spy)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["softmax-norm", "sigmoid-scale", "top4-e16", "cap-probs",
+                                  "gelu-cap-shared", "top1"])
+def test_batched_chunks_match_reference(name, dtype, monkeypatch):
+    moe = make_moe(dtype, **VARIANTS[name])
+    moe.experts.batch_pad_waste = 100.0  # always pad, whatever the imbalance
+    seen = batched_chunks_seen(moe, monkeypatch)
+    compare(moe, (3, 11), tol=1e-5 if dtype == torch.float32 else 3e-2, dtype=dtype)
+    assert seen and all(seen)
+
+
+@pytest.mark.parametrize("chunk_bytes", [200, 1 << 30])
+def test_batched_equals_loop_with_empty_expert(chunk_bytes, monkeypatch):
+    """Same output and gradients as the per-expert loop, an expert without rows inside a
+    batched chunk included (its gradient must stay exactly zero)."""
+    results = []
+    for waste in (None, 100.0):
+        torch.manual_seed(0)
+        moe = make_moe(num_experts=8, top_k=3)
+        moe.router.expert_bias[2] = -100.0
+        moe.experts.chunk_bytes = chunk_bytes
+        moe.experts.batch_pad_waste = waste
+        x = torch.randn(20, moe.cfg.dim, generator=torch.Generator().manual_seed(1),
+                        requires_grad=True)
+        y = moe(x)
+        y.square().sum().backward()
+        results.append((y.detach(), x.grad, {n: p.grad for n, p in moe.named_parameters()}))
+    (y0, gx0, g0), (y1, gx1, g1) = results
+    torch.testing.assert_close(y1, y0, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gx1, gx0, rtol=1e-6, atol=1e-6)
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-6, msg=n)
+    for n in ("experts.w1", "experts.w2", "experts.w3"):
+        assert torch.count_nonzero(g1[n][2]) == 0
+
+
+def test_batched_padding_and_plan():
+    counts = [5, 4, 0, 6, 20, 3, 3]
+    plan = ExpertPlan.build(counts, row_bytes=1, chunk_bytes=16)
+    assert plan.chunks == ((0, 15, 0, 4), (15, 35, 4, 5), (35, 41, 5, 7))
+    # chunk 0 padded: 4 x 6 = 24 rows for 15 (60% more); the last one: 2 x 3 = 6 for 6.
+    assert plan.batched_padding(max_waste=0.5) == counts  # only the last chunk, already even
+    padded = plan.batched_padding(max_waste=1.0)
+    assert padded == [6, 6, 6, 6, 20, 3, 3]
+    new = plan.with_counts(padded)
+    assert new.chunks == ((0, 24, 0, 4), (24, 44, 4, 5), (44, 50, 5, 7))
+    assert new.batched == (True, False, True)  # a single-expert chunk stays a loop
+    assert ExpertPlan.build([0, 0], 1).batched_padding(1.0) is None
+
+
+def test_pad_rows_weigh_nothing_and_keep_gradients():
+    counts, padded = [2, 0, 3], [3, 3, 3]
+    src = torch.tensor([4, 7, 1, 4, 9])
+    w = torch.tensor([0.5, 0.25, 0.125, 1.0, 2.0], requires_grad=True)
+    pos = torch.tensor([[0, 3], [5, 1], [2, 4]])  # 5 = R: a dropped assignment
+    src_P, w_P, pos_P = pad_expert_rows(src, w, pos, counts, padded)
+    assert src_P.tolist() == [4, 7, 0, 0, 0, 0, 1, 4, 9]
+    assert w_P.detach().tolist() == [0.5, 0.25, 0, 0, 0, 0, 0.125, 1.0, 2.0]
+    assert pos_P.tolist() == [[0, 7], [9, 1], [6, 8]]  # dropped -> P, the zero row
+    (w_P * torch.arange(9.0)).sum().backward()
+    assert w.grad.tolist() == [0.0, 1.0, 6.0, 7.0, 8.0]
