@@ -231,10 +231,9 @@ def gather_combine(rows_RD: torch.Tensor, pos_TK: torch.Tensor, out_TD: torch.Te
 # Gathered mode: a chunk of small experts is padded to equal rows and run as one batched
 # GEMM (bmm) per matrix when that adds at most this fraction of its rows. Why: with many
 # narrow experts a chunk is a loop of tiny GEMMs, each paying a dispatch and a thread
-# fork/join; one bmm over them ran 1.3x (1 thread) to 1.7x (2 threads) faster for 128
-# experts of 128 x 512 x 128, and still 1.1x / 1.5x with 25% padding rows (microbenchmark
-# behind benchmarks/RESULTS.md). Chunks of one expert (most of the coarse and fine
-# benchmark shapes) are not affected.
+# fork/join. With 128 experts of width 128 (D=512, top-8, 2048 tokens) the layer's step
+# became 1.17x (1 thread) / 1.38x (2 threads) faster (benchmarks/RESULTS.md). Chunks of
+# one expert (the coarse and fine benchmark shapes) are not affected.
 BATCH_PAD_WASTE = 0.25
 
 
