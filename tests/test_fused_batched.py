@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from epscale.moe import fused
-from epscale.moe.fused import ExpertPlan, pad_expert_rows
+from epscale.moe.fused import ExpertPlan
+from epscale.moe.rows import pad_expert_rows
 from test_moe_layer import VARIANTS, compare, make_moe
 
 

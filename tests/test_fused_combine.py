@@ -12,7 +12,7 @@ import torch
 
 from epscale import MoE, MoEConfig, blocks
 from epscale.moe import router
-from epscale.moe.fused import gather_combine, token_slots
+from epscale.moe.rows import gather_combine, token_slots
 from epscale.moe.layer import _nonfinite_rows
 
 

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fused import (BATCH_PAD_WASTE, CHUNK_BYTES, HAS_GROUPED_MM, ExpertPlan, FusedExperts,
-                    pad_expert_rows, token_slots)
+from .fused import CHUNK_BYTES, HAS_GROUPED_MM, ExpertPlan, FusedExperts
+from .rows import BATCH_PAD_WASTE, pad_expert_rows, token_slots
 from .workspace import Workspace
 
 
@@ -145,7 +145,7 @@ class GroupedExperts(nn.Module):
             pos_TK = token_slots(src_R, x.shape[0])
         if src_R is not None and self.batch_pad_waste is not None and not plan.grouped:
             padded = plan.batched_padding(self.batch_pad_waste)
-            if padded is not None:  # chunks of small experts: one bmm each (fused.BATCH_PAD_WASTE)
+            if padded is not None:  # chunks of small experts: one bmm each (rows.BATCH_PAD_WASTE)
                 src_R, weight_R, pos_TK = pad_expert_rows(src_R, weight_R, pos_TK, counts, padded)
                 plan = plan.with_counts(padded)
         return FusedExperts.apply(x, weight_R, w1, w3, w2, src_R, pos_TK, plan, self.activation,

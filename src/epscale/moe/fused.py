@@ -41,8 +41,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..blocks import rows_per_block
 from .compiled_kernels import act_backward_eager, get_kernels, run_compiled
+from .rows import gather_combine
 from .workspace import Workspace, take_fresh
 
 HAS_GROUPED_MM = hasattr(F, "grouped_mm")
@@ -94,7 +94,7 @@ class ExpertPlan:
     def batched_padding(self, max_waste: float) -> list[int] | None:
         """Rows per expert after padding every chunk of two or more experts to its
         largest expert, for chunks where that adds at most ``max_waste`` x their rows;
-        None when no chunk qualifies. (See :func:`pad_expert_rows` for the pad rows.)"""
+        None when no chunk qualifies. (See :func:`epscale.moe.rows.pad_expert_rows`.)"""
         padded, any_batched = list(self.counts), False
         for r0, r1, e0, e1 in self.chunks:
             m = max(self.counts[e0:e1])
@@ -194,86 +194,6 @@ def _weight_grad(a_CX: torch.Tensor, g_CY: torch.Tensor, grad: _Weights, ch: _Ch
         return
     for a, g, (e, _, _) in zip(_segments(a_CX, ch), _segments(g_CY, ch), ch.segs):
         torch.mm(a.t(), g, out=grad.per_expert[e])
-
-
-def gather_combine(rows_RD: torch.Tensor, pos_TK: torch.Tensor, out_TD: torch.Tensor) -> torch.Tensor:
-    """out[t] = sum over k of rows[pos[t, k]], token block by token block
-    (:func:`epscale.blocks.rows_per_block`).
-
-    ``rows_RD`` has one extra last row of zeros that dropped assignments point at. The sum
-    is exact in fp32/fp64 order k = 0, 1, ...; in bf16/fp16 it is taken in fp32 and
-    rounded once (for K <= 2 the low-precision add itself rounds once)."""
-    T, K = pos_TK.shape
-    D = rows_RD.shape[1]
-    dt = rows_RD.dtype
-    low = dt in (torch.bfloat16, torch.float16)
-    B = rows_per_block(T, K * D * rows_RD.element_size(), rows_RD.device)
-    g_buf = torch.empty((B * K, D), dtype=dt, device=rows_RD.device)
-    acc32 = torch.empty((B, D), dtype=torch.float32, device=rows_RD.device) if low and K > 2 else None
-    flat = pos_TK.reshape(-1)
-    for b0 in range(0, T, B):
-        b1 = min(T, b0 + B)
-        n = b1 - b0
-        o = out_TD[b0:b1]
-        if K == 1:
-            torch.index_select(rows_RD, 0, flat[b0:b1], out=o)
-            continue
-        g = torch.index_select(rows_RD, 0, flat[b0 * K:b1 * K], out=g_buf[:n * K]).view(n, K, D)
-        if acc32 is None:
-            torch.add(g[:, 0], g[:, 1], out=o)
-            for k in range(2, K):
-                o.add_(g[:, k])
-        else:
-            o.copy_(torch.sum(g, dim=1, dtype=torch.float32, out=acc32[:n]))
-    return out_TD
-
-
-# Gathered mode: a chunk of small experts is padded to equal rows and run as one batched
-# GEMM (bmm) per matrix when that adds at most this fraction of its rows. Why: with many
-# narrow experts a chunk is a loop of tiny GEMMs, each paying a dispatch and a thread
-# fork/join. With 128 experts of width 128 (D=512, top-8, 2048 tokens) the layer's step
-# became 1.17x (1 thread) / 1.38x (2 threads) faster (benchmarks/RESULTS.md). Chunks of
-# one expert (the coarse and fine benchmark shapes) are not affected.
-BATCH_PAD_WASTE = 0.25
-
-
-def pad_expert_rows(src_R: torch.Tensor, weight_R: torch.Tensor, pos_TK: torch.Tensor,
-                    counts: list[int], padded: list[int]):
-    """Rows re-laid out with ``padded[e] >= counts[e]`` rows per expert (gathered mode: the
-    caller owns the row layout). A pad row gathers token 0 and has gate weight 0: its
-    output is 0, it adds exactly 0 to every weight gradient (its activation gradient is
-    scaled by the weight), and no assignment points at it, so nothing combines it.
-    Returns (src_P, weight_P, pos_TK renumbered); weight_P is differentiable in weight_R."""
-    dev = src_R.device
-    R, P = src_R.numel(), sum(padded)
-    shift, offsets = 0, []
-    for n, p in zip(counts, padded):
-        offsets.append(shift)
-        shift += p - n
-    slot_R = torch.arange(R, device=dev) + torch.repeat_interleave(
-        torch.tensor(offsets, device=dev), torch.tensor(counts, device=dev), output_size=R)
-    src_P = torch.zeros(P, dtype=src_R.dtype, device=dev).index_copy_(0, slot_R, src_R)
-    weight_P = torch.zeros(P, dtype=weight_R.dtype, device=dev).index_copy(0, slot_R, weight_R)
-    slot_ext = torch.cat([slot_R, torch.tensor([P], device=dev)])  # the zero row stays last
-    return src_P, weight_P, slot_ext[pos_TK]
-
-
-def token_slots(src_R: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """``pos_TK`` for rows that only know their token: row ids of each token's rows,
-    padded with R (the zero row) where a token has fewer rows than the busiest one.
-    For callers that do not have the dispatcher's assignment order; costs a sort and a
-    second host sync (the busiest token's row count), which the dispatcher path avoids."""
-    R = src_R.shape[0]
-    dev = src_R.device
-    counts_T = torch.bincount(src_R, minlength=num_tokens)
-    K = max(1, int(counts_T.max())) if R else 1
-    order = torch.sort(src_R, stable=True).indices
-    tok = src_R.index_select(0, order)
-    first_T = torch.cumsum(counts_T, 0) - counts_T
-    slot = torch.arange(R, device=dev) - first_T.index_select(0, tok)
-    pos_TK = torch.full((num_tokens, K), R, dtype=torch.long, device=dev)
-    pos_TK[tok, slot] = order
-    return pos_TK
 
 
 class FusedExperts(torch.autograd.Function):
