@@ -27,8 +27,9 @@ print("deep_ep:", "available" if deepep_available()[0] else deepep_available()[1
 PY
 
 if [ -f benchmarks/moe_layer.py ]; then
-    echo "== benchmarks/moe_layer.py (single GPU)"
-    "$PY" benchmarks/moe_layer.py | tee "$OUT/moe_layer_gpu.txt"
+    echo "== benchmarks/moe_layer.py --device cuda (single GPU)"
+    "$PY" benchmarks/moe_layer.py --device cuda --dtypes bfloat16 --impls rows,grouped,torchtitan,mixtral-grouped \
+        --json "$OUT/moe_layer_gpu.json" | tee "$OUT/moe_layer_gpu.txt"
 fi
 
 if [ "$NGPU" -lt 2 ]; then

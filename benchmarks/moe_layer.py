@@ -64,7 +64,7 @@ def build_epscale(shape, dtype, fuse: bool = True, gemm: str = "auto",
     cfg = epscale.MoEConfig(dim=shape["D"], hidden_dim=shape["F"], num_experts=shape["E"],
                             top_k=shape["K"], score_func="softmax", route_norm=True)
     torch.manual_seed(0)
-    moe = epscale.MoE(cfg).to(dtype)
+    moe = epscale.MoE(cfg).to(dtype).to(DEVICE)
     moe.experts.gemm = gemm
     moe.experts.compile_kernels = compiled
     if not workspace:
@@ -111,7 +111,7 @@ def build_torchtitan(ours: epscale.MoE, shape, dtype) -> Impl | str:
         inner.w3_EFD.copy_(ours.experts.w3.transpose(1, 2))
         inner.w2_EDF.copy_(ours.experts.w2.transpose(1, 2))
         tt.router.gate.weight.copy_(ours.router.gate.weight)
-    tt = tt.to(dtype)
+    tt = tt.to(dtype).to(DEVICE)
     note = "computes the experts in bf16 whatever the input dtype" if dtype != torch.bfloat16 else ""
 
     def run(x_TD):
@@ -140,7 +140,7 @@ def build_mixtral(ours: epscale.MoE, shape, dtype, experts_impl: str | None) -> 
         block.experts.gate_up_proj.copy_(torch.cat([ours.experts.w1.transpose(1, 2),
                                                     ours.experts.w3.transpose(1, 2)], dim=1))
         block.experts.down_proj.copy_(ours.experts.w2.transpose(1, 2))
-    block = block.to(dtype)
+    block = block.to(dtype).to(DEVICE)
     name = "HF MixtralSparseMoeBlock" + (f" ({experts_impl})" if experts_impl else " (eager)")
 
     def run(x_TD):
@@ -156,13 +156,15 @@ def dense_gemm_step(shape, dtype):
     """The nine GEMMs of a dense SwiGLU FFN fwd+bwd over R = T*K rows, as one callable."""
     R, D, F = shape["T"] * shape["K"], shape["D"], shape["F"]
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(R, D, generator=g).to(dtype)
-    w = torch.randn(D, F, generator=g).to(dtype) * D ** -0.5
-    w2 = torch.randn(F, D, generator=g).to(dtype) * F ** -0.5
-    h = torch.randn(R, F, generator=g).to(dtype)
-    gy = torch.randn(R, D, generator=g).to(dtype)
-    out_RF, out_RD = torch.empty(R, F, dtype=dtype), torch.empty(R, D, dtype=dtype)
-    out_DF, out_FD = torch.empty(D, F, dtype=dtype), torch.empty(F, D, dtype=dtype)
+    x = torch.randn(R, D, generator=g).to(DEVICE, dtype)
+    w = torch.randn(D, F, generator=g).to(DEVICE, dtype) * D ** -0.5
+    w2 = torch.randn(F, D, generator=g).to(DEVICE, dtype) * F ** -0.5
+    h = torch.randn(R, F, generator=g).to(DEVICE, dtype)
+    gy = torch.randn(R, D, generator=g).to(DEVICE, dtype)
+    out_RF, out_RD = (torch.empty(R, F, dtype=dtype, device=DEVICE),
+                      torch.empty(R, D, dtype=dtype, device=DEVICE))
+    out_DF, out_FD = (torch.empty(D, F, dtype=dtype, device=DEVICE),
+                      torch.empty(F, D, dtype=dtype, device=DEVICE))
 
     def step():
         torch.mm(x, w, out=out_RF)             # h1 = x W1
@@ -180,20 +182,29 @@ def dense_gemm_step(shape, dtype):
 def peak_gemm_step(dtype):
     """One square 2048^3 matmul; returns (callable, its FLOPs)."""
     n = 2048
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    out = torch.empty(n, n, dtype=dtype)
+    a, b = torch.randn(n, n).to(DEVICE, dtype), torch.randn(n, n).to(DEVICE, dtype)
+    out = torch.empty(n, n, dtype=dtype, device=DEVICE)
     return (lambda: torch.mm(a, b, out=out)), 2 * n ** 3
 
 
 CLOCK = time.perf_counter  # --clock cpu switches to process CPU time
+DEVICE = torch.device("cpu")  # --device
+
+
+def sync() -> None:
+    """Wait for the device's queued work (accelerators run asynchronously)."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
 
 
 def best_time(fn, reps: int) -> float:
     fn()
+    sync()
     best = float("inf")
     for _ in range(reps):
         t0 = CLOCK()
         fn()
+        sync()
         best = min(best, CLOCK() - t0)
     return best
 
@@ -219,6 +230,13 @@ def peak_step_memory(step, module: torch.nn.Module, x_TD: torch.Tensor) -> int:
     ws = getattr(getattr(module, "experts", None), "workspace", None)
     if ws is not None:
         ws.clear()
+    if DEVICE.type == "cuda":  # the caching allocator's own peak counter
+        sync()
+        torch.cuda.reset_peak_memory_stats(DEVICE)
+        base = torch.cuda.memory_allocated(DEVICE)
+        step()
+        sync()
+        return torch.cuda.max_memory_allocated(DEVICE) - base
     try:  # exact allocation/free order (a private API; fall back to op-level totals)
         from torch.profiler._memory_profiler import Action, MemoryProfileTimeline
     except ImportError:
@@ -308,8 +326,8 @@ def bench_one(label: str, shape, dtype, args) -> dict:
                 impls.append(got)
 
     g = torch.Generator().manual_seed(1)
-    x_TD = torch.randn(T, D, generator=g).to(dtype).requires_grad_(True)
-    gy_TD = torch.randn(T, D, generator=g).to(dtype)
+    x_TD = torch.randn(T, D, generator=g).to(DEVICE, dtype).requires_grad_(True)
+    gy_TD = torch.randn(T, D, generator=g).to(DEVICE, dtype)
     with torch.no_grad():
         ref = ours.run(x_TD)
     diffs = {}
@@ -380,10 +398,23 @@ def main(argv=None) -> int:
                    help="wall: elapsed time (default). cpu: process CPU time, which other "
                         "processes on a shared machine do not inflate; only meaningful with "
                         "--threads 1 (idle OpenMP threads spin and count)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu (default) or cuda[:N]: where the layers and the dense references run")
     p.add_argument("--json", default=None, help="write the headline figures to this file")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    global DEVICE
+    try:
+        DEVICE = torch.device(args.device)
+    except RuntimeError:
+        p.error(f"--device {args.device}: not a device name (cpu, cuda, cuda:1, ...)")
+    if DEVICE.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: torch sees no CUDA device")
+    if DEVICE.type not in ("cpu", "cuda"):
+        p.error(f"--device {args.device}: only cpu and cuda are supported")
+    if DEVICE.type == "cuda" and args.clock == "cpu":
+        p.error("--clock cpu measures host CPU time; use the wall clock with --device cuda")
     if args.clock == "cpu":
         global CLOCK
         if torch.get_num_threads() != 1:
@@ -391,14 +422,16 @@ def main(argv=None) -> int:
         CLOCK = time.process_time
     if args.shape:
         E, K, D, F, T = (int(v) for v in args.shape.split(","))
-        todo = [(f"custom", dict(E=E, K=K, D=D, F=F, T=T))]
+        todo = [("custom", dict(E=E, K=K, D=D, F=F, T=T))]
     else:
         unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
         if unknown:
             p.error(f"unknown config {unknown[0]!r}; known: {', '.join(CONFIGS)}")
         todo = [(c, CONFIGS[c]) for c in args.configs.split(",")]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.clock} clock, "
-          f"{platform.processor() or platform.machine()}, python {platform.python_version()}")
+    where = (f"{torch.cuda.get_device_name(DEVICE)}" if DEVICE.type == "cuda"
+             else f"{platform.processor() or platform.machine()}")
+    print(f"torch {torch.__version__}, {DEVICE}, {torch.get_num_threads()} threads, {args.clock} "
+          f"clock, {where}, python {platform.python_version()}")
     results = []
     for label, shape in todo:
         for dt in args.dtypes.split(","):
@@ -408,7 +441,7 @@ def main(argv=None) -> int:
             sys.stdout.flush()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(benchmark="moe_layer", torch=torch.__version__,
+            json.dump(dict(benchmark="moe_layer", torch=torch.__version__, device=str(DEVICE),
                            threads=torch.get_num_threads(), clock=args.clock,
                            command=" ".join(sys.argv),
                            results=results), f, indent=1)
