@@ -258,6 +258,7 @@ class FusedExperts(torch.autograd.Function):
             out = gather_combine(rows_RD, pos_TK, torch.empty((x.shape[0], D), dtype=dt, device=dev))
         ctx.save_for_backward(x, weight_R, w1, w3, w2, src_R, pos_TK, h1_RF, h3_RF)
         ctx.plan = plan
+        ctx.chunks = chunks
         ctx.ws = ws
         ctx.compiled = compiled
         return out
@@ -273,18 +274,15 @@ class FusedExperts(torch.autograd.Function):
         C = plan.max_chunk_rows
         grad_out = grad_out.to(dt).contiguous()
         ws: Workspace | None = ctx.ws
+        take = ws.take if ws is not None else take_fresh
         kern = get_kernels(ctx.compiled)
-        chunks = _chunks(plan, dev)
+        chunks = ctx.chunks  # cut once in forward (segments, grouped-GEMM offsets)
         sizes = [ch.r1 - ch.r0 for ch in chunks]
-
-        def take(name, shape, dtype):
-            return (ws.take(name, shape, dtype, dev) if ws is not None
-                    else torch.empty(shape, dtype=dtype, device=dev))
 
         def weight_grad_buffer(name, w, needed):
             if not needed or w is None:
                 return None
-            g = take(name, w.shape, w.dtype) if w.is_contiguous() else torch.empty_like(w)
+            g = take(name, w.shape, w.dtype, dev) if w.is_contiguous() else torch.empty_like(w)
             for e, n in enumerate(plan.counts):
                 if n == 0:
                     g[e].zero_()  # an expert that got no rows gets an exact zero gradient
@@ -301,7 +299,7 @@ class FusedExperts(torch.autograd.Function):
         if need_x:
             # Gathered mode: per-row input gradients, then the same gather-combine as the
             # forward (the zero row again for dropped assignments). Row mode: the result.
-            gx_rows = take("rows_RD", (R + 1 if gathered else R, D), dt)
+            gx_rows = take("rows_RD", (R + 1 if gathered else R, D), dt, dev)
             if gathered:
                 gx_rows[R].zero_()
         h1s = h1_RF.split(sizes)
