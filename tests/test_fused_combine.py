@@ -1,5 +1,5 @@
 """The fused kernel's combine (rows buffer + per-token gather-sum), the slot map it reads,
-the dispatchers' blocked weighted row sum against the scatter-then-bmm form it replaced,
+the dispatchers' weighted row sum against the scatter-then-bmm form it replaced,
 the router's blocked fp32 gate and the layer's non-finite row check.
 
 Legend: T tokens, D model dim, K rows per token, R rows.
@@ -23,24 +23,28 @@ def random_pos(T: int, K: int, R: int, drop: float, g: torch.Generator) -> torch
     return pos
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("K", [1, 2, 3, 8])
-def test_gather_combine_sums_each_tokens_rows(K, dtype, monkeypatch):
-    monkeypatch.setattr(blocks, "CPU_BLOCK_BYTES", 3 * K * 16 * 4)  # several blocks, last one partial
+def test_gather_combine_sums_each_tokens_rows(K, dtype):
     g = torch.Generator().manual_seed(K)
     T, D = 23, 16
     R = T * K + 5
     rows = torch.randn(R + 1, D, generator=g).to(dtype)
     rows[R] = 0
     pos = random_pos(T, K, R, drop=0.2, g=g)
-    out = gather_combine(rows, pos, torch.empty(T, D, dtype=dtype))
-    ref32 = rows.double()[pos].sum(1)  # [T, K, D] -> [T, D], exact
-    if dtype == torch.float32:
-        torch.testing.assert_close(out.double(), ref32, rtol=1e-6, atol=1e-6)
+    out = gather_combine(rows, pos)
+    assert out.shape == (T, D) and out.dtype == dtype
+    ref = rows.double()[pos].sum(1)  # [T, K, D] -> [T, D], exact
+    if dtype != torch.bfloat16:
+        # fp32: the sequential sum in order k; fp16: that sum in fp32, rounded once.
+        seq = rows.float()[pos[:, 0]]
+        for k in range(1, K):
+            seq += rows.float()[pos[:, k]]
+        assert torch.equal(out, seq.to(dtype))
     else:
         # Summed in fp32, rounded to bf16 once: within half a bf16 ulp (plus fp32 noise).
-        err = (out.double() - ref32).abs()
-        assert bool((err <= ref32.abs() * 2.0 ** -8 + 1e-6).all())
+        err = (out.double() - ref).abs()
+        assert bool((err <= ref.abs() * 2.0 ** -8 + 1e-6).all())
 
 
 def test_rows_per_block():
@@ -55,7 +59,7 @@ def test_gather_combine_dropped_rows_contribute_nothing():
     rows = torch.randn(5, 4)
     rows[4] = 0
     pos = torch.tensor([[0, 4], [4, 4], [3, 1]])
-    out = gather_combine(rows, pos, torch.empty(3, 4))
+    out = gather_combine(rows, pos)
     torch.testing.assert_close(out, torch.stack([rows[0], torch.zeros(4), rows[3] + rows[1]]))
 
 
@@ -118,11 +122,10 @@ def unpermute_by_copy(y_RD, order_R, w_TK):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("K,drop", [(1, 0.0), (2, 0.3), (8, 0.1)])
-def test_weighted_row_sum_matches_scatter_then_bmm(K, drop, dtype, monkeypatch):
+@pytest.mark.parametrize("K,drop", [(1, 0.0), (2, 0.3), (8, 0.1), (8, 0.85)])  # 0.85: dedup-like
+def test_weighted_row_sum_matches_scatter_then_bmm(K, drop, dtype):
     from epscale.dispatch import local
 
-    monkeypatch.setattr(blocks, "CPU_BLOCK_BYTES", 5 * K * 16 * 2)  # several blocks
     g = torch.Generator().manual_seed(K)
     T, D = 19, 16
     keep = torch.rand(T * K, generator=g) >= drop
@@ -137,10 +140,28 @@ def test_weighted_row_sum_matches_scatter_then_bmm(K, drop, dtype, monkeypatch):
         out.backward(gy)
         outs.append(out.detach())
         grads.append((yy.grad, ww.grad))
-    assert torch.equal(outs[0], outs[1])  # the same products summed in the same order
+    # Both sum the same products (weights rounded to y's dtype) in fp32 and round once.
+    full = torch.zeros(T * K, D, dtype=torch.float64).index_copy(0, order, y.double())
+    ref = (w.to(dtype).double().unsqueeze(-1) * full.view(T, K, D)).sum(1)
+    ulp = 2.0 ** -24 if dtype == torch.float32 else 2.0 ** -8
+    for out in outs:
+        assert bool(((out.double() - ref).abs() <= ref.abs() * ulp + K * 1e-6).all())
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(grads[0][0], grads[1][0], **tol)
     torch.testing.assert_close(grads[0][1], grads[1][1], **tol)
+
+
+def test_weighted_row_sum_keeps_a_nonfinite_row_to_its_own_token():
+    from epscale.dispatch.local import unpermute_weighted
+
+    T, K, D = 4, 2, 3
+    order = torch.tensor([0, 2, 3, 6])      # (t, k) = (0,0), (1,0), (1,1), (3,0); token 2 has none
+    y = torch.ones(4, D)
+    y[1] = float("inf")                     # token 1's first row
+    out = unpermute_weighted(y, order, torch.full((T, K), 0.5))
+    assert torch.equal(out[0], torch.full((D,), 0.5))
+    assert bool(torch.isinf(out[1]).all())
+    assert torch.equal(out[2], torch.zeros(D)) and torch.equal(out[3], torch.full((D,), 0.5))
 
 
 def test_weighted_row_sum_with_no_rows():

@@ -28,7 +28,7 @@ import torch
 
 from .comm import Exchange, GroupInfo, exchange_counts
 from .ep import EPDispatcher, small_int_dtype
-from .local import WeightedRowSum, save_for_weighted_rows_backward
+from .local import WeightedRowSum
 from .layout import get_dispatch_layout, group_rows_by_expert, select_true
 
 
@@ -77,21 +77,7 @@ def expand_rows(recv_x_MD: torch.Tensor, recv_lidx_MK: torch.Tensor, num_local_e
 def reduce_rows(y_RD: torch.Tensor, order_R: torch.Tensor, recv_w_MK: torch.Tensor) -> torch.Tensor:
     """Sum over a received row's local experts of gate weight * expert output:
     returns [M, D] in y's dtype. ``order_R[i]`` = row*K + k of expanded row i."""
-    return _WeightedRowSum.apply(y_RD, order_R, recv_w_MK)
-
-
-class _WeightedRowSum(WeightedRowSum):
-    """out[m] = sum_{i: row(i)=m} w[order[i]] * y[i] by ``index_add_`` (kept rather than
-    :class:`epscale.dispatch.local.WeightedRowSum`: with few local experts per received
-    row it was the faster of the two in a CPU microbenchmark); the backward is inherited."""
-
-    @staticmethod
-    def forward(ctx, y_RD, order_R, w_MK):
-        M, K = w_MK.shape
-        w_R = save_for_weighted_rows_backward(ctx, y_RD, order_R, w_MK)
-        out = y_RD.new_zeros((M, y_RD.shape[1]))
-        out.index_add_(0, order_R // K, y_RD * w_R.unsqueeze(1))
-        return out
+    return WeightedRowSum.apply(y_RD, order_R, recv_w_MK)
 
 
 def relative_expert_ids(topk_idx_NK: torch.Tensor, base_N: torch.Tensor, span: int) -> torch.Tensor:

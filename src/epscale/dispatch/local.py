@@ -15,8 +15,8 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from ..blocks import rows_per_block
 from .base import Dispatcher
 
 
@@ -105,47 +105,37 @@ def unpermute_weighted(y_RD: torch.Tensor, order_R: torch.Tensor,
                        topk_weight_TK: torch.Tensor) -> torch.Tensor:
     """y_TD[t] = sum_k w[t, k] * y_RD[row of (t, k)]; missing (dropped) rows count as 0.
 
-    Per block of tokens: gather the block's K rows, then one batched [1,K]x[K,D] product
-    per token (fp32 accumulation, one rounding; deterministic, no atomics).
-    Differentiable in both y and the weights."""
+    One weighted ``embedding_bag`` pass (fp32 accumulation, one rounding; deterministic,
+    no atomics). Differentiable in both y and the weights."""
     return WeightedRowSum.apply(y_RD, order_R, topk_weight_TK)
 
 
 class WeightedRowSum(torch.autograd.Function):
-    """out[t] = sum_k w[t, k] * y[row of (t, k)], ``order_R[i]`` = t*K + k of row i; rows
-    that no (t, k) has (dropped, or on another rank) count as 0.
+    """out[m] = sum_k w[m, k] * y[row of (m, k)], ``order_R[i]`` = m*K + k of row i; an
+    (m, k) that no row has (dropped, or its expert is on another rank) counts as 0, and
+    an m with no rows at all gets zeros.
 
-    Forward, per block of tokens (:func:`epscale.blocks.rows_per_block`): gather the
-    block's K rows into a small buffer (a zero weight and row 0 stand in for a missing
-    one) and take one batched [1,K]x[K,D] product, so no [T*K, D] tensor is built. That used to be an index_copy into a
-    fresh [T*K, D] buffer and one bmm over all tokens: the same products in the same
-    order; on the layer's rows path the blocked form made a CPU step 1.05x (coarse) and
-    1.11x (fine) faster (benchmarks/RESULTS.md).
+    Forward: the rows sorted by ``order_R`` are bags of consecutive rows, one bag per m,
+    summed with their gate weights (in y's dtype) by one ``embedding_bag`` (mode 'sum',
+    per-sample weights). It reads each row once, touches no row for a missing (m, k)
+    (so a non-finite row reaches only its own m), builds no [M*K, D] or [R, D] temporary,
+    and parallelises over m. It replaced a blocked gather + batched [1,K]x[K,D] product
+    here and an ``index_add_`` of weighted rows in ``dedup``: 3-20x faster on CPU
+    (benchmarks/RESULTS.md). On CPU, bf16 results are rounded once from fp32 with
+    halfway cases away from zero (fbgemm's rounding), not to even.
     Backward: one gather of the output gradient, a row-wise dot product for the weight
     gradients and an in-place scale for the row gradients (see :func:`weighted_rows_backward`).
     """
 
     @staticmethod
-    def forward(ctx, y_RD, order_R, w_TK):
-        T, K = w_TK.shape
-        R, D = y_RD.shape
-        dt, dev = y_RD.dtype, y_RD.device
-        out_TD = torch.empty((T, D), dtype=dt, device=dev)
-        if R == 0 or T == 0:
-            out_TD.zero_()
-        else:
-            pos_A = assignment_rows(order_R, (T, K)).view(-1)
-            w_T1K = torch.where((pos_A < R).view(T, K), w_TK, 0).to(dt).unsqueeze(1)
-            pos_A = pos_A.clamp_(max=R - 1)
-            B = rows_per_block(T, K * D * y_RD.element_size(), dev)
-            buf = torch.empty((B * K, D), dtype=dt, device=dev)
-            for b0 in range(0, T, B):
-                b1 = min(T, b0 + B)
-                n = b1 - b0
-                g = torch.index_select(y_RD, 0, pos_A[b0 * K:b1 * K], out=buf[:n * K])
-                torch.bmm(w_T1K[b0:b1], g.view(n, K, D), out=out_TD[b0:b1].view(n, 1, D))
-        save_for_weighted_rows_backward(ctx, y_RD, order_R, w_TK)
-        return out_TD
+    def forward(ctx, y_RD, order_R, w_MK):
+        M, K = w_MK.shape
+        w_R = save_for_weighted_rows_backward(ctx, y_RD, order_R, w_MK)
+        key_R, row_R = torch.sort(order_R)           # rows in (m, k) order
+        counts_M = torch.bincount(key_R // K, minlength=M)
+        offsets_M = torch.cumsum(counts_M, 0) - counts_M
+        return F.embedding_bag(row_R, y_RD, offsets_M, mode="sum",
+                               per_sample_weights=w_R.index_select(0, row_R))
 
     @staticmethod
     def backward(ctx, grad_TD):

@@ -16,8 +16,8 @@ Two modes share one kernel:
   (the token of each row). The activation is multiplied by the row's gate weight
   ``weight_R`` before the second GEMM (w * (a W2) = (w * a) W2: a [C, F] pass instead of
   a [C, D] one), whose output goes straight into a [R + 1, D] rows buffer; the last row is
-  zeros for dropped assignments. Then :func:`gather_combine` sums each token's K rows,
-  block of tokens by block of tokens, through ``pos_TK`` (the row of each assignment): in
+  zeros for dropped assignments. Then :func:`gather_combine` sums each token's K rows
+  through ``pos_TK`` (the row of each assignment), in one ``embedding_bag`` pass: in
   fp32 with one rounding for bf16. ``weight_R`` gets its gradient here too:
   dL/dw_r = <dL/dy_t . W2_e^T, a_r>. The input gradient takes the same road back.
 * row mode (after an EP dispatcher): input is ``x_RD`` itself, output is [R, D].
@@ -255,7 +255,7 @@ class FusedExperts(torch.autograd.Function):
             _chunk_mm(ac, W2, outs[i], ch)
         out = rows_RD
         if gathered:
-            out = gather_combine(rows_RD, pos_TK, torch.empty((x.shape[0], D), dtype=dt, device=dev))
+            out = gather_combine(rows_RD, pos_TK)
         ctx.save_for_backward(x, weight_R, w1, w3, w2, src_R, pos_TK, h1_RF, h3_RF)
         ctx.plan = plan
         ctx.chunks = chunks
@@ -368,5 +368,5 @@ class FusedExperts(torch.autograd.Function):
                     _chunk_mm(gh3c, W3T, gxs[i], ch, accumulate=True)
         gx = gx_rows
         if gx is not None and gathered:
-            gx = gather_combine(gx_rows, pos_TK, torch.empty((x.shape[0], D), dtype=dt, device=dev))
+            gx = gather_combine(gx_rows, pos_TK)
         return gx, g_weight_R, gw1, gw3, gw2, None, None, None, None, None, None
