@@ -1,4 +1,4 @@
-"""Optional generated element-wise kernel of the fused expert kernel's backward
+"""Optional generated element-wise kernels of the fused expert kernel, forward and backward
 (``moe.compile_kernels='on'``), built with torch.compile on first use, with an eager
 fallback (one warning) when there is no C++ compiler or compilation fails.
 
@@ -14,12 +14,23 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-# Optional generated kernel (moe.compile_kernels='on'): torch.compile (inductor, C++ on
-# CPU) fuses the element-wise work of one chunk's backward into a single pass: recompute
+# Optional generated kernels (moe.compile_kernels='on'): torch.compile (inductor, C++ on
+# CPU) fuses the element-wise work of one chunk into a single pass. Forward: the
+# activation times the gate weight (one pass instead of three). Backward: recompute
 # SwiGLU/GELU, the gate-weight gradient, the weighted activation for dW2, dL/dh1 (and
 # dL/dh3); one pass instead of ~9 eager ones, one exp per element instead of two.
 # Compiled with dynamic shapes, so a new number of rows per chunk does not recompile.
 # Internally fp32 (bf16 inputs are widened once, results rounded once).
+
+
+def act_forward_eager(h1_CF, h3_CF, w_C):
+    """The activation [C, F] (times the gate weight when ``w_C`` is given) from the
+    pre-activations; fp32 inside, one rounding."""
+    h1 = h1_CF.float()
+    a = h1 * torch.sigmoid(h1) * h3_CF.float() if h3_CF is not None else F.gelu(h1)
+    if w_C is not None:
+        a = a * w_C.float().unsqueeze(1)
+    return a.to(h1_CF.dtype)
 
 
 def act_backward_eager(ga_CF, h1_CF, h3_CF, w_C):
@@ -56,28 +67,33 @@ class Compiled:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self.fns = None          # (act_backward,) once ready
+        self.fns: dict[int, tuple] = {}   # threads -> (act_backward, act_forward)
         self.failed: str | None = None
 
     def get(self):
-        if self.fns is None and self.failed is None:
+        """The kernels for torch's current thread count, built on first use."""
+        threads = torch.get_num_threads()
+        if threads not in self.fns and self.failed is None:
             with self._lock:
-                if self.fns is None and self.failed is None:
-                    self._build()
-        return self.fns
+                if threads not in self.fns and self.failed is None:
+                    self._build(threads)
+        return self.fns.get(threads)
 
-    def _build(self) -> None:
+    def _build(self, threads: int) -> None:
         why = no_compiler_reason()
         if why is not None:
             self.fail(why)
             return
-        # Single-threaded generated code: a chunk's element-wise pass is ~0.1 ms, too
-        # short for an OpenMP fork/join; parallel code measured up to 1.5x slower.
-        opts = {"cpp.threads": 1}
-        self.fns = (torch.compile(act_backward_eager, dynamic=True, options=opts),)
+        # The generated code runs on as many threads as torch's own ops at the time of
+        # the call (one build per thread count): more would oversubscribe the cores
+        # (1.5x slower with 2 threads on a 1-thread budget), fewer leaves cores idle
+        # beside eager ops that use them all (benchmarks/RESULTS.md).
+        opts = {"cpp.threads": threads}
+        self.fns[threads] = (torch.compile(act_backward_eager, dynamic=True, options=opts),
+                             torch.compile(act_forward_eager, dynamic=True, options=opts))
 
     def fail(self, why: str) -> None:
-        self.failed, self.fns = why, None
+        self.failed, self.fns = why, {}
         warnings.warn(f"moe.compile_kernels='on': running the eager element-wise kernels "
                       f"instead ({why})", RuntimeWarning, stacklevel=3)
 
@@ -97,8 +113,8 @@ COMPILED = Compiled()
 
 
 def get_kernels(compiled: bool):
-    """(act_backward,) to use: compiled when asked for and available, else None (the
-    eager kernel's own multi-pass code in FusedExperts)."""
+    """(act_backward, act_forward) to use: compiled when asked for and available, else
+    None (the eager kernel's own multi-pass code in FusedExperts)."""
     return COMPILED.get() if compiled else None
 
 

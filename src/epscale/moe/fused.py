@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .compiled_kernels import act_backward_eager, get_kernels, run_compiled
+from .compiled_kernels import act_backward_eager, act_forward_eager, get_kernels, run_compiled
 from .rows import gather_combine
 from .workspace import Workspace, take_fresh
 
@@ -207,7 +207,7 @@ class FusedExperts(torch.autograd.Function):
     plan: :class:`ExpertPlan`. activation: 'swiglu' or 'gelu'.
     ws: a :class:`Workspace` to take the rows buffer, the saved pre-activations and the
     weight gradients from, or None (fresh buffers). compiled: use the generated
-    element-wise kernel (:mod:`epscale.moe.compiled_kernels`) where it can be built.
+    element-wise kernels (:mod:`epscale.moe.compiled_kernels`) where it can be built.
     Returns [T, D] (gathered mode) or [R, D] (row mode) in x's dtype.
     """
 
@@ -227,7 +227,8 @@ class FusedExperts(torch.autograd.Function):
         h3_RF = take("h3", (R, Fh), dt, dev) if W3 is not None else None
         h1s = h1_RF.split(sizes)
         h3s = h3_RF.split(sizes) if h3_RF is not None else None
-        a_CF = torch.empty((C, Fh), dtype=dt, device=dev)
+        kern = get_kernels(compiled)
+        a_CF = torch.empty((C, Fh), dtype=dt, device=dev) if kern is None else None
         if gathered:
             # Rows of weighted expert outputs, plus one zero row for dropped assignments.
             rows_RD = take("rows_RD", (R + 1, D), dt, dev)
@@ -243,15 +244,20 @@ class FusedExperts(torch.autograd.Function):
             n = sizes[i]
             xc = torch.index_select(x, 0, srcs[i], out=x_CD[:n]) if gathered else xs[i]
             _chunk_mm(xc, W1, h1s[i], ch)
-            ac = a_CF[:n]
             if W3 is not None:
                 _chunk_mm(xc, W3, h3s[i], ch)
-                torch.ops.aten.silu.out(h1s[i], out=ac)
-                ac.mul_(h3s[i])
+            if kern is not None:  # one generated pass: activation times gate weight
+                ac = run_compiled(kern[1], act_forward_eager, h1s[i],
+                                  h3s[i] if W3 is not None else None, wts[i] if gathered else None)
             else:
-                torch.ops.aten.gelu.out(h1s[i], out=ac)
-            if gathered:
-                ac.mul_(wts[i].unsqueeze(1))
+                ac = a_CF[:n]
+                if W3 is not None:
+                    torch.ops.aten.silu.out(h1s[i], out=ac)
+                    ac.mul_(h3s[i])
+                else:
+                    torch.ops.aten.gelu.out(h1s[i], out=ac)
+                if gathered:
+                    ac.mul_(wts[i].unsqueeze(1))
             _chunk_mm(ac, W2, outs[i], ch)
         out = rows_RD
         if gathered:
