@@ -96,3 +96,17 @@ def test_falls_back_when_compilation_fails(monkeypatch, fresh_compiled):
 def test_config_knob_validated():
     with pytest.raises(ValueError, match="moe.compile_kernels"):
         MoEConfig(compile_kernels="yes")
+
+
+def test_kernels_built_per_thread_count(fresh_compiled):
+    """Generated code runs on torch's thread count at the call: one build per count."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = compiled_kernels.get_kernels(True)
+        torch.set_num_threads(2)
+        two = compiled_kernels.get_kernels(True)
+        assert one is not two and compiled_kernels.get_kernels(True) is two
+        assert set(fresh_compiled.fns) == {1, 2}
+    finally:
+        torch.set_num_threads(threads)
