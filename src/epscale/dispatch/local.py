@@ -120,8 +120,8 @@ class WeightedRowSum(torch.autograd.Function):
     per-sample weights). It reads each row once, touches no row for a missing (m, k)
     (so a non-finite row reaches only its own m), builds no [M*K, D] or [R, D] temporary,
     and parallelises over m. It replaced a blocked gather + batched [1,K]x[K,D] product
-    here and an ``index_add_`` of weighted rows in ``dedup``: 3-20x faster on CPU
-    (benchmarks/RESULTS.md). On CPU, bf16 results are rounded once from fp32 with
+    here (1.8-21x faster on CPU) and an ``index_add_`` of weighted rows in ``dedup``
+    (1.4-15x faster; benchmarks/combine.py). On CPU, bf16 results are rounded once from fp32 with
     halfway cases away from zero (fbgemm's rounding), not to even.
     Backward: one gather of the output gradient, a row-wise dot product for the weight
     gradients and an in-place scale for the row gradients (see :func:`weighted_rows_backward`).

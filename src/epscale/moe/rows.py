@@ -18,8 +18,8 @@ def gather_combine(rows_RD: torch.Tensor, pos_TK: torch.Tensor) -> torch.Tensor:
 
     One ``embedding_bag`` (mode 'sum', bags of K): it reads each row once and writes each
     token once, with no [T*K, D] gather buffer, and parallelises over tokens. It replaced a
-    blocked index_select + sum that moved 2-3x the bytes: on CPU that pass became 3-10x
-    faster (benchmarks/RESULTS.md). fp32 and fp16 results are bitwise those of the
+    blocked index_select + sum that moved 2-3x the bytes: 3.0-9.5x faster on CPU on the
+    benchmark shapes (benchmarks/combine.py). fp32 and fp16 results are bitwise those of the
     sequential sum in order k (fp16 summed in fp32, rounded once). bf16 is summed in fp32
     and rounded once too, but PyTorch's CPU kernel (fbgemm) rounds halfway cases away
     from zero instead of to even: the error stays within half a bf16 ulp, with a mean
