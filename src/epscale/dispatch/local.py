@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..blocks import rows_per_block
 from .base import Dispatcher
 
 
@@ -121,16 +122,17 @@ class WeightedRowSum(torch.autograd.Function):
     (so a non-finite row reaches only its own m), builds no [M*K, D] or [R, D] temporary,
     and parallelises over m. It replaced a blocked gather + batched [1,K]x[K,D] product
     here (1.8-21x faster on CPU) and an ``index_add_`` of weighted rows in ``dedup``
-    (1.4-15x faster; benchmarks/combine.py). On CPU, bf16 results are rounded once from fp32 with
-    halfway cases away from zero (fbgemm's rounding), not to even.
-    Backward: one gather of the output gradient, a row-wise dot product for the weight
-    gradients and an in-place scale for the row gradients (see :func:`weighted_rows_backward`).
+    (1.4-15x faster; benchmarks/combine.py). On CPU, bf16 results are rounded once from
+    fp32 with halfway cases away from zero (fbgemm's rounding), not to even.
+    Backward: see :meth:`backward`.
     """
 
     @staticmethod
     def forward(ctx, y_RD, order_R, w_MK):
         M, K = w_MK.shape
-        w_R = save_for_weighted_rows_backward(ctx, y_RD, order_R, w_MK)
+        w_R = w_MK.reshape(-1).index_select(0, order_R).to(y_RD.dtype)  # y's dtype
+        ctx.save_for_backward(y_RD, order_R, w_R)
+        ctx.shape_w, ctx.dtype_w = (M, K), w_MK.dtype
         key_R, row_R = torch.sort(order_R)           # rows in (m, k) order
         counts_M = torch.bincount(key_R // K, minlength=M)
         offsets_M = torch.cumsum(counts_M, 0) - counts_M
@@ -138,36 +140,30 @@ class WeightedRowSum(torch.autograd.Function):
                                per_sample_weights=w_R.index_select(0, row_R))
 
     @staticmethod
-    def backward(ctx, grad_TD):
-        return weighted_rows_backward(ctx, grad_TD)
-
-
-def save_for_weighted_rows_backward(ctx, y_RD: torch.Tensor, order_R: torch.Tensor,
-                                    w_MK: torch.Tensor) -> torch.Tensor:
-    """What :func:`weighted_rows_backward` needs; returns the rows' weights in y's dtype."""
-    w_R = w_MK.reshape(-1).index_select(0, order_R).to(y_RD.dtype)
-    ctx.save_for_backward(y_RD, order_R, w_R)
-    ctx.shape_w, ctx.dtype_w = tuple(w_MK.shape), w_MK.dtype
-    return w_R
-
-
-def weighted_rows_backward(ctx, grad_MD: torch.Tensor):
-    """Gradients of out[m] = sum over rows i of m of w[order[i]] * y[i] (forward saved with
-    :func:`save_for_weighted_rows_backward`): one gather of the output gradient, a
-    row-wise dot product for the weight gradients and an in-place scale for the row
-    gradients (autograd's version of the formula makes three [R, D] temporaries and, in
-    bf16, two dtype round trips). Returns (grad_y, None, grad_w)."""
-    y_RD, order_R, w_R = ctx.saved_tensors
-    M, K = ctx.shape_w
-    g_RD = grad_MD.index_select(0, order_R // K)
-    grad_w = None
-    if ctx.needs_input_grad[2]:
-        if g_RD.dtype == torch.float32:  # measured on CPU: bmm wins in fp32, mul+sum in bf16
-            dot_R = torch.bmm(g_RD.unsqueeze(1), y_RD.unsqueeze(2)).view(-1)
-        else:
-            dot_R = (g_RD * y_RD).sum(1)
-        grad_w = torch.zeros(M * K, dtype=ctx.dtype_w, device=g_RD.device)
-        grad_w.index_copy_(0, order_R, dot_R.to(ctx.dtype_w))
-        grad_w = grad_w.view(M, K)
-    grad_y = g_RD.mul_(w_R.unsqueeze(1)) if ctx.needs_input_grad[0] else None
-    return grad_y, None, grad_w
+    def backward(ctx, grad_MD):
+        """One gather of the output gradient, then block by block of rows
+        (:func:`epscale.blocks.rows_per_block`): the row-wise dot product with y for the
+        weight gradients (fp32 sums) and the in-place scale by w for the row gradients,
+        while the block is in cache. No [R, D] temporary beside the gathered gradient
+        (autograd's version of the formula makes three, and in bf16 two dtype round trips)."""
+        y_RD, order_R, w_R = ctx.saved_tensors
+        M, K = ctx.shape_w
+        need_y, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        g_RD = grad_MD.index_select(0, order_R // K)
+        R, D = g_RD.shape
+        dot_R = torch.empty(R, dtype=torch.float32, device=g_RD.device) if need_w else None
+        B = rows_per_block(R, D * g_RD.element_size(), g_RD.device)
+        tmp_BD = torch.empty((B, D), dtype=g_RD.dtype, device=g_RD.device) if need_w else None
+        for r0 in range(0, R, B):
+            r1 = min(R, r0 + B)
+            g = g_RD[r0:r1]
+            if need_w:
+                prod = torch.mul(g, y_RD[r0:r1], out=tmp_BD[:r1 - r0])
+                torch.sum(prod, 1, dtype=torch.float32, out=dot_R[r0:r1])
+            if need_y:
+                g.mul_(w_R[r0:r1].unsqueeze(1))
+        grad_w = None
+        if need_w:
+            grad_w = torch.zeros(M * K, dtype=ctx.dtype_w, device=g_RD.device)
+            grad_w = grad_w.index_copy_(0, order_R, dot_R.to(ctx.dtype_w)).view(M, K)
+        return (g_RD if need_y else None), None, grad_w
