@@ -174,3 +174,29 @@ def test_weighted_row_sum_with_no_rows():
     assert torch.equal(out, torch.zeros(3, 4))
     out.sum().backward()
     assert torch.equal(w.grad, torch.zeros(3, 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_rows_backward_sums_each_owners_rows(dtype):
+    from epscale.dispatch.local import gather_rows
+
+    g = torch.Generator().manual_seed(1)
+    M, K, D = 13, 4, 8
+    keep = torch.rand(M * K, generator=g) < 0.6
+    keep[K * 5:K * 6] = False                              # row owner 5 has no rows at all
+    order = torch.randperm(M * K, generator=g)
+    order = order[keep[order]]
+    x = torch.randn(M, D, generator=g).to(dtype)
+    gy = torch.randn(order.numel(), D, generator=g).to(dtype)
+    xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    ya = gather_rows(xa, order, K)
+    yb = xb.index_select(0, order // K)
+    assert torch.equal(ya, yb)
+    ya.backward(gy)
+    yb.backward(gy)
+    assert torch.equal(xa.grad[5], torch.zeros(D, dtype=dtype))
+    ref = torch.zeros(M, D, dtype=torch.float64).index_add_(0, order // K, gy.double())
+    ulp = 2.0 ** -24 if dtype == torch.float32 else 2.0 ** -8
+    assert bool(((xa.grad.double() - ref).abs() <= ref.abs() * ulp + K * 1e-6).all())
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=0 if dtype == torch.float32 else 2e-2,
+                               atol=1e-6 if dtype == torch.float32 else 2e-2)

@@ -18,7 +18,7 @@ import torch
 from .comm import Exchange, GroupInfo, exchange_counts
 from .ep import EPDispatcher
 from .layout import segment_ids
-from .local import unpermute_weighted
+from .local import gather_rows, unpermute_weighted
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class AllToAllDispatcher(EPDispatcher):
         S, R = sum(send_splits), sum(recv_splits)
 
         order_S = torch.argsort(key_A, stable=True)[:S]
-        send_x_SD, _ = self._payload_cast(x_TD.index_select(0, order_S // K))
+        send_x_SD, _ = self._payload_cast(gather_rows(x_TD, order_S, K))
         exchange = Exchange(self.info, send_splits, recv_splits)
         (recv_raw_RD,) = exchange(send_x_SD)
         # Received rows come source-major (source q, then its rows for my expert j);

@@ -28,7 +28,7 @@ import torch
 
 from .comm import Exchange, GroupInfo, exchange_counts
 from .ep import EPDispatcher, small_int_dtype
-from .local import WeightedRowSum
+from .local import WeightedRowSum, gather_rows
 from .layout import get_dispatch_layout, group_rows_by_expert, select_true
 
 
@@ -71,7 +71,7 @@ def expand_rows(recv_x_MD: torch.Tensor, recv_lidx_MK: torch.Tensor, num_local_e
     (recv_x_RD in ``dtype``, order_R)."""
     K = recv_lidx_MK.shape[1]
     order_R = group_rows_by_expert(recv_lidx_MK, num_local_experts, num_expanded)
-    return recv_x_MD.index_select(0, order_R // K).to(dtype), order_R
+    return gather_rows(recv_x_MD, order_R, K).to(dtype), order_R
 
 
 def reduce_rows(y_RD: torch.Tensor, order_R: torch.Tensor, recv_w_MK: torch.Tensor) -> torch.Tensor:

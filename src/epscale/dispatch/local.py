@@ -62,7 +62,7 @@ class LocalDispatcher(Dispatcher):
     def dispatch(self, x_TD, topk_idx_TK, topk_weight_TK):
         T, K = topk_idx_TK.shape
         order_R, tokens_per_expert_E, _ = sort_by_expert(topk_idx_TK, self.num_experts)
-        recv_x_RD = x_TD.index_select(0, order_R // K)
+        recv_x_RD = gather_rows(x_TD, order_R, K)
         return recv_x_RD, tokens_per_expert_E, LocalHandle(order_R, topk_weight_TK, T)
 
     def combine(self, y_RD, handle: LocalHandle):
@@ -102,6 +102,40 @@ def assignment_rows(order_R: torch.Tensor, shape_TK) -> torch.Tensor:
     return pos_A.view(shape_TK)
 
 
+def sum_rows_by_owner(y_RD: torch.Tensor, order_R: torch.Tensor, M: int, K: int,
+                      w_R: torch.Tensor | None = None) -> torch.Tensor:
+    """out[m] = sum over rows i with order_R[i] // K == m of (w_R[i] *) y[i]: [M, D] in y's
+    dtype, zeros for an m without rows. The rows sorted by ``order_R`` are bags of
+    consecutive rows, one per m, summed by one ``embedding_bag`` (fp32 accumulation, one
+    rounding; on CPU bf16 halfway cases round away from zero, fbgemm's rounding)."""
+    key_R, row_R = torch.sort(order_R)           # rows in (m, k) order
+    counts_M = torch.bincount(key_R // K, minlength=M)
+    offsets_M = torch.cumsum(counts_M, 0) - counts_M
+    weights = w_R.index_select(0, row_R) if w_R is not None else None
+    return F.embedding_bag(row_R, y_RD, offsets_M, mode="sum", per_sample_weights=weights)
+
+
+def gather_rows(x_MD: torch.Tensor, order_R: torch.Tensor, K: int) -> torch.Tensor:
+    """x_MD[order_R // K]: one row per (m, k) assignment, differentiable in x. Its backward
+    sums each m's row gradients with :func:`sum_rows_by_owner` (one pass, fp32
+    accumulation) instead of autograd's index_add into a zeroed [M, D] buffer (a bf16
+    accumulation, rounded at every add)."""
+    return GatherRows.apply(x_MD, order_R, K)
+
+
+class GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_MD, order_R, K):
+        ctx.save_for_backward(order_R)
+        ctx.M, ctx.K = x_MD.shape[0], K
+        return x_MD.index_select(0, order_R // K)
+
+    @staticmethod
+    def backward(ctx, g_RD):
+        (order_R,) = ctx.saved_tensors
+        return sum_rows_by_owner(g_RD.contiguous(), order_R, ctx.M, ctx.K), None, None
+
+
 def unpermute_weighted(y_RD: torch.Tensor, order_R: torch.Tensor,
                        topk_weight_TK: torch.Tensor) -> torch.Tensor:
     """y_TD[t] = sum_k w[t, k] * y_RD[row of (t, k)]; missing (dropped) rows count as 0.
@@ -133,11 +167,7 @@ class WeightedRowSum(torch.autograd.Function):
         w_R = w_MK.reshape(-1).index_select(0, order_R).to(y_RD.dtype)  # y's dtype
         ctx.save_for_backward(y_RD, order_R, w_R)
         ctx.shape_w, ctx.dtype_w = (M, K), w_MK.dtype
-        key_R, row_R = torch.sort(order_R)           # rows in (m, k) order
-        counts_M = torch.bincount(key_R // K, minlength=M)
-        offsets_M = torch.cumsum(counts_M, 0) - counts_M
-        return F.embedding_bag(row_R, y_RD, offsets_M, mode="sum",
-                               per_sample_weights=w_R.index_select(0, row_R))
+        return sum_rows_by_owner(y_RD, order_R, M, K, w_R)
 
     @staticmethod
     def backward(ctx, grad_MD):
