@@ -138,8 +138,10 @@ class GroupedExperts(nn.Module):
     def _fused(self, x: torch.Tensor, src_R: torch.Tensor | None, weight_R: torch.Tensor | None,
                counts: list[int], pos_TK: torch.Tensor | None = None) -> torch.Tensor:
         """The fused kernel over ``x`` ([R, D] rows, or [T, D] tokens gathered by src_R)."""
-        plan = ExpertPlan.build(counts, x.shape[-1] * x.element_size(), self.chunk_bytes,
-                                self._grouped(x))
+        # A chunk's widest per-row buffer sets its size: [C, D] (inputs, outputs) or [C, F]
+        # (pre-activations, activation and their gradients), whichever is wider.
+        row_bytes = max(x.shape[-1], self.hidden_dim) * x.element_size()
+        plan = ExpertPlan.build(counts, row_bytes, self.chunk_bytes, self._grouped(x))
         w1, w3, w2 = self._weights(x.dtype)
         if src_R is not None and pos_TK is None:
             pos_TK = token_slots(src_R, x.shape[0])

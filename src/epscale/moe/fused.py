@@ -47,9 +47,11 @@ from .workspace import Workspace, take_fresh
 
 HAS_GROUPED_MM = hasattr(F, "grouped_mm")
 
-# Bytes of one [C, D] chunk buffer the planner aims for: about one core's L2, so that a
-# chunk is still cached between its GEMM and the element-wise passes around it. 1 MB
-# measured slightly faster than 4 or 16 MB on CPU (2-3%); small experts share a chunk.
+# Bytes of a chunk's widest per-row buffer ([C, D] or [C, F]) the planner aims for: about
+# one core's L2, so that a chunk is still cached between its GEMM and the element-wise
+# passes around it. 1 MB measured slightly faster than 4 or 16 MB on CPU (2-3%); small
+# experts share a chunk. Sizing by D alone made chunks with F = 2.75 D (16 experts, D=512,
+# F=1408) 12-18% slower than sizing by the wider F (benchmarks/RESULTS.md).
 CHUNK_BYTES = 1 << 20
 
 
