@@ -3,6 +3,7 @@ replaced, side by side in one process (not a test).
 
     .venv/bin/python benchmarks/combine.py                       # all threads, wall clock
     .venv/bin/python benchmarks/combine.py --threads 1 --clock cpu --json /tmp/combine.json
+    python benchmarks/combine.py --device cuda                   # on a GPU (benchmarks/gpu_check.sh)
 
 Part 1, the fused kernel's per-token sum (no EP): out[t] = sum_k rows[pos[t, k]].
   embedding_bag   epscale.moe.rows.gather_combine (current)
@@ -42,10 +43,11 @@ def sum_by_gather(rows_RD: torch.Tensor, pos_TK: torch.Tensor) -> torch.Tensor:
     """The former per-token sum: blocked index_select into a buffer, then add/sum."""
     T, K = pos_TK.shape
     D, dt = rows_RD.shape[1], rows_RD.dtype
-    out = torch.empty((T, D), dtype=dt)
-    B = rows_per_block(T, K * D * rows_RD.element_size(), rows_RD.device)
-    buf = torch.empty((B * K, D), dtype=dt)
-    acc = torch.empty((B, D), dtype=torch.float32) if K > 2 and dt != torch.float32 else None
+    dev = rows_RD.device
+    out = torch.empty((T, D), dtype=dt, device=dev)
+    B = rows_per_block(T, K * D * rows_RD.element_size(), dev)
+    buf = torch.empty((B * K, D), dtype=dt, device=dev)
+    acc = torch.empty((B, D), dtype=torch.float32, device=dev) if K > 2 and dt != torch.float32 else None
     flat = pos_TK.reshape(-1)
     for b0 in range(0, T, B):
         n = min(T, b0 + B) - b0
@@ -66,13 +68,13 @@ def weighted_by_gather_bmm(y_RD: torch.Tensor, order_R: torch.Tensor, w_MK: torc
     """The former local/alltoall weighted sum: blocked gather + batched [1,K]x[K,D]."""
     M, K = w_MK.shape
     R, D = y_RD.shape
-    dt = y_RD.dtype
-    out = torch.empty((M, D), dtype=dt)
+    dt, dev = y_RD.dtype, y_RD.device
+    out = torch.empty((M, D), dtype=dt, device=dev)
     pos = assignment_rows(order_R, (M, K)).view(-1)
     w_M1K = torch.where((pos < R).view(M, K), w_MK, 0).to(dt).unsqueeze(1)
     pos = pos.clamp_(max=R - 1)
-    B = rows_per_block(M, K * D * y_RD.element_size(), y_RD.device)
-    buf = torch.empty((B * K, D), dtype=dt)
+    B = rows_per_block(M, K * D * y_RD.element_size(), dev)
+    buf = torch.empty((B * K, D), dtype=dt, device=dev)
     for b0 in range(0, M, B):
         n = min(M, b0 + B) - b0
         g = torch.index_select(y_RD, 0, pos[b0 * K:(b0 + n) * K], out=buf[:n * K])
@@ -88,15 +90,17 @@ def weighted_by_index_add(y_RD: torch.Tensor, order_R: torch.Tensor, w_MK: torch
     return out.index_add_(0, order_R // K, y_RD * w_R.unsqueeze(1))
 
 
-def time_side_by_side(fns: dict, rounds: int, reps: int, clock) -> dict[str, float]:
+def time_side_by_side(fns: dict, rounds: int, reps: int, clock, sync) -> dict[str, float]:
     best = {name: float("inf") for name in fns}
     for fn in fns.values():
         fn()  # warm-up
+    sync()
     for _ in range(rounds):
         for name, fn in fns.items():
             for _ in range(reps):
                 t0 = clock()
                 fn()
+                sync()
                 best[name] = min(best[name], clock() - t0)
     return best
 
@@ -117,8 +121,15 @@ def main() -> None:
                    help="cpu: process CPU time (use with --threads 1)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args()
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: torch sees no CUDA device")
+    if args.clock == "cpu" and dev.type != "cpu":
+        raise SystemExit("--clock cpu measures host CPU time: use --clock wall with --device cuda")
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.clock == "cpu" and torch.get_num_threads() != 1:
@@ -129,7 +140,8 @@ def main() -> None:
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     dt = getattr(torch, args.dtype)
     g = torch.Generator().manual_seed(0)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.clock} clock, {args.dtype}")
+    print(f"torch {torch.__version__}, {dev}, {torch.get_num_threads()} threads, {args.clock} clock, "
+          f"{args.dtype}")
     print(f"{'part':9s} {'shape':8s} {'fill':>5s} {'current ms':>10s} {'former':>12s} "
           f"{'former ms':>10s} {'speedup':>8s}")
     rows = []
@@ -147,30 +159,30 @@ def main() -> None:
     for shape in args.shapes.split(","):
         T, K, D = SHAPES[shape]
         R = T * K
-        rows_RD = torch.randn(R + 1, D, generator=g).to(dt)
+        rows_RD = torch.randn(R + 1, D, generator=g).to(dev, dt)
         rows_RD[R] = 0
-        pos_TK = torch.randperm(R, generator=g).view(T, K)
+        pos_TK = torch.randperm(R, generator=g).view(T, K).to(dev)
         check_close(gather_combine(rows_RD, pos_TK), sum_by_gather(rows_RD, pos_TK), f"sum {shape}")
         best = time_side_by_side({"embedding_bag": lambda: gather_combine(rows_RD, pos_TK),
                                   "gather+sum": lambda: sum_by_gather(rows_RD, pos_TK)},
-                                 args.rounds, args.reps, clock)
+                                 args.rounds, args.reps, clock, sync)
         report("sum", shape, 1.0, best)
         for fill in FILLS:
             keep = torch.rand(R, generator=g) < fill
             order = torch.randperm(R, generator=g)
-            order_R = order[keep[order]]  # kept (m, k) ids, in an arbitrary (expert) order
-            y_RD = torch.randn(order_R.numel(), D, generator=g).to(dt)
-            w_TK = torch.rand(T, K, generator=g)
+            order_R = order[keep[order]].to(dev)  # kept (m, k) ids, in an arbitrary (expert) order
+            y_RD = torch.randn(order_R.numel(), D, generator=g).to(dev, dt)
+            w_TK = torch.rand(T, K, generator=g).to(dev)
             fns = {"embedding_bag": lambda: WeightedRowSum.apply(y_RD, order_R, w_TK),
                    "gather+bmm": lambda: weighted_by_gather_bmm(y_RD, order_R, w_TK),
                    "index_add": lambda: weighted_by_index_add(y_RD, order_R, w_TK)}
             ref = fns["embedding_bag"]()
             for name in ("gather+bmm", "index_add"):
                 check_close(ref, fns[name](), f"weighted {shape} {name}")
-            report("weighted", shape, fill, time_side_by_side(fns, args.rounds, args.reps, clock))
+            report("weighted", shape, fill, time_side_by_side(fns, args.rounds, args.reps, clock, sync))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(torch=torch.__version__, threads=torch.get_num_threads(),
+            json.dump(dict(torch=torch.__version__, device=str(dev), threads=torch.get_num_threads(),
                            clock=args.clock, dtype=args.dtype, rows=rows), f, indent=1)
         print(f"wrote {args.json}")
 

@@ -28,8 +28,12 @@ PY
 
 if [ -f benchmarks/moe_layer.py ]; then
     echo "== benchmarks/moe_layer.py --device cuda (single GPU)"
-    "$PY" benchmarks/moe_layer.py --device cuda --dtypes bfloat16 --impls rows,grouped,torchtitan,mixtral-grouped \
+    "$PY" benchmarks/moe_layer.py --device cuda --dtypes bfloat16 --impls rows,grouped,compiled,torchtitan,mixtral-grouped \
         --json "$OUT/moe_layer_gpu.json" | tee "$OUT/moe_layer_gpu.txt"
+fi
+if [ -f benchmarks/combine.py ]; then
+    echo "== benchmarks/combine.py --device cuda (the embedding_bag combines vs the forms they replaced)"
+    "$PY" benchmarks/combine.py --device cuda --json "$OUT/combine_gpu.json" | tee "$OUT/combine_gpu.txt"
 fi
 
 if [ "$NGPU" -lt 2 ]; then
