@@ -91,3 +91,19 @@ def test_pad_rows_weigh_nothing_and_keep_gradients():
     assert pos_P.tolist() == [[0, 7], [9, 1], [6, 8]]  # dropped -> P, the zero row
     (w_P * torch.arange(9.0)).sum().backward()
     assert w.grad.tolist() == [0.0, 1.0, 6.0, 7.0, 8.0]
+
+
+@pytest.mark.parametrize("dim,hidden", [(64, 512), (512, 64)])
+def test_chunks_sized_by_the_wider_of_dim_and_hidden(dim, hidden, monkeypatch):
+    """The planner's row size is the widest per-row buffer, [C, D] or [C, F]."""
+    seen = []
+    build = ExpertPlan.build
+
+    def spy(counts, row_bytes, *args, **kw):
+        seen.append(row_bytes)
+        return build(counts, row_bytes, *args, **kw)
+
+    monkeypatch.setattr(ExpertPlan, "build", staticmethod(spy))
+    moe = make_moe(torch.float32, dim=dim, hidden_dim=hidden, num_experts=4, top_k=2)
+    moe(torch.randn(16, dim))
+    assert seen == [max(dim, hidden) * 4]
