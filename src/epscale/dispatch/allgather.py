@@ -68,10 +68,10 @@ class AllGatherDispatcher(EPDispatcher):
         w_all = AllGatherRows.apply(self.info, topk_weight_TK)
         idx_all = AllGatherRows.apply(self.info, topk_idx_TK)
         lidx_all = torch.where(idx_all >= 0, idx_all - lo, idx_all)
-        recv_x_RD, order_R = expand_rows(x_all, lidx_all, e, R, x_TD.dtype)
+        recv_x_RD, order_R = expand_rows(x_all, lidx_all, e, R, x_TD.dtype, self.workspace)
         return recv_x_RD, local_e, AllGatherHandle(order_R, w_all, T)
 
     def _combine_start(self, y_RD, handle: AllGatherHandle, async_op):
-        partial_PD = reduce_rows(y_RD, handle.order_R, handle.w_all_PK)
+        partial_PD = reduce_rows(y_RD, handle.order_R, handle.w_all_PK, self.workspace)
         mine_TD = ReduceScatterRows.apply(self.info, partial_PD)[:handle.num_tokens]
         return lambda: mine_TD

@@ -52,7 +52,7 @@ class AllToAllDispatcher(EPDispatcher):
         S, R = sum(send_splits), sum(recv_splits)
 
         order_S = torch.argsort(key_A, stable=True)[:S]
-        send_x_SD, _ = self._payload_cast(gather_rows(x_TD, order_S, K))
+        send_x_SD, _ = self._payload_cast(gather_rows(x_TD, order_S, K, self.workspace))
         exchange = Exchange(self.info, send_splits, recv_splits)
         (recv_raw_RD,) = exchange(send_x_SD)
         # Received rows come source-major (source q, then its rows for my expert j);
@@ -75,5 +75,5 @@ class AllToAllDispatcher(EPDispatcher):
 
         def finish() -> torch.Tensor:
             back.wait()
-            return unpermute_weighted(y_SD, handle.order_S, handle.topk_weight_TK)
+            return unpermute_weighted(y_SD, handle.order_S, handle.topk_weight_TK, self.workspace)
         return finish

@@ -32,6 +32,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..moe.workspace import Workspace
+
 
 class Dispatcher(ABC):
     """Base class of every backend; subclasses implement ``dispatch`` and ``combine``."""
@@ -42,6 +44,9 @@ class Dispatcher(ABC):
         self.num_experts = num_experts
         self.num_local_experts = num_local_experts
         self.expert_offset = expert_offset
+        # Row buffers kept from step to step (the gathered rows and the combine's gradient
+        # rows): on CPU a fresh [R, D] buffer is page-faulted in on every step.
+        self.workspace = Workspace()
 
     @abstractmethod
     def dispatch(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor,

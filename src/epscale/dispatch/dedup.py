@@ -28,6 +28,7 @@ import torch
 
 from .comm import Exchange, GroupInfo, exchange_counts
 from .ep import EPDispatcher, small_int_dtype
+from ..moe.workspace import Workspace
 from .local import WeightedRowSum, gather_rows
 from .layout import get_dispatch_layout, group_rows_by_expert, select_true
 
@@ -66,18 +67,20 @@ def chunk_bounds(num_tokens: int, num_chunks: int) -> list[tuple[int, int]]:
 
 
 def expand_rows(recv_x_MD: torch.Tensor, recv_lidx_MK: torch.Tensor, num_local_experts: int,
-                num_expanded: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                num_expanded: int, dtype: torch.dtype,
+                ws: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Received rows -> one row per (row, local expert), expert-major. Returns
     (recv_x_RD in ``dtype``, order_R)."""
     K = recv_lidx_MK.shape[1]
     order_R = group_rows_by_expert(recv_lidx_MK, num_local_experts, num_expanded)
-    return gather_rows(recv_x_MD, order_R, K).to(dtype), order_R
+    return gather_rows(recv_x_MD, order_R, K, ws).to(dtype), order_R
 
 
-def reduce_rows(y_RD: torch.Tensor, order_R: torch.Tensor, recv_w_MK: torch.Tensor) -> torch.Tensor:
+def reduce_rows(y_RD: torch.Tensor, order_R: torch.Tensor, recv_w_MK: torch.Tensor,
+                ws: Workspace | None = None) -> torch.Tensor:
     """Sum over a received row's local experts of gate weight * expert output:
     returns [M, D] in y's dtype. ``order_R[i]`` = row*K + k of expanded row i."""
-    return WeightedRowSum.apply(y_RD, order_R, recv_w_MK)
+    return WeightedRowSum.apply(y_RD, order_R, recv_w_MK, ws)
 
 
 def relative_expert_ids(topk_idx_NK: torch.Tensor, base_N: torch.Tensor, span: int) -> torch.Tensor:
@@ -140,13 +143,13 @@ class DedupDispatcher(EPDispatcher):
         tok_N, exchange, (recv_x_MD, recv_lidx_MK, recv_w_MK) = sent
         exchange.wait()
         recv_x_RD, order_R = expand_rows(recv_x_MD, recv_lidx_MK, self.num_local_experts,
-                                         plan.num_expanded[c], dtype)
+                                         plan.num_expanded[c], dtype, self.workspace)
         handle = DedupHandle(tok_N, order_R, recv_w_MK, exchange, num_tokens)
         return recv_x_RD, plan.tokens_per_local_expert[c], handle
 
     def _combine_start(self, y_RD, handle: DedupHandle, async_op: bool):
         out_dtype = y_RD.dtype
-        red_MD = reduce_rows(y_RD, handle.order_R, handle.recv_w_MK)
+        red_MD = reduce_rows(y_RD, handle.order_R, handle.recv_w_MK, self.workspace)
         back = handle.exchange.reversed()
         back.async_op = async_op
         (ret_ND,) = back(red_MD)

@@ -130,11 +130,13 @@ class DeepEPDispatcher(EPDispatcher):
         recv_x, recv_idx, recv_w = _Dispatch.apply(self, state, send_TD, topk_idx_TK.long(),
                                                    topk_weight_TK.float())
         R = sum(state.recv_counts_e)
-        recv_x_RD, order_R = expand_rows(recv_x, recv_idx, self.num_local_experts, R, x_TD.dtype)
+        recv_x_RD, order_R = expand_rows(recv_x, recv_idx, self.num_local_experts, R, x_TD.dtype,
+                                         self.workspace)
         counts_e = torch.tensor(state.recv_counts_e, dtype=torch.int64, device=x_TD.device)
         return recv_x_RD, counts_e, DeepEPHandle(state, order_R, recv_w, x_TD.dtype)
 
     def _combine_start(self, y_RD, handle: DeepEPHandle, async_op):
-        red_MD = reduce_rows(y_RD, handle.order_R, handle.recv_w_MK).to(torch.bfloat16)
+        red_MD = reduce_rows(y_RD, handle.order_R, handle.recv_w_MK,
+                             self.workspace).to(torch.bfloat16)
         out_TD = _Combine.apply(self, handle.state, red_MD).to(handle.out_dtype)
         return lambda: out_TD

@@ -124,13 +124,14 @@ class HierarchicalDispatcher(DedupDispatcher):
                          fp8_field=0 if fp8 else None)
         x2_MD, lid_MK, w2_MK = intra(x1_MD.index_select(0, row_N2), lid_N2K,
                                      w1_MK.index_select(0, row_N2))
-        recv_x_RD, order_R = expand_rows(x2_MD, lid_MK, e, plan.num_expanded[c], dtype)
+        recv_x_RD, order_R = expand_rows(x2_MD, lid_MK, e, plan.num_expanded[c], dtype,
+                                         self.workspace)
         handle = HierarchicalHandle(tok_N1, inter, row_N2, intra, M1, order_R, w2_MK, num_tokens)
         return recv_x_RD, plan.tokens_per_local_expert[c], handle
 
     def _combine_start(self, y_RD, handle: HierarchicalHandle, async_op):
         out_dtype, D = y_RD.dtype, y_RD.shape[1]
-        red_M2D = reduce_rows(y_RD, handle.order_R, handle.recv_w_MK)
+        red_M2D = reduce_rows(y_RD, handle.order_R, handle.recv_w_MK, self.workspace)
         (back_N2D,) = handle.intra.reversed()(red_M2D)
         red_M1D = torch.zeros((handle.num_forwarder_rows, D), dtype=torch.float32,
                               device=y_RD.device).index_add(0, handle.row_N2, back_N2D.float())

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..blocks import rows_per_block
+from ..moe.workspace import Workspace
 from .base import Dispatcher
 
 
@@ -62,11 +63,11 @@ class LocalDispatcher(Dispatcher):
     def dispatch(self, x_TD, topk_idx_TK, topk_weight_TK):
         T, K = topk_idx_TK.shape
         order_R, tokens_per_expert_E, _ = sort_by_expert(topk_idx_TK, self.num_experts)
-        recv_x_RD = gather_rows(x_TD, order_R, K)
+        recv_x_RD = gather_rows(x_TD, order_R, K, self.workspace)
         return recv_x_RD, tokens_per_expert_E, LocalHandle(order_R, topk_weight_TK, T)
 
     def combine(self, y_RD, handle: LocalHandle):
-        return unpermute_weighted(y_RD, handle.order_R, handle.topk_weight_TK)
+        return unpermute_weighted(y_RD, handle.order_R, handle.topk_weight_TK, self.workspace)
 
     def dispatch_compute_combine(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor,
                                  topk_weight_TK: torch.Tensor, experts,
@@ -115,34 +116,46 @@ def sum_rows_by_owner(y_RD: torch.Tensor, order_R: torch.Tensor, M: int, K: int,
     return F.embedding_bag(row_R, y_RD, offsets_M, mode="sum", per_sample_weights=weights)
 
 
-def gather_rows(x_MD: torch.Tensor, order_R: torch.Tensor, K: int) -> torch.Tensor:
-    """x_MD[order_R // K]: one row per (m, k) assignment, differentiable in x. Its backward
-    sums each m's row gradients with :func:`sum_rows_by_owner` (one pass, fp32
-    accumulation) instead of autograd's index_add into a zeroed [M, D] buffer (a bf16
-    accumulation, rounded at every add)."""
-    return GatherRows.apply(x_MD, order_R, K)
+def take_rows(ws: Workspace | None, name: str, like_MD: torch.Tensor, rows: int) -> torch.Tensor:
+    """An uninitialised [rows, D] buffer like ``like_MD``'s rows: from the dispatcher's
+    workspace (reused once nothing else holds it), or fresh."""
+    shape = (rows, like_MD.shape[1])
+    if ws is None:
+        return torch.empty(shape, dtype=like_MD.dtype, device=like_MD.device)
+    return ws.take(name, shape, like_MD.dtype, like_MD.device)
+
+
+def gather_rows(x_MD: torch.Tensor, order_R: torch.Tensor, K: int,
+                ws: Workspace | None = None) -> torch.Tensor:
+    """x_MD[order_R // K]: one row per (m, k) assignment, differentiable in x, written
+    into a buffer of ``ws`` when given. Its backward sums each m's row gradients with
+    :func:`sum_rows_by_owner` (one pass, fp32 accumulation) instead of autograd's
+    index_add into a zeroed [M, D] buffer (a bf16 accumulation, rounded at every add)."""
+    return GatherRows.apply(x_MD, order_R, K, ws)
 
 
 class GatherRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_MD, order_R, K):
+    def forward(ctx, x_MD, order_R, K, ws):
         ctx.save_for_backward(order_R)
         ctx.M, ctx.K = x_MD.shape[0], K
-        return x_MD.index_select(0, order_R // K)
+        out = take_rows(ws, "gather_rows", x_MD, order_R.numel())
+        return torch.index_select(x_MD, 0, order_R // K, out=out)
 
     @staticmethod
     def backward(ctx, g_RD):
         (order_R,) = ctx.saved_tensors
-        return sum_rows_by_owner(g_RD.contiguous(), order_R, ctx.M, ctx.K), None, None
+        return sum_rows_by_owner(g_RD.contiguous(), order_R, ctx.M, ctx.K), None, None, None
 
 
 def unpermute_weighted(y_RD: torch.Tensor, order_R: torch.Tensor,
-                       topk_weight_TK: torch.Tensor) -> torch.Tensor:
+                       topk_weight_TK: torch.Tensor, ws: Workspace | None = None) -> torch.Tensor:
     """y_TD[t] = sum_k w[t, k] * y_RD[row of (t, k)]; missing (dropped) rows count as 0.
 
     One weighted ``embedding_bag`` pass (fp32 accumulation, one rounding; deterministic,
-    no atomics). Differentiable in both y and the weights."""
-    return WeightedRowSum.apply(y_RD, order_R, topk_weight_TK)
+    no atomics). Differentiable in both y and the weights; ``ws`` (optional) keeps the
+    backward's gradient rows from step to step."""
+    return WeightedRowSum.apply(y_RD, order_R, topk_weight_TK, ws)
 
 
 class WeightedRowSum(torch.autograd.Function):
@@ -162,11 +175,11 @@ class WeightedRowSum(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, y_RD, order_R, w_MK):
+    def forward(ctx, y_RD, order_R, w_MK, ws=None):
         M, K = w_MK.shape
         w_R = w_MK.reshape(-1).index_select(0, order_R).to(y_RD.dtype)  # y's dtype
         ctx.save_for_backward(y_RD, order_R, w_R)
-        ctx.shape_w, ctx.dtype_w = (M, K), w_MK.dtype
+        ctx.shape_w, ctx.dtype_w, ctx.ws = (M, K), w_MK.dtype, ws
         return sum_rows_by_owner(y_RD, order_R, M, K, w_R)
 
     @staticmethod
@@ -179,7 +192,8 @@ class WeightedRowSum(torch.autograd.Function):
         y_RD, order_R, w_R = ctx.saved_tensors
         M, K = ctx.shape_w
         need_y, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
-        g_RD = grad_MD.index_select(0, order_R // K)
+        g_RD = torch.index_select(grad_MD, 0, order_R // K,
+                                  out=take_rows(ctx.ws, "combine_grad", grad_MD, order_R.numel()))
         R, D = g_RD.shape
         dot_R = torch.empty(R, dtype=torch.float32, device=g_RD.device) if need_w else None
         B = rows_per_block(R, D * g_RD.element_size(), g_RD.device)
@@ -196,4 +210,4 @@ class WeightedRowSum(torch.autograd.Function):
         if need_w:
             grad_w = torch.zeros(M * K, dtype=ctx.dtype_w, device=g_RD.device)
             grad_w = grad_w.index_copy_(0, order_R, dot_R.to(ctx.dtype_w)).view(M, K)
-        return (g_RD if need_y else None), None, grad_w
+        return (g_RD if need_y else None), None, grad_w, None
