@@ -227,9 +227,10 @@ def peak_step_memory(step, module: torch.nn.Module, x_TD: torch.Tensor) -> int:
 
     module.zero_grad(set_to_none=True)
     x_TD.grad = None
-    ws = getattr(getattr(module, "experts", None), "workspace", None)
-    if ws is not None:
-        ws.clear()
+    for owner in (getattr(module, "experts", None), getattr(module, "dispatcher", None)):
+        ws = getattr(owner, "workspace", None)
+        if ws is not None:
+            ws.clear()
     if DEVICE.type == "cuda":  # the caching allocator's own peak counter
         sync()
         torch.cuda.reset_peak_memory_stats(DEVICE)

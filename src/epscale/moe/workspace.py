@@ -1,4 +1,5 @@
-"""Large buffers the fused expert kernel keeps from step to step (see :class:`Workspace`)."""
+"""Large buffers kept from step to step (see :class:`Workspace`): the fused expert
+kernel's, and the dispatchers' row buffers."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
 class Workspace:
-    """Large buffers one :class:`GroupedExperts` keeps from step to step: the weight
-    gradients, the saved [R, F] pre-activations and, in row mode, one [R, D] buffer for
-    the output (consumed by the caller's combine) and later the input gradient.
+    """Large buffers one owner keeps from step to step. A :class:`GroupedExperts`: the
+    weight gradients, the saved [R, F] pre-activations and, in row mode, one [R, D] buffer
+    for the output (consumed by the caller's combine) and later the input gradient. A
+    dispatcher (:class:`epscale.dispatch.base.Dispatcher`): its gathered [R, D] rows and
+    its combine's [R, D] gradient rows.
 
     Why: on CPU a fresh buffer of tens of MB is mmap'ed and page-faulted in on every
     step (glibc serves allocations above 32 MB with mmap and unmaps them on free); on the
