@@ -89,6 +89,14 @@ def test_copies_and_pickles_start_empty():
     assert experts.workspace._store == {}
 
 
+def test_accelerator_buffers_are_not_kept():
+    """Off CPU the caching allocator reuses memory: the workspace keeps nothing there.
+    (The meta device stands in for an accelerator.)"""
+    ws = Workspace()
+    t = ws.take("b", (4, 8), torch.bfloat16, torch.device("meta"))
+    assert t.device.type == "meta" and t.shape == (4, 8) and ws._store == {}
+
+
 def test_take_grows_and_respects_dtype():
     ws = Workspace()
     a = ws.take("b", (4, 8), torch.bfloat16, torch.device("cpu"))

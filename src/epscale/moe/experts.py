@@ -76,8 +76,8 @@ class GroupedExperts(nn.Module):
         # Pad chunks of small experts to equal rows and run them as one bmm when that adds
         # at most this fraction of rows (fused impl without EP); None: never.
         self.batch_pad_waste: float | None = BATCH_PAD_WASTE
-        # Weight-gradient and saved pre-activation buffers kept across steps (fused impl;
-        # see workspace.Workspace). None allocates fresh ones every step.
+        # Weight-gradient and saved pre-activation buffers kept across steps on CPU (fused
+        # impl; see workspace.Workspace). None allocates fresh ones every step.
         self.workspace: Workspace | None = Workspace()
         # moe.compile_kernels: 'on' fuses the element-wise work of the fused impl into
         # generated C++ kernels (torch.compile); 'off' (default) stays eager.

@@ -27,6 +27,11 @@ class Workspace:
     accumulation, ``retain_graph``, a caller holding on to a gradient) a fresh buffer is
     allocated, exactly as without a workspace. Memory: the cached buffers stay allocated
     between steps (like gradients kept by ``zero_grad(set_to_none=False)``).
+
+    CPU only: on an accelerator ``take`` always allocates. Its caching allocator already
+    reuses freed memory without page faults, and a buffer kept per layer there would only
+    hold memory that other layers' transient buffers could have used (one [R, D] rows
+    buffer per MoE layer and step, for instance).
     """
 
     def __init__(self):
@@ -40,6 +45,8 @@ class Workspace:
     def take(self, name: str, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """An uninitialised tensor of ``shape``, reusing the cached storage when it is free."""
         shape = torch.Size(shape)
+        if torch.device(device).type != "cpu":
+            return torch.empty(shape, dtype=dtype, device=device)
         nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
         with self._lock:
             s = self._store.get(name)
