@@ -15,7 +15,7 @@ import torch
 
 from epscale import MoE, MoEConfig
 from epscale.dispatch.local import LocalDispatcher
-from epscale.moe.workspace import Workspace
+from epscale.workspace import Workspace
 
 SMALL = dict(dim=16, hidden_dim=24, num_experts=4, top_k=2)
 

@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..moe.workspace import Workspace
+from ..workspace import Workspace
 
 
 class Dispatcher(ABC):

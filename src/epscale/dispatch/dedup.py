@@ -28,7 +28,7 @@ import torch
 
 from .comm import Exchange, GroupInfo, exchange_counts
 from .ep import EPDispatcher, small_int_dtype
-from ..moe.workspace import Workspace
+from ..workspace import Workspace
 from .local import WeightedRowSum, gather_rows
 from .layout import get_dispatch_layout, group_rows_by_expert, select_true
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..blocks import rows_per_block
-from ..moe.workspace import Workspace
+from ..workspace import Workspace, take_fresh
 from .base import Dispatcher
 
 
@@ -119,10 +119,8 @@ def sum_rows_by_owner(y_RD: torch.Tensor, order_R: torch.Tensor, M: int, K: int,
 def take_rows(ws: Workspace | None, name: str, like_MD: torch.Tensor, rows: int) -> torch.Tensor:
     """An uninitialised [rows, D] buffer like ``like_MD``'s rows: from the dispatcher's
     workspace (reused once nothing else holds it), or fresh."""
-    shape = (rows, like_MD.shape[1])
-    if ws is None:
-        return torch.empty(shape, dtype=like_MD.dtype, device=like_MD.device)
-    return ws.take(name, shape, like_MD.dtype, like_MD.device)
+    take = ws.take if ws is not None else take_fresh
+    return take(name, (rows, like_MD.shape[1]), like_MD.dtype, like_MD.device)
 
 
 def gather_rows(x_MD: torch.Tensor, order_R: torch.Tensor, K: int,

@@ -11,7 +11,7 @@ from torch import nn
 
 from .fused import CHUNK_BYTES, HAS_GROUPED_MM, ExpertPlan, FusedExperts
 from .rows import BATCH_PAD_WASTE, pad_expert_rows, token_slots
-from .workspace import Workspace
+from ..workspace import Workspace
 
 
 def _grouped_linear(x_RD: torch.Tensor, w_eDF: torch.Tensor, offs_e: torch.Tensor | None,

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from .compiled_kernels import act_backward_eager, act_forward_eager, get_kernels, run_compiled
 from .rows import gather_combine
-from .workspace import Workspace, take_fresh
+from ..workspace import Workspace, take_fresh
 
 HAS_GROUPED_MM = hasattr(F, "grouped_mm")
 
@@ -209,7 +209,7 @@ class FusedExperts(torch.autograd.Function):
     plan: :class:`ExpertPlan`. activation: 'swiglu' or 'gelu'.
     ws: a :class:`Workspace` to take the rows buffer, the saved pre-activations and the
     weight gradients from, or None (fresh buffers). compiled: use the generated
-    element-wise kernels (:mod:`epscale.moe.compiled_kernels`) where it can be built.
+    element-wise kernels (:mod:`epscale.moe.compiled_kernels`) where they can be built.
     Returns [T, D] (gathered mode) or [R, D] (row mode) in x's dtype.
     """
 
