@@ -198,12 +198,12 @@ class WeightedRowSum(torch.autograd.Function):
         tmp_BD = torch.empty((B, D), dtype=g_RD.dtype, device=g_RD.device) if need_w else None
         for r0 in range(0, R, B):
             r1 = min(R, r0 + B)
-            g = g_RD[r0:r1]
+            g_BD = g_RD[r0:r1]
             if need_w:
-                prod = torch.mul(g, y_RD[r0:r1], out=tmp_BD[:r1 - r0])
-                torch.sum(prod, 1, dtype=torch.float32, out=dot_R[r0:r1])
+                prod_BD = torch.mul(g_BD, y_RD[r0:r1], out=tmp_BD[:r1 - r0])
+                torch.sum(prod_BD, 1, dtype=torch.float32, out=dot_R[r0:r1])
             if need_y:
-                g.mul_(w_R[r0:r1].unsqueeze(1))
+                g_BD.mul_(w_R[r0:r1].unsqueeze(1))
         grad_w = None
         if need_w:
             grad_w = torch.zeros(M * K, dtype=ctx.dtype_w, device=g_RD.device)
