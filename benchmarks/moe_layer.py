@@ -60,18 +60,21 @@ class Impl:
 # ------------------------------------------------------------------ implementations
 
 def build_epscale(shape, dtype, fuse: bool = True, gemm: str = "auto",
-                  compiled: bool = False, workspace: bool = True) -> Impl:
+                  kernels: str = "auto", workspace: bool = True) -> Impl:
     cfg = epscale.MoEConfig(dim=shape["D"], hidden_dim=shape["F"], num_experts=shape["E"],
                             top_k=shape["K"], score_func="softmax", route_norm=True)
     torch.manual_seed(0)
     moe = epscale.MoE(cfg).to(dtype).to(DEVICE)
     moe.experts.gemm = gemm
-    moe.experts.compile_kernels = compiled
+    moe.experts.compile_kernels = kernels
     if not workspace:
         moe.experts.workspace = None
-    if compiled:
-        return Impl("epscale (compiled element-wise)", moe, moe,
-                    "moe.compile_kernels=on: generated C++ kernels around the GEMMs")
+    if kernels == "inductor":
+        return Impl("epscale (inductor element-wise)", moe, moe,
+                    "moe.compile_kernels=inductor: torch.compile kernels around the GEMMs")
+    if kernels == "off":
+        return Impl("epscale (eager element-wise)", moe, moe,
+                    "moe.compile_kernels=off: eager torch ops around the GEMMs")
     if not workspace:
         return Impl("epscale (no workspace)", moe, moe,
                     "fresh gradient/activation buffers every step")
@@ -311,8 +314,10 @@ def bench_one(label: str, shape, dtype, args) -> dict:
         impls.append(build_epscale(shape, dtype, fuse=False))
     if "grouped" in wanted:
         impls.append(build_epscale(shape, dtype, gemm="grouped"))
-    if "compiled" in wanted:
-        impls.append(build_epscale(shape, dtype, compiled=True))
+    if "eager" in wanted:
+        impls.append(build_epscale(shape, dtype, kernels="off"))
+    if wanted & {"inductor", "compiled"}:
+        impls.append(build_epscale(shape, dtype, kernels="inductor"))
     if "noworkspace" in wanted:
         impls.append(build_epscale(shape, dtype, workspace=False))
     for key, build in (("torchtitan", lambda: build_torchtitan(ours.module, shape, dtype)),
@@ -389,7 +394,8 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default=None, help="custom E,K,D,F,T instead of --configs")
     p.add_argument("--dtypes", default="bfloat16,float32")
     p.add_argument("--impls", default="rows,grouped,torchtitan,mixtral,mixtral-grouped",
-                   help="others beside epscale: rows, grouped, compiled (moe.compile_kernels=on), "
+                   help="others beside epscale: rows, grouped, eager (moe.compile_kernels=off), "
+                        "inductor (moe.compile_kernels=inductor; 'compiled' is its old name), "
                         "noworkspace (fresh buffers every step), torchtitan, mixtral, "
                         "mixtral-grouped")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds over implementations")

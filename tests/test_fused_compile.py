@@ -1,4 +1,4 @@
-"""moe.compile_kernels='on': the generated element-wise kernels against the reference
+"""moe.compile_kernels='inductor': the generated element-wise kernels against the reference
 (same tolerances as the eager paths), no recompilation when the row counts change, and
 the eager fallback (one warning) without a C++ compiler or when compilation fails.
 
@@ -22,8 +22,8 @@ pytestmark = pytest.mark.skipif(compiled_kernels.no_compiler_reason() is not Non
 
 
 def compiled_moe(dtype=torch.float32, path="fused", **kw):
-    moe = make_moe(dtype, path=path, compile_kernels="on", **kw)
-    assert moe.experts.compile_kernels
+    moe = make_moe(dtype, path=path, compile_kernels="inductor", **kw)
+    assert moe.experts.compile_kernels == "inductor"
     return moe
 
 
@@ -94,8 +94,10 @@ def test_falls_back_when_compilation_fails(monkeypatch, fresh_compiled):
 
 
 def test_config_knob_validated():
-    with pytest.raises(ValueError, match="moe.compile_kernels"):
+    with pytest.raises(ValueError, match="moe.compile_kernels.*'auto', 'native', 'inductor', 'off'"):
         MoEConfig(compile_kernels="yes")
+    assert MoEConfig(compile_kernels="on").compile_kernels == "inductor"  # its old name
+    assert MoEConfig().compile_kernels == "auto"
 
 
 def test_kernels_built_per_thread_count(fresh_compiled):

@@ -116,9 +116,15 @@ VARIANTS = {
 }
 
 
+# moe.compile_kernels: 'auto' (native C kernels where they build) and 'off' (eager ops)
+# run the element-wise work of the fused path in two independent ways.
+KERNELS = ["auto", "off"]
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_matches_reference_fp32(name):
-    moe = make_moe(**VARIANTS[name])
+def test_matches_reference_fp32(name, kernels):
+    moe = make_moe(compile_kernels=kernels, **VARIANTS[name])
     compare(moe, (2, 12), tol=1e-5)
 
 
@@ -130,11 +136,12 @@ def test_other_paths_match_reference_fp32(name, path):
     compare(moe, (2, 12), tol=1e-5)
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("name", ["softmax-norm", "groups", "cap-probs", "gelu-cap-shared",
                                   "losses", "loop", "deepseek-like"])
-def test_matches_reference_bf16(name, path):
-    moe = make_moe(torch.bfloat16, path=path, **VARIANTS[name])
+def test_matches_reference_bf16(name, path, kernels):
+    moe = make_moe(torch.bfloat16, path=path, compile_kernels=kernels, **VARIANTS[name])
     compare(moe, (2, 12), tol=3e-2, dtype=torch.bfloat16)
 
 

@@ -11,6 +11,7 @@ from torch import nn
 
 from .fused import CHUNK_BYTES, HAS_GROUPED_MM, ExpertPlan, FusedExperts
 from .rows import BATCH_PAD_WASTE, pad_expert_rows, token_slots
+from ..config import KERNEL_MODES
 from ..workspace import Workspace
 
 
@@ -61,7 +62,7 @@ class GroupedExperts(nn.Module):
     """
 
     def __init__(self, num_experts: int, dim: int, hidden_dim: int, activation: str = "swiglu",
-                 use_grouped_mm: str = "auto", compile_kernels: str = "off"):
+                 use_grouped_mm: str = "auto", compile_kernels: str = "auto"):
         super().__init__()
         self.num_experts = num_experts
         self.dim, self.hidden_dim, self.activation = dim, hidden_dim, activation
@@ -79,12 +80,15 @@ class GroupedExperts(nn.Module):
         # Weight-gradient and saved pre-activation buffers kept across steps on CPU (fused
         # impl; see workspace.Workspace). None allocates fresh ones every step.
         self.workspace: Workspace | None = Workspace()
-        # moe.compile_kernels: 'on' fuses the element-wise work of the fused impl into
-        # generated C++ kernels (torch.compile); 'off' (default) stays eager.
-        if compile_kernels not in ("off", "on"):
+        # moe.compile_kernels (see MoEConfig): how the fused impl runs the element-wise
+        # work around its GEMMs: 'auto'/'native' (C kernels, epscale.moe.native_kernels),
+        # 'inductor' (torch.compile, epscale.moe.compiled_kernels) or 'off' (eager ops).
+        if compile_kernels == "on":  # its old name
+            compile_kernels = "inductor"
+        if compile_kernels not in KERNEL_MODES:
             raise ValueError(f"GroupedExperts: compile_kernels={compile_kernels!r}; "
-                             "allowed: 'off', 'on'")
-        self.compile_kernels = compile_kernels == "on"
+                             f"allowed: {', '.join(map(repr, KERNEL_MODES))}")
+        self.compile_kernels = compile_kernels
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim)) if activation == "swiglu" else None
@@ -171,7 +175,7 @@ class GroupedExperts(nn.Module):
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, dim={self.dim}, hidden={self.hidden_dim}, "
                 f"act={self.activation}, impl={self.impl}, gemm={self.gemm}, "
-                f"compiled={self.compile_kernels}, "
+                f"kernels={self.compile_kernels}, "
                 f"grouped_mm={self.use_grouped_mm}")
 
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import native_kernels
 from .compiled_kernels import act_backward_eager, act_forward_eager, get_kernels, run_compiled
 from .rows import gather_combine
 from ..workspace import Workspace, take_fresh
@@ -198,6 +199,16 @@ def _weight_grad(a_CX: torch.Tensor, g_CY: torch.Tensor, grad: _Weights, ch: _Ch
         torch.mm(a.t(), g, out=grad.per_expert[e])
 
 
+def _elementwise(mode: str, x: torch.Tensor):
+    """(native, inductor) kernels for the element-wise work of one call, at most one of
+    them not None; both None: eager ops. ``mode`` is ``moe.compile_kernels``: 'auto' and
+    'native' take the native C kernels for CPU tensors in fp32 or bf16, 'inductor' the
+    torch.compile ones, 'off' neither."""
+    if mode in ("auto", "native") and native_kernels.NativeKernels.supports(x):
+        return native_kernels.get(mode), None
+    return None, get_kernels(mode == "inductor")
+
+
 class FusedExperts(torch.autograd.Function):
     """See the module docstring. Arguments of ``forward``:
 
@@ -208,14 +219,14 @@ class FusedExperts(torch.autograd.Function):
     pos_TK: int64 [T, K] row of each assignment, R where dropped (gathered mode) or None.
     plan: :class:`ExpertPlan`. activation: 'swiglu' or 'gelu'.
     ws: a :class:`Workspace` to take the rows buffer, the saved pre-activations and the
-    weight gradients from, or None (fresh buffers). compiled: use the generated
-    element-wise kernels (:mod:`epscale.moe.compiled_kernels`) where they can be built.
+    weight gradients from, or None (fresh buffers). kernels: ``moe.compile_kernels``, how
+    the element-wise work runs (see :func:`_elementwise`).
     Returns [T, D] (gathered mode) or [R, D] (row mode) in x's dtype.
     """
 
     @staticmethod
     def forward(ctx, x, weight_R, w1, w3, w2, src_R, pos_TK, plan: ExpertPlan, activation: str,
-                ws: Workspace | None = None, compiled: bool = False):
+                ws: Workspace | None = None, kernels: str = "auto"):
         gathered = src_R is not None
         R, D, Fh = plan.num_rows, x.shape[-1], w1.shape[-1]
         dt, dev = x.dtype, x.device
@@ -229,7 +240,7 @@ class FusedExperts(torch.autograd.Function):
         h3_RF = take("h3", (R, Fh), dt, dev) if W3 is not None else None
         h1s = h1_RF.split(sizes)
         h3s = h3_RF.split(sizes) if h3_RF is not None else None
-        kern = get_kernels(compiled)
+        native, kern = _elementwise(kernels, x)
         a_CF = torch.empty((C, Fh), dtype=dt, device=dev) if kern is None else None
         if gathered:
             # Rows of weighted expert outputs, plus one zero row for dropped assignments.
@@ -248,7 +259,10 @@ class FusedExperts(torch.autograd.Function):
             _chunk_mm(xc, W1, h1s[i], ch)
             if W3 is not None:
                 _chunk_mm(xc, W3, h3s[i], ch)
-            if kern is not None:  # one generated pass: activation times gate weight
+            if native is not None:  # one pass: activation times gate weight
+                ac = native.forward(h1s[i], h3s[i] if W3 is not None else None,
+                                    wts[i] if gathered else None, a_CF[:n])
+            elif kern is not None:  # one generated pass: activation times gate weight
                 ac = run_compiled(kern[1], act_forward_eager, h1s[i],
                                   h3s[i] if W3 is not None else None, wts[i] if gathered else None)
             else:
@@ -268,7 +282,7 @@ class FusedExperts(torch.autograd.Function):
         ctx.plan = plan
         ctx.chunks = chunks
         ctx.ws = ws
-        ctx.compiled = compiled
+        ctx.kernels = kernels
         return out
 
     @staticmethod
@@ -283,7 +297,7 @@ class FusedExperts(torch.autograd.Function):
         grad_out = grad_out.to(dt).contiguous()
         ws: Workspace | None = ctx.ws
         take = ws.take if ws is not None else take_fresh
-        kern = get_kernels(ctx.compiled)
+        native, kern = _elementwise(ctx.kernels, x)
         chunks = ctx.chunks  # cut once in forward (segments, grouped-GEMM offsets)
         sizes = [ch.r1 - ch.r0 for ch in chunks]
 
@@ -334,7 +348,12 @@ class FusedExperts(torch.autograd.Function):
             # dL/da (unweighted in gathered mode) = gy @ W2^T
             gac = ga_CF[:n]
             _chunk_mm(gyc, W2T, gac, ch)
-            if kern is not None:  # one generated pass for everything element-wise
+            if native is not None:  # one pass for everything element-wise
+                ac, gh1c = a_CF[:n], gh1_CF[:n]
+                gh3c = gh3_CF[:n] if w3 is not None else None
+                native.backward(gac, h1c, h3c, wts[i] if gathered else None,
+                                gwts[i] if gwts is not None else None, ac, gh1c, gh3c)
+            elif kern is not None:  # one generated pass for everything element-wise
                 gwc, ac, gh1c, gh3c = run_compiled(kern[0], act_backward_eager, gac, h1c, h3c,
                                             wts[i] if gathered else None)
                 if gwts is not None:
