@@ -28,7 +28,7 @@ PY
 
 if [ -f benchmarks/moe_layer.py ]; then
     echo "== benchmarks/moe_layer.py --device cuda (single GPU)"
-    "$PY" benchmarks/moe_layer.py --device cuda --dtypes bfloat16 --impls rows,grouped,compiled,torchtitan,mixtral-grouped \
+    "$PY" benchmarks/moe_layer.py --device cuda --dtypes bfloat16 --impls rows,grouped,inductor,torchtitan,mixtral-grouped \
         --json "$OUT/moe_layer_gpu.json" | tee "$OUT/moe_layer_gpu.txt"
 fi
 if [ -f benchmarks/combine.py ]; then

@@ -1,5 +1,5 @@
 """Optional generated element-wise kernels of the fused expert kernel, forward and backward
-(``moe.compile_kernels='on'``), built with torch.compile on first use, with an eager
+(``moe.compile_kernels='inductor'``), built with torch.compile on first use, with an eager
 fallback (one warning) when there is no C++ compiler or compilation fails.
 
 Legend: C rows of one chunk, F expert hidden dim.
@@ -14,7 +14,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-# Optional generated kernels (moe.compile_kernels='on'): torch.compile (inductor, C++ on
+# Optional generated kernels (moe.compile_kernels='inductor'): torch.compile (inductor, C++ on
 # CPU) fuses the element-wise work of one chunk into a single pass. Forward: the
 # activation times the gate weight (one pass instead of three). Backward: recompute
 # SwiGLU/GELU, the gate-weight gradient, the weighted activation for dW2, dL/dh1 (and
@@ -94,7 +94,7 @@ class Compiled:
 
     def fail(self, why: str) -> None:
         self.failed, self.fns = why, {}
-        warnings.warn(f"moe.compile_kernels='on': running the eager element-wise kernels "
+        warnings.warn(f"moe.compile_kernels='inductor': running the eager element-wise kernels "
                       f"instead ({why})", RuntimeWarning, stacklevel=3)
 
 
