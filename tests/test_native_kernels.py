@@ -232,6 +232,19 @@ def test_compile_error_is_reported(fresh_builder, monkeypatch, tmp_path):
     assert fresh_builder.builds == len(native_kernels.FLAG_SETS)  # every flag set tried
 
 
+def test_unwritable_home_cache_falls_back_to_private_temp_dir(fresh_builder, monkeypatch,
+                                                             tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.delenv("EPSCALE_KERNEL_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker / "cache"))  # cannot be created
+    monkeypatch.setattr(native_kernels.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    where = native_kernels.cache_dir()
+    assert where.parent == tmp_path / "tmp" and where.stat().st_mode & 0o777 == 0o700
+    if native_kernels.find_compiler() is not None:
+        assert native_kernels.get("native").path.parent == where
+
+
 def test_unwritable_cache_is_reported(fresh_builder, monkeypatch, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")

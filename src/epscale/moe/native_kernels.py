@@ -50,10 +50,32 @@ DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
 def cache_dir() -> Path:
+    """Where built kernels are kept: $EPSCALE_KERNEL_CACHE, else the user's cache
+    directory, else (when that cannot be written) a private directory under the system's
+    temporary directory."""
     if os.environ.get("EPSCALE_KERNEL_CACHE"):
         return Path(os.environ["EPSCALE_KERNEL_CACHE"])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "epscale" / "kernels"
+    home = Path(base) / "epscale" / "kernels"
+    if _writable_dir(home):
+        return home
+    uid = os.getuid() if hasattr(os, "getuid") else "user"
+    tmp = Path(tempfile.gettempdir()) / f"epscale-kernels-{uid}"
+    # The library in it will be loaded into this process: accept only a directory this
+    # user owns and nobody else can write to.
+    if _writable_dir(tmp, mode=0o700):
+        st = tmp.stat()
+        if (not hasattr(os, "getuid") or st.st_uid == os.getuid()) and not st.st_mode & 0o022:
+            return tmp
+    return home  # unwritable: the build reports it
+
+
+def _writable_dir(path: Path, mode: int = 0o777) -> bool:
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=mode)
+    except OSError:
+        return False
+    return os.access(path, os.W_OK | os.X_OK)
 
 
 def find_compiler() -> str | None:
