@@ -8,14 +8,12 @@ kernel is covered variant by variant in test_moe_layer.py.
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
 from epscale import MoEConfig
 from epscale.moe import compiled_kernels
-from test_moe_layer import VARIANTS, compare, make_moe
+from test_moe_layer import VARIANTS, compare, compare_warns_once, make_moe
 
 pytestmark = pytest.mark.skipif(compiled_kernels.no_compiler_reason() is not None,
                                 reason="no C++ compiler for torch.compile")
@@ -69,12 +67,7 @@ def fresh_compiled(monkeypatch):
 
 def test_falls_back_without_compiler(monkeypatch, fresh_compiled):
     monkeypatch.setattr(compiled_kernels, "no_compiler_reason", lambda: "no C++ compiler found (test)")
-    moe = compiled_moe()
-    with pytest.warns(RuntimeWarning, match="eager.*no C\\+\\+ compiler"):
-        compare(moe, (2, 12), tol=1e-5)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # warned once, not per call
-        compare(moe, (2, 12), tol=1e-5)
+    compare_warns_once(compiled_moe(), "eager.*no C\\+\\+ compiler")
 
 
 def test_falls_back_when_compilation_fails(monkeypatch, fresh_compiled):
@@ -84,13 +77,8 @@ def test_falls_back_when_compilation_fails(monkeypatch, fresh_compiled):
         return run
 
     monkeypatch.setattr(torch, "compile", broken_compile)
-    moe = compiled_moe()
-    with pytest.warns(RuntimeWarning, match="compilation failed"):
-        compare(moe, (2, 12), tol=1e-5)
+    compare_warns_once(compiled_moe(), "compilation failed")
     assert fresh_compiled.failed is not None
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        compare(moe, (2, 12), tol=1e-5)
 
 
 def test_config_knob_validated():

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+import warnings
+
 import pytest
 import torch
 
@@ -86,6 +88,15 @@ def compare(moe: MoE, shape, tol: float, dtype=torch.float32):
     for name, g in grads.items():
         assert_close_rel(g, rgrads[name], tol, f"grad {name}")
     return y, grads
+
+
+def compare_warns_once(moe: MoE, match: str) -> None:
+    """Matches the reference, warning (``match``) on the first call and not again."""
+    with pytest.warns(RuntimeWarning, match=match):
+        compare(moe, (2, 12), tol=1e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once, not per call
+        compare(moe, (2, 12), tol=1e-5)
 
 
 # Each variant exercises one more feature; together they cover router x capacity x

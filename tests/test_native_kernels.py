@@ -20,7 +20,7 @@ import torch
 from epscale import MoEConfig
 from epscale.moe import native_kernels
 from epscale.moe.compiled_kernels import act_backward_eager, act_forward_eager
-from test_moe_layer import VARIANTS, compare, make_moe
+from test_moe_layer import VARIANTS, compare, compare_warns_once, make_moe
 
 needs_compiler = pytest.mark.skipif(native_kernels.find_compiler() is None,
                                     reason="no C compiler")
@@ -204,12 +204,7 @@ def test_corrupt_cache_entry_is_rebuilt(fresh_builder):
 
 def test_no_compiler_falls_back_with_one_warning(fresh_builder, monkeypatch):
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    moe = make_moe(compile_kernels="native")
-    with pytest.warns(RuntimeWarning, match="eager.*no C compiler found.*set CC"):
-        compare(moe, (2, 12), tol=1e-5)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # warned once, not per call
-        compare(moe, (2, 12), tol=1e-5)
+    compare_warns_once(make_moe(compile_kernels="native"), "eager.*no C compiler found.*set CC")
 
 
 def test_auto_falls_back_silently(fresh_builder, monkeypatch):

@@ -328,7 +328,7 @@ class FusedExperts(torch.autograd.Function):
         h3s = h3_RF.split(sizes) if h3_RF is not None else None
         gxs = gx_rows[:R].split(sizes) if gx_rows is not None else None
         gwts = g_weight_R.split(sizes) if g_weight_R is not None else None
-        s_CF = torch.empty((C, Fh), dtype=dt, device=dev)
+        s_CF = torch.empty((C, Fh), dtype=dt, device=dev) if native is None else None
         a_CF = torch.empty((C, Fh), dtype=dt, device=dev)
         ga_CF = torch.empty((C, Fh), dtype=dt, device=dev)
         gh1_CF = torch.empty((C, Fh), dtype=dt, device=dev)
