@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -467,6 +468,24 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+class _Yaml12Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2 booleans: only true/false (any case) are
+    booleans. YAML 1.1 also reads on/off/yes/no as booleans, which would turn
+    ``moe.compile_kernels=off`` into False instead of the string 'off'."""
+
+
+_Yaml12Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+
+
+def yaml_load(text: str) -> Any:
+    """Parse YAML text as configs do (safe, YAML 1.2 booleans)."""
+    return yaml.load(text, Loader=_Yaml12Loader)  # noqa: S506 - a SafeLoader subclass
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``'moe.top_k=2'`` -> (['moe', 'top_k'], 2). The value is parsed as YAML."""
     if "=" not in text:
@@ -476,7 +495,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not key:
         raise ConfigError(f"override '{text}' has an empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = yaml_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return key.split("."), value
@@ -504,7 +523,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not p.is_file():
         raise ConfigError(f"config file '{p}' does not exist")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml_load(p.read_text())
     except yaml.YAMLError as e:
         raise ConfigError(f"config file '{p}' is not valid YAML: {e}") from e
     if data is None:

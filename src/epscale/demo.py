@@ -11,6 +11,7 @@ from rich.table import Table
 
 from .config import MoEConfig, apply_overrides, from_dict, to_dict
 from .moe.layer import MoE
+from .moe.native_kernels import describe as describe_kernels
 
 
 def configure_parser(p) -> None:
@@ -66,4 +67,5 @@ def run(args) -> int:
     console.print(f"forward+backward: {best * 1e3:.1f} ms best of {args.iters} -> "
                   f"[bold]{args.tokens / best:,.0f} tokens/s[/] ({args.dtype}, "
                   f"{torch.get_num_threads()} threads)")
+    console.print(f"element-wise expert kernels: {describe_kernels(cfg.compile_kernels, 'cpu')}")
     return 0

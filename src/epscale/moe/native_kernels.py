@@ -273,3 +273,19 @@ def get(mode: str) -> NativeKernels | None:
         else:
             log.info(msg)
     return kernels
+
+
+def describe(mode: str, device: torch.device | str) -> str:
+    """One line for logs: what runs the fused experts' element-wise work under
+    ``moe.compile_kernels`` = ``mode`` on ``device`` (builds the native kernels if they
+    are not built yet)."""
+    if mode == "off":
+        return "eager torch ops (moe.compile_kernels=off)"
+    if mode == "inductor":
+        return "torch.compile (inductor) kernels, compiled on first use"
+    if torch.device(device).type != "cpu":
+        return "eager torch ops (the native kernels are CPU-only)"
+    kernels = BUILDER.get()
+    if kernels is None:
+        return f"eager torch ops ({BUILDER.failed})"
+    return f"native C kernels ({kernels.path.name}, {' '.join(kernels.flags)})"

@@ -19,6 +19,8 @@ from typing import Any, Iterator
 
 import yaml
 
+from ..config import yaml_load
+
 
 @dataclass
 class RunLog:
@@ -222,7 +224,7 @@ def read_config(run_dir: Path) -> tuple[dict[str, Any] | None, list[str]]:
     if not p.is_file():
         return None, []
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml_load(p.read_text())
     except yaml.YAMLError as e:
         return None, [f"config.yaml is not valid YAML ({e}); ignored"]
     return (data if isinstance(data, dict) else None), []
