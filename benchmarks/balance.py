@@ -90,6 +90,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--reuse-runs", action="store_true",
                    help="part 2: read finished runs in benchmarks/out instead of training again")
     p.add_argument("--train-runs", default=",".join(DEFAULT_TRAIN_RUNS))
+    p.add_argument("--json", default=None,
+                   help="also write the headline figures of the parts run to this file")
     p.add_argument("--seeds", type=int, default=1,
                    help="part 2: runs per strategy (train.seed and data.seed moved by 1..N-1)")
     return p.parse_args()
@@ -616,10 +618,14 @@ def _plot_train(results, tag: str = ""):
 
 def main() -> None:
     a = parse()
+    out = {"benchmark": "balance", "args": vars(a)}
     if a.part in ("all", "synthetic"):
-        part_synthetic(a)
+        out["synthetic"] = part_synthetic(a)
     if a.part in ("all", "train"):
-        part_train(a)
+        out["train"] = part_train(a)
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1, default=str))
+        print(f"wrote {a.json}")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ ms measured directly around the record + sink call).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -39,6 +40,7 @@ def main() -> int:
     ap.add_argument("--config", default=str(REPO / "configs" / "tiny.yaml"))
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--device", default="cpu", help="cpu or cuda (CUDA-event timers)")
+    ap.add_argument("--json", default=None, help="write the headline figures to this file")
     ap.add_argument("overrides", nargs="*", metavar="key=value")
     args = ap.parse_args()
     if args.threads:
@@ -156,6 +158,15 @@ def main() -> int:
           f"step without metrics ({med(wall[False]) * 1e3:.1f} ms)")
     print("the side-by-side ratios are noisy where other processes share the cores; the "
           "fixed cost is measured in tight loops")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "benchmark": "metrics_overhead", "recipe": cfg.name, "steps": args.steps,
+            "threads": torch.get_num_threads(),
+            "step_ms_without": med(wall[False]) * 1e3, "step_ms_with": med(wall[True]) * 1e3,
+            "ratio_wall": med(pair_wall), "ratio_cpu": med(pair_cpu),
+            "record_ms": rec_ms, "fixed_ms": fixed_ms,
+            "fixed_share": fixed_ms / (med(wall[False]) * 1e3)}, indent=1))
+        print(f"wrote {args.json}")
     return 0
 
 

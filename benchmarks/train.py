@@ -78,6 +78,7 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--only", choices=sorted(RECIPES), action="append")
     ap.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
+    ap.add_argument("--json", type=Path, default=None, help="write the headline figures here")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO / "src"))
     from epscale.config import load_config
@@ -90,7 +91,7 @@ def main() -> None:
     for col in ("recipe", "FFN", "params", "active", "tokens/s", "tok/s/proc", "ms/step",
                 "dispatch+combine", "all comm", "MFU", "MoE/dense"):
         table.add_column(col, justify="right" if col not in ("recipe", "FFN") else "left")
-    ratios = {}
+    ratios, figures = {}, {}
     for name in args.only or list(RECIPES):
         over = RECIPES[name] + [f"parallel.ep={args.nproc}"]
         cfg = load_config(REPO / "configs" / "tiny.yaml", over)
@@ -103,6 +104,10 @@ def main() -> None:
             results[kind] = (size, summarize(recs))
         ratio = results["MoE"][1]["tokens_per_s"] / results["dense"][1]["tokens_per_s"]
         ratios[name] = ratio
+        figures[name] = {kind: {"total_params": size.total_params,
+                                "active_params": size.active_params, **s}
+                         for kind, (size, s) in results.items()}
+        figures[name]["moe_over_dense_tokens_per_s"] = ratio
         for kind in ("MoE", "dense"):
             size, s = results[kind]
             table.add_row(name, kind, f"{size.total_params / 1e6:.1f}M", f"{size.active_params / 1e6:.1f}M",
@@ -114,6 +119,10 @@ def main() -> None:
     for name, r in ratios.items():
         console.print(f"{name}: MoE tokens/s / dense tokens/s at equal active params = {r:.2f}")
     console.print(f"run directories: {base_dir}")
+    if args.json:
+        args.json.write_text(json.dumps({"benchmark": "train", "nproc": args.nproc,
+                                         "steps": args.steps, "results": figures}, indent=1))
+        console.print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":
