@@ -169,6 +169,10 @@ def test_rejects_what_it_cannot_read(kernels):
         kernels.forward(h1.t(), h3.t(), None, torch.empty_like(h1.t()))
     with pytest.raises(ValueError, match="float32"):
         kernels.forward(h1, h3.double(), None, torch.empty_like(h1))
+    with pytest.raises(ValueError, match="expected 67 gate weights"):
+        kernels.forward(h1, h3, w[:5], torch.empty_like(h1))
+    with pytest.raises(ValueError, match="float16 is not supported"):
+        kernels.forward(h1.half(), h3.half(), None, torch.empty_like(h1.half()))
     with pytest.raises(ValueError, match="gate-weight gradient"):
         kernels.backward(h1, h1, h3, w, torch.empty(3), torch.empty_like(h1),
                          torch.empty_like(h1), torch.empty_like(h1))

@@ -128,9 +128,9 @@ class NativeKernels:
                 a_CF: torch.Tensor) -> torch.Tensor:
         """a = act(h1[, h3]) (times w per row when given) into ``a_CF``; returns it."""
         act = "swiglu" if h3_CF is not None else "gelu"
-        fwd, _ = self._fns[(act, h1_CF.dtype)]
         _check(h1_CF, h3_CF, a_CF)
-        w = _weights(w_C)
+        fwd, _ = self._fns[(act, h1_CF.dtype)]
+        w = _weights(w_C, h1_CF.shape[0])
         fwd(h1_CF.shape[0], h1_CF.shape[1], h1_CF.data_ptr(), _ptr(h3_CF), _ptr(w),
             a_CF.data_ptr(), torch.get_num_threads())
         return a_CF
@@ -140,14 +140,14 @@ class NativeKernels:
         (fp32; None to skip), the weighted activation into ``aw_CF``, dL/dh1 into
         ``gh1_CF`` and, for SwiGLU, dL/dh3 into ``gh3_CF``."""
         act = "swiglu" if h3_CF is not None else "gelu"
-        _, bwd = self._fns[(act, h1_CF.dtype)]
         _check(ga_CF, h1_CF, h3_CF, aw_CF, gh1_CF, gh3_CF)
+        _, bwd = self._fns[(act, h1_CF.dtype)]
         if gw_C is not None and (gw_C.dtype != torch.float32 or not gw_C.is_contiguous()
                                  or gw_C.shape != h1_CF.shape[:1]):
             raise ValueError(f"native kernels: gate-weight gradient must be a contiguous "
                              f"fp32 [{h1_CF.shape[0]}] tensor, got {gw_C.dtype} "
                              f"{tuple(gw_C.shape)}")
-        w = _weights(w_C)
+        w = _weights(w_C, h1_CF.shape[0])
         bwd(h1_CF.shape[0], h1_CF.shape[1], ga_CF.data_ptr(), h1_CF.data_ptr(), _ptr(h3_CF),
             _ptr(w), _ptr(gw_C), aw_CF.data_ptr(), gh1_CF.data_ptr(), _ptr(gh3_CF),
             torch.get_num_threads())
@@ -157,15 +157,22 @@ def _ptr(t: torch.Tensor | None):
     return t.data_ptr() if t is not None else None
 
 
-def _weights(w_C: torch.Tensor | None) -> torch.Tensor | None:
+def _weights(w_C: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """The gate weights as the C code reads them: contiguous fp32, one per row."""
     if w_C is None:
         return None
+    if w_C.device.type != "cpu" or tuple(w_C.shape) != (rows,):
+        raise ValueError(f"native kernels: expected {rows} gate weights on CPU, got "
+                         f"{w_C.device.type} {tuple(w_C.shape)}")
     return w_C.contiguous() if w_C.dtype == torch.float32 else w_C.float()
 
 
 def _check(first: torch.Tensor, *others: torch.Tensor | None) -> None:
     """The C code reads raw row-major memory: every matrix must be a contiguous CPU tensor
-    of the first one's shape and dtype."""
+    of the first one's shape and dtype, fp32 or bf16."""
+    if first.dtype not in DTYPES:
+        raise ValueError(f"native kernels: {first.dtype} is not supported (only "
+                         f"{', '.join(map(str, DTYPES))}); use moe.compile_kernels=off")
     for t in (first, *others):
         if t is None:
             continue
