@@ -122,3 +122,15 @@ def test_unknown_recipe_and_bad_scale_are_clear(capsys):
         load_recipe("mixtral-8x7b", ["scale=huge"])
     assert cli_main(["describe", "mixtral-8x7b", "--ep", "3"]) == 2
     assert "parallel.ep = 3" in capsys.readouterr().err
+
+
+def test_describe_rows_per_expert(capsys):
+    """Rows an expert's GEMMs see per micro-batch: micro-batch tokens x ep x top_k / E."""
+    from epscale.describe import describe
+
+    info = describe("tiny")  # 4 x 128 tokens, ep=2, top-2 of 8
+    assert info["rows_per_expert"] == 4 * 128 * 2 * 2 / 8
+    assert describe("tiny", ["moe.num_experts=64"])["rows_per_expert"] == 32
+    assert cli_main(["describe", "tiny", "moe.num_experts=64"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "rows per micro-batch and layer: 32" in out and "Below ~256" in out

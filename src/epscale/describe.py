@@ -49,6 +49,12 @@ def describe(config: str, overrides: list[str] | None = None, **layout) -> dict:
                      "world": (layout.get("dp") or cfg.parallel.dp) * (layout.get("ep") or cfg.parallel.ep)}
     if out["layout"]["ep"] > 1:
         out["layout"]["redundant_experts"] = cfg.parallel.redundant_experts
+    if size.num_moe_layers:
+        # What an expert's GEMMs see per micro-batch and MoE layer with balanced routing:
+        # the EP group's tokens times top-k, spread over the experts. It sets how close the
+        # expert GEMMs come to the dense rate (benchmarks/RESULTS.md, rows per expert).
+        tokens = cfg.train.micro_batch_size * cfg.model.seq_len * out["layout"]["ep"]
+        out["rows_per_expert"] = tokens * cfg.moe.top_k / cfg.moe.num_experts
     pub = PUBLISHED.get(cfg.name)
     if pub is not None:
         out["published"] = dict(pub)
@@ -96,6 +102,13 @@ def run(args) -> int:
     for key in ("params", "grads", "optimizer", "activations", "total"):
         m.add_row(key, _fmt_bytes(mem[key]))
     console.print(m)
+    rows = info.get("rows_per_expert")
+    if rows is not None:
+        hint = (" [yellow]Below ~256 the expert GEMMs ran at 0.58-0.74 of the dense rate on "
+                "CPU (benchmarks/RESULTS.md); a larger micro-batch or more EP ranks raise it.[/]"
+                if rows < 256 else "")
+        console.print(f"expert GEMM rows per micro-batch and layer: {rows:,.0f} on average "
+                      f"(micro-batch tokens x ep x top_k / experts).{hint}")
     if pub.get("source"):
         console.print(f"[dim]published: {pub['source']}[/]")
     return 0
