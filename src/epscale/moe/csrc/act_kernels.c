@@ -19,7 +19,8 @@
  * exp is a Cody-Waite reduction with a degree-6 polynomial (about 1 ulp in fp32) and
  * erfc the Chebyshev fit of Numerical Recipes (relative error < 1.2e-7): written here so
  * that the compiler can vectorise the loops without -ffast-math, which would break NaN
- * and infinity handling. Non-finite inputs give what the eager torch ops give.
+ * and infinity handling. NaN stays NaN and infinities give what the eager torch ops give,
+ * except GELU(+inf): inf here, NaN in eager.
  */
 #include <stdint.h>
 
