@@ -105,8 +105,7 @@ class MoEConfig:
         _choice(f"{p}.aux_loss_scope", self.aux_loss_scope, ("micro_batch", "global"))
         _choice(f"{p}.activation", self.activation, ("swiglu", "gelu"))
         _choice(f"{p}.use_grouped_mm", self.use_grouped_mm, ("auto", "never"))
-        if self.compile_kernels == "on":  # its old name
-            object.__setattr__(self, "compile_kernels", "inductor")
+        object.__setattr__(self, "compile_kernels", kernel_mode(self.compile_kernels))
         _choice(f"{p}.compile_kernels", self.compile_kernels, KERNEL_MODES)
         if self.num_shared_experts < 0:
             _fail(f"{p}.num_shared_experts", self.num_shared_experts, "must be >= 0")
@@ -358,6 +357,11 @@ class RunConfig:
 
 
 KERNEL_MODES = ("auto", "native", "inductor", "off")  # moe.compile_kernels
+
+
+def kernel_mode(value: Any) -> Any:
+    """``moe.compile_kernels`` with its old name 'on' read as 'inductor'."""
+    return "inductor" if value == "on" else value
 
 
 def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:

@@ -11,7 +11,7 @@ from torch import nn
 
 from .fused import CHUNK_BYTES, HAS_GROUPED_MM, ExpertPlan, FusedExperts
 from .rows import BATCH_PAD_WASTE, pad_expert_rows, token_slots
-from ..config import KERNEL_MODES
+from ..config import KERNEL_MODES, kernel_mode
 from ..workspace import Workspace
 
 
@@ -83,8 +83,7 @@ class GroupedExperts(nn.Module):
         # moe.compile_kernels (see MoEConfig): how the fused impl runs the element-wise
         # work around its GEMMs: 'auto'/'native' (C kernels, epscale.moe.native_kernels),
         # 'inductor' (torch.compile, epscale.moe.compiled_kernels) or 'off' (eager ops).
-        if compile_kernels == "on":  # its old name
-            compile_kernels = "inductor"
+        compile_kernels = kernel_mode(compile_kernels)
         if compile_kernels not in KERNEL_MODES:
             raise ValueError(f"GroupedExperts: compile_kernels={compile_kernels!r}; "
                              f"allowed: {', '.join(map(repr, KERNEL_MODES))}")

@@ -207,14 +207,14 @@ class _Builder:
         if cc is None:
             raise _BuildError("no C compiler found (looked for $CC, cc, gcc, clang; "
                               "install gcc or set CC)")
-        source = SOURCE.read_bytes()
-        version = _compiler_version(cc)
+        # Everything that decides the built code, except the flags (per attempt below).
+        build_id = b"\0".join([SOURCE.read_bytes(), cc.encode(), _compiler_version(cc).encode(),
+                               _cpu_signature().encode()])
+        where = cache_dir()
         errors = []
         for flags in FLAG_SETS:
-            key = hashlib.sha256(b"\0".join([source, cc.encode(), version.encode(),
-                                             " ".join(flags + COMMON_FLAGS).encode(),
-                                             _cpu_signature().encode()])).hexdigest()[:20]
-            path = cache_dir() / f"act_kernels-{key}.so"
+            key = hashlib.sha256(build_id + b"\0" + " ".join(flags + COMMON_FLAGS).encode())
+            path = where / f"act_kernels-{key.hexdigest()[:20]}.so"
             if path.exists():
                 lib = self._try_load(path)
                 if lib is not None:
