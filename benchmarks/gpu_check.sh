@@ -1,47 +1,90 @@
 #!/usr/bin/env bash
-# Run the layer and dispatch benchmarks on a CUDA machine with NCCL (one node, all GPUs).
+# The checks that need a CUDA machine (CI has none), in one short run:
+#   1. the single-process layer tests on the GPU (fast layer against the reference,
+#      forward and backward; tests/conftest.py's EPSCALE_TEST_DEVICE);
+#   2. a short training run on the GPU, then a resume from its checkpoint;
+#   3. benchmarks/moe_layer.py and benchmarks/combine.py on the GPU (CUDA-event timing),
+#      and the layer with moe.compile_kernels=inductor (Triton);
+#   4. with >= 2 GPUs, benchmarks/dispatch.py over NCCL (EP needs one rank per GPU).
 #
 #   bash benchmarks/gpu_check.sh                 # every visible GPU
 #   NGPU=4 bash benchmarks/gpu_check.sh --quick  # extra args go to benchmarks/dispatch.py
 #
-# EP needs at least 2 GPUs (NCCL allows one rank per GPU). The dispatch benchmark checks
-# every backend's output against alltoall's first, and includes 'deepep' when the
-# deep_ep package is importable. Results are printed and saved under benchmarks/out/.
-set -euo pipefail
+# Each stage has a time limit (seconds; TEST_S, TRAIN_S, BENCH_S set three); a stage that fails or
+# runs out is reported and the next one runs. Logs and JSON land in $OUT (benchmarks/out by
+# default). Works without installing the package (PYTHONPATH=src) on an image whose torch
+# is older than the pin, and says so.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 OUT=${OUT:-benchmarks/out}
+TEST_S=${TEST_S:-120}; TRAIN_S=${TRAIN_S:-100}; BENCH_S=${BENCH_S:-120}
+export PYTHONUNBUFFERED=1
 
 if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
     echo "gpu_check: no CUDA device visible to torch; nothing to do" >&2
     exit 1
 fi
+"$PY" -c 'import epscale' 2>/dev/null || export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT"
 NGPU=${NGPU:-$("$PY" -c 'import torch; print(torch.cuda.device_count())')}
+FAILED=()
+stage() {  # stage NAME LIMIT_S LOG CMD...: run with a time limit, log to $OUT/LOG
+    local name=$1 limit=$2 log=$3; shift 3
+    echo "== $name (limit ${limit}s)"
+    local t0=$SECONDS
+    timeout --signal=INT --kill-after=10 "$limit" "$@" 2>&1 | tee "$OUT/$log"
+    local rc=${PIPESTATUS[0]}
+    echo "== $name: rc $rc in $((SECONDS - t0)) s"
+    [ "$rc" -eq 0 ] || FAILED+=("$name (rc $rc)")
+}
+
 "$PY" - <<'PY'
-import torch, torch.distributed as dist
+import torch
 from epscale.dispatch.deepep import deepep_available
 print(f"torch {torch.__version__}, cuda {torch.version.cuda}, nccl {torch.cuda.nccl.version()}, "
-      f"gpus {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}")
+      f"gpus {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, "
+      f"capability {torch.cuda.get_device_capability(0)}")
+print("grouped_mm:", hasattr(torch.nn.functional, "grouped_mm"))
 print("deep_ep:", "available" if deepep_available()[0] else deepep_available()[1])
+major, minor = (int(v) for v in torch.__version__.split(".")[:2])
+if (major, minor) < (2, 13):
+    print(f"note: torch {torch.__version__} is older than epscale's pin (>= 2.13)")
 PY
 
-if [ -f benchmarks/moe_layer.py ]; then
-    echo "== benchmarks/moe_layer.py --device cuda (single GPU)"
-    "$PY" benchmarks/moe_layer.py --device cuda --dtypes bfloat16 --impls rows,grouped,inductor,torchtitan,mixtral-grouped \
-        --json "$OUT/moe_layer_gpu.json" | tee "$OUT/moe_layer_gpu.txt"
-fi
-if [ -f benchmarks/combine.py ]; then
-    echo "== benchmarks/combine.py --device cuda (the embedding_bag combines vs the forms they replaced)"
-    "$PY" benchmarks/combine.py --device cuda --json "$OUT/combine_gpu.json" | tee "$OUT/combine_gpu.txt"
-fi
+stage "layer tests on cuda" "$TEST_S" tests_cuda.log env EPSCALE_TEST_DEVICE=cuda \
+    "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -rfs tests/test_moe_layer.py \
+    tests/test_router.py tests/test_fused_batched.py tests/test_fused_combine.py \
+    tests/test_fused_workspace.py tests/test_model.py
+
+RUN_DIR=$(mktemp -d)/tiny
+stage "train on cuda, then resume" "$TRAIN_S" train_cuda.log bash -c "
+    '$PY' -m epscale train --config configs/tiny.yaml --run-dir '$RUN_DIR' parallel.ep=1 \
+        train.steps=100 train.ckpt_every=50 train.eval_every=50 &&
+    '$PY' -m epscale train --config configs/tiny.yaml --run-dir '$RUN_DIR' parallel.ep=1 \
+        train.steps=150 train.ckpt_every=50 train.eval_every=50"
+
+stage "benchmarks/moe_layer.py --device cuda" "$BENCH_S" moe_layer_gpu.txt \
+    "$PY" benchmarks/moe_layer.py --device cuda --dtypes bfloat16 --rounds 3 --reps 5 \
+    --impls rows,grouped,eager,torchtitan,mixtral-grouped --json "$OUT/moe_layer_gpu.json"
+stage "benchmarks/combine.py --device cuda" 45 combine_gpu.txt \
+    "$PY" benchmarks/combine.py --device cuda --json "$OUT/combine_gpu.json"
+# moe.compile_kernels=inductor on CUDA (Triton kernels; their compile takes most of this)
+stage "benchmarks/moe_layer.py --device cuda, inductor" 80 moe_layer_inductor_gpu.txt \
+    "$PY" benchmarks/moe_layer.py --device cuda --dtypes bfloat16 --configs coarse \
+    --rounds 2 --reps 5 --impls eager,inductor
 
 if [ "$NGPU" -lt 2 ]; then
     echo "gpu_check: $NGPU GPU(s): the EP dispatch benchmark needs >= 2; skipped" >&2
-    exit 0
+else
+    EP_SIZES=$("$PY" -c "n=$NGPU; print(','.join(str(e) for e in (2, 4, 8) if n % e == 0))")
+    stage "benchmarks/dispatch.py on $NGPU GPUs (NCCL), EP sizes $EP_SIZES" 300 dispatch_gpu.txt \
+        "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" benchmarks/dispatch.py \
+        --ep-sizes "$EP_SIZES" --layer-ep "$(( NGPU >= 4 ? 4 : 2 ))" --ranks-per-node "$NGPU" \
+        --json "$OUT/dispatch_gpu.json" "$@"
 fi
-EP_SIZES=$("$PY" -c "n=$NGPU; print(','.join(str(e) for e in (2, 4, 8) if n % e == 0))")
-echo "== benchmarks/dispatch.py on $NGPU GPUs (NCCL), EP sizes $EP_SIZES"
-"$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" benchmarks/dispatch.py \
-    --ep-sizes "$EP_SIZES" --layer-ep "$(( NGPU >= 4 ? 4 : 2 ))" --ranks-per-node "$NGPU" \
-    --json "$OUT/dispatch_gpu.json" "$@" | tee "$OUT/dispatch_gpu.txt"
+if [ ${#FAILED[@]} -gt 0 ]; then
+    printf 'gpu_check: failed: %s\n' "${FAILED[@]}" >&2
+    exit 1
+fi
+echo "gpu_check: all stages passed"

@@ -3,6 +3,11 @@
 The machine that runs the suite is shared and small; tests use small shapes, so more
 threads only add contention (tests in spawned processes share the same cores). One thread
 by default; ``EPSCALE_TEST_THREADS`` overrides the count.
+
+``EPSCALE_TEST_DEVICE=cuda`` makes that torch's default device, so that the single-process
+layer tests (the fast layer against the reference) run there; `benchmarks/gpu_check.sh`
+does this on a GPU machine. Tests of CPU-only mechanisms carry the ``cpu_only`` mark and
+are skipped then; the multi-process gloo tests are not meant for it.
 """
 
 from __future__ import annotations
@@ -14,6 +19,24 @@ import pytest
 import torch
 
 torch.set_num_threads(int(os.environ.get("EPSCALE_TEST_THREADS", "1")))
+
+TEST_DEVICE = torch.device(os.environ.get("EPSCALE_TEST_DEVICE", "cpu"))
+if TEST_DEVICE.type != "cpu":
+    torch.set_default_device(TEST_DEVICE)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cpu_only: tests a CPU-only mechanism (skipped when "
+                                       "EPSCALE_TEST_DEVICE names another device)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if TEST_DEVICE.type == "cpu":
+        return
+    skip = pytest.mark.skip(reason=f"CPU-only mechanism; EPSCALE_TEST_DEVICE={TEST_DEVICE}")
+    for item in items:
+        if item.get_closest_marker("cpu_only"):
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)

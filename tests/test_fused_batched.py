@@ -52,8 +52,8 @@ def test_batched_equals_loop_with_empty_expert(chunk_bytes, monkeypatch):
         moe.router.expert_bias[2] = -100.0
         moe.experts.chunk_bytes = chunk_bytes
         moe.experts.batch_pad_waste = waste
-        x = torch.randn(20, moe.cfg.dim, generator=torch.Generator().manual_seed(1),
-                        requires_grad=True)
+        g = torch.Generator(torch.get_default_device()).manual_seed(1)
+        x = torch.randn(20, moe.cfg.dim, generator=g, requires_grad=True)
         y = moe(x)
         y.square().sum().backward()
         results.append((y.detach(), x.grad, {n: p.grad for n, p in moe.named_parameters()}))

@@ -26,7 +26,7 @@ def random_pos(T: int, K: int, R: int, drop: float, g: torch.Generator) -> torch
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("K", [1, 2, 3, 8])
 def test_gather_combine_sums_each_tokens_rows(K, dtype):
-    g = torch.Generator().manual_seed(K)
+    g = torch.Generator(torch.get_default_device()).manual_seed(K)
     T, D = 23, 16
     R = T * K + 5
     rows = torch.randn(R + 1, D, generator=g).to(dtype)
@@ -64,7 +64,7 @@ def test_gather_combine_dropped_rows_contribute_nothing():
 
 
 def test_token_slots_lists_every_row_once():
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(torch.get_default_device()).manual_seed(0)
     T = 9
     src = torch.randint(0, T - 2, (30,), generator=g)  # two tokens have no rows at all
     pos = token_slots(src, T)
@@ -97,7 +97,7 @@ def test_forward_scatter_without_slots_matches_dispatcher_path(dtype):
 @pytest.mark.parametrize("T", [1, 7, 64])
 def test_gate_logits_blocked_match_one_fp32_matmul(T, monkeypatch):
     monkeypatch.setattr(blocks, "CPU_BLOCK_BYTES", 3 * 32 * 4)  # 3 rows per block
-    g = torch.Generator().manual_seed(T)
+    g = torch.Generator(torch.get_default_device()).manual_seed(T)
     x = torch.randn(T, 32, generator=g).bfloat16()
     w = torch.randn(6, 32, generator=g).bfloat16()
     logits = router.GateLinear.apply(x, w)
@@ -127,7 +127,7 @@ def test_weighted_row_sum_matches_scatter_then_bmm(K, drop, dtype, monkeypatch):
     from epscale.dispatch import local
 
     monkeypatch.setattr(blocks, "CPU_BLOCK_BYTES", 5 * 16 * 2)  # backward: 5-row blocks
-    g = torch.Generator().manual_seed(K)
+    g = torch.Generator(torch.get_default_device()).manual_seed(K)
     T, D = 19, 16
     keep = torch.rand(T * K, generator=g) >= drop
     order = torch.randperm(T * K, generator=g)[keep[torch.arange(T * K)]]  # kept assignments, any order
@@ -180,7 +180,7 @@ def test_weighted_row_sum_with_no_rows():
 def test_gather_rows_backward_sums_each_owners_rows(dtype):
     from epscale.dispatch.local import gather_rows
 
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator(torch.get_default_device()).manual_seed(1)
     M, K, D = 13, 4, 8
     keep = torch.rand(M * K, generator=g) < 0.6
     keep[K * 5:K * 6] = False                              # row owner 5 has no rows at all
