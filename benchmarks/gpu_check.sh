@@ -3,15 +3,16 @@
 #   1. the single-process layer tests on the GPU (fast layer against the reference,
 #      forward and backward; tests/conftest.py's EPSCALE_TEST_DEVICE);
 #   2. a short training run on the GPU, then a resume from its checkpoint;
-#   3. benchmarks/moe_layer.py and benchmarks/combine.py on the GPU (CUDA-event timing),
-#      and the layer with moe.compile_kernels=inductor (Triton);
+#   3. benchmarks/moe_layer.py and benchmarks/combine.py on the GPU (synchronised timing),
+#      benchmarks/profile_layer.py (launches, host syncs, top kernels per step) and the
+#      layer with moe.compile_kernels=inductor (Triton);
 #   4. with >= 2 GPUs, benchmarks/dispatch.py over NCCL (EP needs one rank per GPU).
 #
 #   bash benchmarks/gpu_check.sh                 # every visible GPU
 #   NGPU=4 bash benchmarks/gpu_check.sh --quick  # extra args go to benchmarks/dispatch.py
 #
-# Each stage has a time limit (seconds; TEST_S, TRAIN_S, BENCH_S set three); a stage that fails or
-# runs out is reported and the next one runs. Logs and JSON land in $OUT (benchmarks/out by
+# Each stage has a time limit (seconds; TEST_S, TRAIN_S, BENCH_S set three); a stage that
+# fails or runs out is reported and the next one runs. ONLY="tests profile" runs some. Logs and JSON land in $OUT (benchmarks/out by
 # default). Works without installing the package (PYTHONPATH=src) on an image whose torch
 # is older than the pin, and says so.
 set -uo pipefail
@@ -29,8 +30,10 @@ fi
 mkdir -p "$OUT"
 NGPU=${NGPU:-$("$PY" -c 'import torch; print(torch.cuda.device_count())')}
 FAILED=()
-stage() {  # stage NAME LIMIT_S LOG CMD...: run with a time limit, log to $OUT/LOG
-    local name=$1 limit=$2 log=$3; shift 3
+ONLY=${ONLY:-}  # e.g. ONLY="tests bench profile": run only the stages with these keys
+stage() {  # stage KEY NAME LIMIT_S LOG CMD...: run with a time limit, log to $OUT/LOG
+    local key=$1 name=$2 limit=$3 log=$4; shift 4
+    if [ -n "$ONLY" ] && [[ " $ONLY " != *" $key "* ]]; then return; fi
     echo "== $name (limit ${limit}s)"
     local t0=$SECONDS
     timeout --signal=INT --kill-after=10 "$limit" "$@" 2>&1 | tee "$OUT/$log"
@@ -52,33 +55,36 @@ if (major, minor) < (2, 13):
     print(f"note: torch {torch.__version__} is older than epscale's pin (>= 2.13)")
 PY
 
-stage "layer tests on cuda" "$TEST_S" tests_cuda.log env EPSCALE_TEST_DEVICE=cuda \
+stage tests "layer tests on cuda" "$TEST_S" tests_cuda.log env EPSCALE_TEST_DEVICE=cuda \
     "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -rfs tests/test_moe_layer.py \
     tests/test_router.py tests/test_fused_batched.py tests/test_fused_combine.py \
     tests/test_fused_workspace.py tests/test_model.py
 
 RUN_DIR=$(mktemp -d)/tiny
-stage "train on cuda, then resume" "$TRAIN_S" train_cuda.log bash -c "
+stage train "train on cuda, then resume" "$TRAIN_S" train_cuda.log bash -c "
     '$PY' -m epscale train --config configs/tiny.yaml --run-dir '$RUN_DIR' parallel.ep=1 \
         train.steps=100 train.ckpt_every=50 train.eval_every=50 &&
     '$PY' -m epscale train --config configs/tiny.yaml --run-dir '$RUN_DIR' parallel.ep=1 \
         train.steps=150 train.ckpt_every=50 train.eval_every=50"
 
-stage "benchmarks/moe_layer.py --device cuda" "$BENCH_S" moe_layer_gpu.txt \
+stage bench "benchmarks/moe_layer.py --device cuda" "$BENCH_S" moe_layer_gpu.txt \
     "$PY" benchmarks/moe_layer.py --device cuda --dtypes bfloat16 --rounds 3 --reps 5 \
     --impls rows,grouped,eager,torchtitan,mixtral-grouped --json "$OUT/moe_layer_gpu.json"
-stage "benchmarks/combine.py --device cuda" 45 combine_gpu.txt \
+stage combine "benchmarks/combine.py --device cuda" 45 combine_gpu.txt \
     "$PY" benchmarks/combine.py --device cuda --json "$OUT/combine_gpu.json"
+# launches, host syncs and the top kernels per step, ours beside torchtitan's
+stage profile "benchmarks/profile_layer.py --device cuda" 90 profile_gpu.txt \
+    "$PY" benchmarks/profile_layer.py --device cuda --impls epscale,rows,torchtitan --tables
 # moe.compile_kernels=inductor on CUDA (Triton kernels; their compile takes most of this)
-stage "benchmarks/moe_layer.py --device cuda, inductor" 80 moe_layer_inductor_gpu.txt \
+stage inductor "benchmarks/moe_layer.py --device cuda, inductor" 80 moe_layer_inductor_gpu.txt \
     "$PY" benchmarks/moe_layer.py --device cuda --dtypes bfloat16 --configs coarse \
     --rounds 2 --reps 5 --impls eager,inductor
 
-if [ "$NGPU" -lt 2 ]; then
+if [ "$NGPU" -lt 2 ] && { [ -z "$ONLY" ] || [[ " $ONLY " == *" dispatch "* ]]; }; then
     echo "gpu_check: $NGPU GPU(s): the EP dispatch benchmark needs >= 2; skipped" >&2
-else
+elif [ "$NGPU" -ge 2 ]; then
     EP_SIZES=$("$PY" -c "n=$NGPU; print(','.join(str(e) for e in (2, 4, 8) if n % e == 0))")
-    stage "benchmarks/dispatch.py on $NGPU GPUs (NCCL), EP sizes $EP_SIZES" 300 dispatch_gpu.txt \
+    stage dispatch "benchmarks/dispatch.py on $NGPU GPUs (NCCL), EP sizes $EP_SIZES" 300 dispatch_gpu.txt \
         "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" benchmarks/dispatch.py \
         --ep-sizes "$EP_SIZES" --layer-ep "$(( NGPU >= 4 ? 4 : 2 ))" --ranks-per-node "$NGPU" \
         --json "$OUT/dispatch_gpu.json" "$@"

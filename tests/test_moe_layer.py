@@ -16,7 +16,7 @@ import torch
 from epscale import MoE, MoEConfig
 from epscale.dispatch.local import LocalDispatcher
 from epscale.moe.experts import GroupedExperts
-from epscale.moe.fused import ExpertPlan
+from epscale.moe.fused import ExpertPlan, default_chunk_bytes
 from epscale.moe.reference import reference_forward
 from epscale.moe.router import expert_capacity
 
@@ -191,6 +191,27 @@ def test_expert_plan_chunks_whole_experts():
         assert r1 - r0 <= 4 or sum(1 for e in range(e0, e1) if counts[e]) == 1
     assert plan.max_chunk_rows == 7
     assert ExpertPlan.build([0, 0], 10).chunks == ()
+
+
+def test_chunks_are_cache_sized_on_cpu_and_launch_sized_on_accelerators(monkeypatch):
+    """1 MB chunks on CPU; on an accelerator (meta stands in) one chunk holds a whole
+    64-expert layer (bf16, D=1024, 32k rows: 64 MB), not 64 chunks of launches."""
+    assert default_chunk_bytes(torch.device("cpu")) == 1 << 20
+    assert default_chunk_bytes(torch.device("meta")) == 256 << 20
+    counts, row_bytes = [512] * 64, 1024 * 2
+    assert len(ExpertPlan.build(counts, row_bytes, default_chunk_bytes(torch.device("cpu"))).chunks) == 64
+    assert len(ExpertPlan.build(counts, row_bytes, default_chunk_bytes(torch.device("meta"))).chunks) == 1
+    # The experts ask for the default of their input's device unless chunk_bytes is set.
+    seen = []
+    real = ExpertPlan.build
+    monkeypatch.setattr(ExpertPlan, "build", staticmethod(
+        lambda counts, row_bytes, chunk_bytes, grouped=False:
+        seen.append(chunk_bytes) or real(counts, row_bytes, chunk_bytes, grouped)))
+    moe = make_moe()
+    moe(torch.randn(6, 16))
+    moe.experts.chunk_bytes = 200
+    moe(torch.randn(6, 16))
+    assert seen == [default_chunk_bytes(torch.get_default_device()), 200]
 
 
 # ------------------------------------------------------------------ edge cases

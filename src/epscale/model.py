@@ -219,8 +219,11 @@ def iter_named_expert_params(model: nn.Module) -> Iterator[tuple[str, nn.Paramet
             yield name, p
 
 
-def build_model(cfg: RunConfig, device: torch.device | str = "cpu", seed: int | None = None) -> Transformer:
-    """The full (unsharded) model on ``device``, initialised from ``seed``
-    (default ``train.seed``), identical on every rank."""
+def build_model(cfg: RunConfig, device: torch.device | str | None = None,
+                seed: int | None = None) -> Transformer:
+    """The full (unsharded) model on ``device`` (default: torch's default device, the CPU
+    unless ``torch.set_default_device`` said otherwise), initialised from ``seed`` (default
+    ``train.seed``), identical on every rank."""
     torch.manual_seed(cfg.train.seed if seed is None else seed)
-    return Transformer(cfg.model, cfg.moe).to(device)
+    model = Transformer(cfg.model, cfg.moe)
+    return model if device is None else model.to(device)

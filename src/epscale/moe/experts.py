@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fused import CHUNK_BYTES, HAS_GROUPED_MM, ExpertPlan, FusedExperts
+from .fused import HAS_GROUPED_MM, ExpertPlan, FusedExperts, default_chunk_bytes
 from .rows import BATCH_PAD_WASTE, pad_expert_rows, token_slots
 from ..config import KERNEL_MODES, kernel_mode
 from ..workspace import Workspace
@@ -73,7 +73,9 @@ class GroupedExperts(nn.Module):
         # slower (benchmarks/RESULTS.md); moe.use_grouped_mm='never' forces the loop.
         self.gemm = "auto"
         self.impl = "fused"
-        self.chunk_bytes = CHUNK_BYTES  # target size of one [C, D] chunk buffer (fused impl)
+        # Target size of one chunk's widest buffer (fused impl); None: the device's default
+        # (1 MB on CPU, cache-sized; 256 MB on accelerators, few launches).
+        self.chunk_bytes: int | None = None
         # Pad chunks of small experts to equal rows and run them as one bmm when that adds
         # at most this fraction of rows (fused impl without EP); None: never.
         self.batch_pad_waste: float | None = BATCH_PAD_WASTE
@@ -144,7 +146,8 @@ class GroupedExperts(nn.Module):
         # A chunk's widest per-row buffer sets its size: [C, D] (inputs, outputs) or [C, F]
         # (pre-activations, activation and their gradients), whichever is wider.
         row_bytes = max(x.shape[-1], self.hidden_dim) * x.element_size()
-        plan = ExpertPlan.build(counts, row_bytes, self.chunk_bytes, self._grouped(x))
+        chunk_bytes = self.chunk_bytes or default_chunk_bytes(x.device)
+        plan = ExpertPlan.build(counts, row_bytes, chunk_bytes, self._grouped(x))
         w1, w3, w2 = self._weights(x.dtype)
         if src_R is not None and pos_TK is None:
             pos_TK = token_slots(src_R, x.shape[0])

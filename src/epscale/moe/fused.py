@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from . import native_kernels
 from .compiled_kernels import act_backward_eager, act_forward_eager, get_kernels, run_compiled
 from .rows import gather_combine
+from ..blocks import ACCELERATOR_BLOCK_BYTES
 from ..workspace import Workspace, take_fresh
 
 HAS_GROUPED_MM = hasattr(F, "grouped_mm")
@@ -54,6 +55,16 @@ HAS_GROUPED_MM = hasattr(F, "grouped_mm")
 # experts share a chunk. Sizing by D alone made chunks with F = 2.75 D (16 experts, D=512,
 # F=1408) 12-18% slower than sizing by the wider F (benchmarks/RESULTS.md).
 CHUNK_BYTES = 1 << 20
+# On an accelerator a chunk costs kernel launches, not cache: ten or more per chunk and
+# direction. With 1 MB chunks a 64-expert layer ran 64 chunks and was 12x slower than
+# torchtitan's on an H200 (benchmarks/RESULTS.md, GPU section); there one chunk holds up
+# to 256 MB of rows (blocks.ACCELERATOR_BLOCK_BYTES), which is all of them in most layers.
+ACCELERATOR_CHUNK_BYTES = ACCELERATOR_BLOCK_BYTES
+
+
+def default_chunk_bytes(device: torch.device) -> int:
+    """The planner's target chunk size on ``device`` (GroupedExperts.chunk_bytes=None)."""
+    return CHUNK_BYTES if device.type == "cpu" else ACCELERATOR_CHUNK_BYTES
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,119 @@
+"""Where one MoE layer's forward + backward spends its time: torch.profiler over a few steps
+of epscale's layer and of the comparisons in benchmarks/moe_layer.py, on CPU or CUDA.
+
+    .venv/bin/python benchmarks/profile_layer.py --configs coarse --impls epscale,eager
+    python benchmarks/profile_layer.py --device cuda --impls epscale,rows,torchtitan
+
+Per (config, implementation) it prints the best step time (wall clock, synchronised),
+what one step asks of the host: operator calls, kernel launches and host synchronisations
+(CUDA; a synchronisation stalls the launch queue), and the top operators by self time on
+the device (CUDA) or the CPU. It finds launch-bound and sync-bound steps, which the
+throughput table of moe_layer.py only shows as a low efficiency.
+Legend: T tokens, D model dim.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import moe_layer as ml
+
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+COPIES = ("cudaMemcpyAsync", "cudaMemcpy")
+
+
+def build(name: str, shape, dtype) -> ml.Impl | str:
+    ours = ml.build_epscale(shape, dtype)
+    makers = {
+        "epscale": lambda: ours,
+        "rows": lambda: ml.build_epscale(shape, dtype, fuse=False),
+        "grouped": lambda: ml.build_epscale(shape, dtype, gemm="grouped"),
+        "eager": lambda: ml.build_epscale(shape, dtype, kernels="off"),
+        "inductor": lambda: ml.build_epscale(shape, dtype, kernels="inductor"),
+        "torchtitan": lambda: ml.build_torchtitan(ours.module, shape, dtype),
+        "mixtral-grouped": lambda: ml.build_mixtral(ours.module, shape, dtype, "grouped_mm"),
+    }
+    if name not in makers:
+        raise SystemExit(f"--impls: unknown {name!r}; known: {', '.join(makers)}")
+    return makers[name]()
+
+
+def profile_one(impl: ml.Impl, shape, dtype, steps: int) -> dict:
+    g = torch.Generator().manual_seed(1)
+    x_TD = torch.randn(shape["T"], shape["D"], generator=g).to(ml.DEVICE, dtype).requires_grad_(True)
+    gy_TD = torch.randn(shape["T"], shape["D"], generator=g).to(ml.DEVICE, dtype)
+    step = ml.make_step(impl, x_TD, gy_TD)
+    best = ml.best_time(step, reps=max(3, steps))  # also the warm-up
+    cuda = ml.DEVICE.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with ml._quiet_stderr(), profile(activities=acts) as prof:
+        for _ in range(steps):
+            step()
+        ml.sync()
+    events = prof.key_averages()
+    calls = {e.key: e.count for e in events}
+    ops = sum(n for k, n in calls.items() if k.startswith("aten::"))
+    sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+    return dict(impl=impl.name, step_ms=1e3 * best,
+                aten_ops_per_step=ops / steps,
+                launches_per_step=sum(calls.get(k, 0) for k in LAUNCHES) / steps,
+                syncs_per_step=sum(calls.get(k, 0) for k in SYNCS) / steps,
+                memcpy_per_step=sum(calls.get(k, 0) for k in COPIES) / steps,
+                table=events.table(sort_by=sort, row_limit=14, max_name_column_width=48))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", default="coarse,fine", help="comma list of: " + ", ".join(ml.CONFIGS))
+    p.add_argument("--shape", default=None, help="custom E,K,D,F,T instead of --configs")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--impls", default="epscale,torchtitan")
+    p.add_argument("--steps", type=int, default=5, help="profiled steps (after a warm-up)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--tables", action="store_true", help="print each profile's top operators")
+    p.add_argument("--json", default=None, help="write the per-step counts here")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ml.DEVICE = torch.device(args.device)
+    if ml.DEVICE.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: torch sees no CUDA device")
+    if args.shape:
+        E, K, D, F, T = (int(v) for v in args.shape.split(","))
+        todo = [("custom", dict(E=E, K=K, D=D, F=F, T=T))]
+    else:
+        todo = [(c, ml.CONFIGS[c]) for c in args.configs.split(",")]
+    dtype = getattr(torch, args.dtype)
+    print(f"torch {torch.__version__}, {ml.DEVICE}, {torch.get_num_threads()} threads, {args.dtype}")
+    out = []
+    for label, shape in todo:
+        print(f"\n== {label}  E={shape['E']} K={shape['K']} D={shape['D']} F={shape['F']} T={shape['T']}")
+        print(f"{'implementation':34s} {'ms/step':>8s} {'aten ops':>9s} {'launches':>9s} "
+              f"{'syncs':>6s} {'memcpy':>7s}")
+        for name in args.impls.split(","):
+            impl = build(name, shape, dtype)
+            if isinstance(impl, str):
+                print(f"{name:34s} unavailable: {impl}")
+                continue
+            r = profile_one(impl, shape, dtype, args.steps)
+            print(f"{r['impl']:34s} {r['step_ms']:8.2f} {r['aten_ops_per_step']:9.0f} "
+                  f"{r['launches_per_step']:9.0f} {r['syncs_per_step']:6.1f} "
+                  f"{r['memcpy_per_step']:7.1f}")
+            if args.tables:
+                print(r["table"])
+            out.append(dict(config=label, shape=shape, **{k: v for k, v in r.items() if k != "table"}))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(benchmark="profile_layer", device=str(ml.DEVICE), dtype=args.dtype,
+                           torch=torch.__version__, results=out), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
