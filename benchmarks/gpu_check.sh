@@ -74,7 +74,7 @@ stage combine "benchmarks/combine.py --device cuda" 45 combine_gpu.txt \
     "$PY" benchmarks/combine.py --device cuda --json "$OUT/combine_gpu.json"
 # launches, host syncs and the top kernels per step, ours beside torchtitan's
 stage profile "benchmarks/profile_layer.py --device cuda" 90 profile_gpu.txt \
-    "$PY" benchmarks/profile_layer.py --device cuda --impls epscale,rows,torchtitan --tables
+    "$PY" benchmarks/profile_layer.py --device cuda --impls epscale,rows,torchtitan --tables --find-syncs
 # moe.compile_kernels=inductor on CUDA (Triton kernels; their compile takes most of this)
 stage inductor "benchmarks/moe_layer.py --device cuda, inductor" 80 moe_layer_inductor_gpu.txt \
     "$PY" benchmarks/moe_layer.py --device cuda --dtypes bfloat16 --configs coarse \

@@ -15,7 +15,11 @@ Legend: T tokens, D model dim.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import os
+import traceback
+import warnings
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -67,6 +71,37 @@ def profile_one(impl: ml.Impl, shape, dtype, steps: int) -> dict:
                 table=events.table(sort_by=sort, row_limit=14, max_name_column_width=48))
 
 
+def find_syncs(impl: ml.Impl, shape, dtype) -> list[tuple[int, str]]:
+    """(count, where) of every host synchronisation in one step, from CUDA's sync debug
+    mode: the epscale frames of the Python stack that asked for it (autograd's backward
+    threads included)."""
+    g = torch.Generator().manual_seed(1)
+    x_TD = torch.randn(shape["T"], shape["D"], generator=g).to(ml.DEVICE, dtype).requires_grad_(True)
+    gy_TD = torch.randn(shape["T"], shape["D"], generator=g).to(ml.DEVICE, dtype)
+    step = ml.make_step(impl, x_TD, gy_TD)
+    step()  # warm-up: first-call work is not the steady state
+    ml.sync()
+    sites: collections.Counter = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if "/src/epscale/" in f.filename]
+        where = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}"
+                            for f in reversed(frames[-3:])) or "(no epscale frame: autograd backward)"
+        sites[where] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    ml.sync()
+    return sorted(((n, w) for w, n in sites.items()), reverse=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default="coarse,fine", help="comma list of: " + ", ".join(ml.CONFIGS))
@@ -77,6 +112,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--tables", action="store_true", help="print each profile's top operators")
+    p.add_argument("--find-syncs", action="store_true",
+                   help="CUDA: also list where each host synchronisation of a step comes from")
     p.add_argument("--json", default=None, help="write the per-step counts here")
     args = p.parse_args(argv)
     if args.threads:
@@ -107,6 +144,12 @@ def main(argv=None) -> int:
                   f"{r['memcpy_per_step']:7.1f}")
             if args.tables:
                 print(r["table"])
+            if args.find_syncs and ml.DEVICE.type == "cuda":
+                syncs = find_syncs(impl, shape, dtype)
+                r["sync_sites"] = syncs
+                print(f"  host syncs in one step: {sum(n for n, _ in syncs)}")
+                for n, where in syncs:
+                    print(f"  {n:4d}  {where}")
             out.append(dict(config=label, shape=shape, **{k: v for k, v in r.items() if k != "table"}))
     if args.json:
         with open(args.json, "w") as f:

@@ -15,6 +15,7 @@ import torch
 
 from epscale import MoE, MoEConfig
 from epscale.dispatch.local import LocalDispatcher
+from epscale.moe.counts import count_ids, index_add_counts
 from epscale.moe.experts import GroupedExperts
 from epscale.moe.fused import ExpertPlan, default_chunk_bytes
 from epscale.moe.reference import reference_forward
@@ -434,3 +435,15 @@ def test_grouped_experts_inconsistent_counts():
         experts(torch.randn(6, 8), torch.tensor([1, 2, 2, 0]))
     with pytest.raises(ValueError, match="has 3 entries"):
         experts(torch.randn(6, 8), torch.tensor([1, 2, 3]))
+
+
+def test_count_ids_without_bincount_matches_bincount():
+    """The accelerator form of count_ids (no host sync) counts what bincount counts, ids
+    that never occur and the last id included."""
+    g = torch.Generator(torch.get_default_device()).manual_seed(0)
+    ids = torch.randint(0, 9, (7, 5), generator=g)
+    ids[0, 0] = 11  # the last id of n = 12; 9 and 10 never occur
+    want = torch.bincount(ids.reshape(-1), minlength=12)
+    assert torch.equal(index_add_counts(ids.reshape(-1), 12), want)
+    assert torch.equal(count_ids(ids, 12), want)
+    assert count_ids(ids[:0], 3).tolist() == [0, 0, 0]

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .moe.counts import count_ids
 
 
 def moe_layers(module: nn.Module) -> list[nn.Module]:
@@ -140,7 +141,7 @@ def global_batch_balance_loss(scores_TE: torch.Tensor, chosen_TK: torch.Tensor,
     Switch loss of the concatenated batch when every rank has the same number of tokens.
     """
     T, K = chosen_TK.shape
-    counts = torch.bincount(chosen_TK.reshape(-1), minlength=num_experts).to(torch.float64)
+    counts = count_ids(chosen_TK, num_experts).to(torch.float64)
     buf = torch.cat([counts, counts.new_tensor([float(T * K)])])
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(buf, group=group)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..moe.counts import count_ids
 from .comm import AllGatherRows, GroupInfo, ReduceScatterRows
 from .dedup import expand_rows, reduce_rows
 from .ep import EPDispatcher
@@ -53,7 +54,7 @@ class AllGatherDispatcher(EPDispatcher):
         T, K = topk_idx_TK.shape
         E, e, lo = self.num_experts, self.num_local_experts, self.expert_offset
         key = torch.where(topk_idx_TK < 0, torch.full_like(topk_idx_TK, E), topk_idx_TK)
-        counts_E = torch.bincount(key.reshape(-1), minlength=E + 1)[:E]
+        counts_E = count_ids(key, E + 1)[:E]
         all_PC = self._gather_counts(T, counts_E)               # [P, 1+E]
         local_e = all_PC[:, 1 + lo:1 + lo + e].sum(0)
         host = torch.cat([all_PC[:, 0], local_e.sum().view(1)]).tolist()  # the one host sync

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..moe.counts import count_ids
 from .comm import Exchange, GroupInfo, exchange_counts
 from .ep import EPDispatcher
 from .layout import segment_ids
@@ -44,7 +45,7 @@ class AllToAllDispatcher(EPDispatcher):
         E, e, P = self.num_experts, self.num_local_experts, self.info.size
         flat_A = topk_idx_TK.reshape(-1)
         key_A = torch.where(flat_A < 0, torch.full_like(flat_A, E), flat_A)
-        counts_E = torch.bincount(key_A, minlength=E + 1)[:E]
+        counts_E = count_ids(key_A, E + 1)[:E]
         send_counts_Pe = counts_E.view(P, e)
         recv_counts_Pe = exchange_counts(self.info, send_counts_Pe)
         host = torch.cat([send_counts_Pe.sum(1), recv_counts_Pe.sum(1)]).tolist()  # the one host sync

@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..moe.counts import count_ids
 from ..workspace import Workspace
 
 
@@ -86,7 +87,7 @@ def permute_by_expert(topk_idx_TK: torch.Tensor, num_experts: int,
     """
     flat_A = topk_idx_TK.reshape(-1)
     key_A = torch.where(flat_A < 0, torch.full_like(flat_A, num_experts), flat_A)
-    counts = torch.bincount(key_A, minlength=num_experts + 1)
+    counts = count_ids(key_A, num_experts + 1)
     order_A = torch.argsort(key_A, stable=True)
     if num_valid is None:
         num_valid = int(flat_A.numel() - counts[num_experts].item())  # the one host sync

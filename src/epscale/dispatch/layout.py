@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..moe.counts import count_ids
+
 
 @dataclass(frozen=True)
 class DispatchLayout:
@@ -60,7 +62,7 @@ def get_dispatch_layout(topk_idx_TK: torch.Tensor, num_experts: int, num_ranks: 
     in_rank_TP = membership(rank_TK, num_ranks)
     in_node_TN = membership(node_TK, num_ranks // L)
     key = torch.where(valid_TK, topk_idx_TK, torch.full_like(topk_idx_TK, num_experts))
-    per_expert_E = torch.bincount(key.reshape(-1), minlength=num_experts + 1)[:num_experts]
+    per_expert_E = count_ids(key, num_experts + 1)[:num_experts]
     return DispatchLayout(in_rank_TP.sum(0), in_node_TN.sum(0), per_expert_E,
                           in_rank_TP, in_node_TN)
 

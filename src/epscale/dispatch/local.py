@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..blocks import rows_per_block
+from ..moe.counts import count_ids
 from ..workspace import Workspace, take_fresh
 from .base import Dispatcher
 
@@ -40,7 +41,7 @@ def sort_by_expert(topk_idx_TK: torch.Tensor, num_experts: int
     flat_A = topk_idx_TK.reshape(-1)
     # Dropped assignments get key E so that they sort last and can be cut off.
     key_A = torch.where(flat_A < 0, num_experts, flat_A)
-    counts = torch.bincount(key_A, minlength=num_experts + 1)
+    counts = count_ids(key_A, num_experts + 1)
     counts_list = counts.tolist()  # the one host sync
     order_A = torch.sort(key_A, stable=True).indices
     num_kept = flat_A.numel() - counts_list[num_experts]
@@ -110,7 +111,7 @@ def sum_rows_by_owner(y_RD: torch.Tensor, order_R: torch.Tensor, M: int, K: int,
     consecutive rows, one per m, summed by one ``embedding_bag`` (fp32 accumulation, one
     rounding; on CPU bf16 halfway cases round away from zero, fbgemm's rounding)."""
     key_R, row_R = torch.sort(order_R)           # rows in (m, k) order
-    counts_M = torch.bincount(key_R // K, minlength=M)
+    counts_M = count_ids(key_R // K, M)
     offsets_M = torch.cumsum(counts_M, 0) - counts_M
     weights = w_R.index_select(0, row_R) if w_R is not None else None
     return F.embedding_bag(row_R, y_RD, offsets_M, mode="sum", per_sample_weights=weights)

@@ -36,6 +36,7 @@ with 64-128 experts, Python and dispatch overhead is several percent of a step.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -165,7 +166,12 @@ class _Weights:
 
     def __init__(self, w_EXY: torch.Tensor, transpose: bool = False):
         self.stacked = w_EXY.transpose(1, 2) if transpose else w_EXY
-        self.per_expert = self.stacked.unbind(0)
+
+    @functools.cached_property
+    def per_expert(self) -> tuple[torch.Tensor, ...]:
+        """Only the per-expert loop needs these (E view ops: 64 x 6 per step in a
+        64-expert layer, which grouped and batched chunks do without)."""
+        return self.stacked.unbind(0)
 
 
 def _segments(t_CX: torch.Tensor, ch: _Chunk) -> list[torch.Tensor]:

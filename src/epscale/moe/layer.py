@@ -20,6 +20,7 @@ from torch import nn
 from ..config import MoEConfig
 from ..dispatch.base import Dispatcher
 from ..dispatch.local import LocalDispatcher
+from .counts import count_ids
 from .experts import FeedForward, GroupedExperts
 from .losses import load_balance_loss, router_entropy, sequence_balance_loss, z_loss
 from .router import TopKRouter
@@ -156,7 +157,7 @@ class MoE(nn.Module):
 
         if is_recomputing():  # activation recomputation: these tokens were counted already
             return
-        counts_E = torch.bincount(route.chosen_TK.reshape(-1), minlength=self.cfg.num_experts)
+        counts_E = count_ids(route.chosen_TK, self.cfg.num_experts)
         bad_T = _nonfinite_rows(x_TD)
         if x_TD.device.type == "cpu":
             # A host branch is free on CPU; isfinite over all of x is not (slow for bf16).

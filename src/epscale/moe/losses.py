@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .counts import count_ids
+
 
 def _normalized(scores_TE: torch.Tensor) -> torch.Tensor:
     # Sigmoid scores do not sum to one; balance losses use them renormalised per token.
@@ -18,7 +20,7 @@ def load_balance_loss(scores_TE: torch.Tensor, chosen_TK: torch.Tensor, num_expe
     """Switch/GShard loss: E * sum_e f_e * P_e, with f_e the fraction of the T*K assignments
     that chose expert e and P_e the mean (normalised) score of e. Equals 1 when uniform."""
     T, K = chosen_TK.shape
-    counts_E = torch.bincount(chosen_TK.reshape(-1), minlength=num_experts).to(scores_TE.dtype)
+    counts_E = count_ids(chosen_TK, num_experts).to(scores_TE.dtype)
     f_E = counts_E / max(T * K, 1)
     p_E = _normalized(scores_TE).mean(dim=0)
     return num_experts * (f_E * p_E).sum()

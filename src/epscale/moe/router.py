@@ -14,6 +14,7 @@ from torch import nn
 
 from ..blocks import rows_per_block
 from ..config import MoEConfig
+from .counts import count_ids
 
 
 @dataclass
@@ -146,7 +147,7 @@ def capacity_keep_mask(chosen_TK: torch.Tensor, weight_TK: torch.Tensor, num_exp
         # Token order: assignment index t*K + k is already position order.
         order = torch.argsort(flat_A, stable=True)
     sorted_e = flat_A[order]
-    counts_E = torch.bincount(flat_A, minlength=num_experts)
+    counts_E = count_ids(flat_A, num_experts)
     starts_E = torch.cumsum(counts_E, 0) - counts_E
     rank_in_expert = torch.arange(A, device=flat_A.device) - starts_E[sorted_e]
     keep_sorted = rank_in_expert < capacity

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .counts import count_ids
+
 
 def gather_combine(rows_RD: torch.Tensor, pos_TK: torch.Tensor) -> torch.Tensor:
     """out[t] = sum over k of rows[pos[t, k]]: [T, D] in the rows' dtype.
@@ -66,7 +68,7 @@ def token_slots(src_R: torch.Tensor, num_tokens: int) -> torch.Tensor:
     second host sync (the busiest token's row count), which the dispatcher path avoids."""
     R = src_R.shape[0]
     dev = src_R.device
-    counts_T = torch.bincount(src_R, minlength=num_tokens)
+    counts_T = count_ids(src_R, num_tokens)
     K = max(1, int(counts_T.max())) if R else 1
     order = torch.sort(src_R, stable=True).indices
     tok = src_R.index_select(0, order)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..dispatch.base import Dispatcher
+from ..moe.counts import count_ids
 from .eplb import Placement, _build, plan_placement
 
 _EXPERT_ATTR = "_epscale_expert"           # parallel.py's marker of sharded expert params
@@ -59,7 +60,7 @@ def rank_within_expert(topk_idx_TK: torch.Tensor, num_experts: int
     flat_A = topk_idx_TK.reshape(-1)
     key_A = torch.where(flat_A >= 0, flat_A, torch.full_like(flat_A, E))
     order_A = torch.argsort(key_A, stable=True)
-    counts = torch.bincount(key_A, minlength=E + 1)
+    counts = count_ids(key_A, E + 1)
     starts = torch.cumsum(counts, 0) - counts
     j_sorted = torch.arange(flat_A.numel(), device=flat_A.device) - starts[key_A[order_A]]
     j_A = torch.empty_like(j_sorted)
@@ -109,7 +110,7 @@ class PlacedDispatcher(Dispatcher):
         if phy2log_P.numel() != self.inner.num_experts:
             raise ValueError(f"PlacedDispatcher: {phy2log_P.numel()} slots, the inner dispatcher "
                              f"is built for {self.inner.num_experts}")
-        counts_E = torch.bincount(phy2log_P, minlength=self.num_experts)
+        counts_E = count_ids(phy2log_P, self.num_experts)
         if counts_E.numel() != self.num_experts or int(counts_E.min()) < 1:
             raise ValueError("PlacedDispatcher: every logical expert needs at least one slot "
                              f"(replica counts {counts_E.tolist()})")

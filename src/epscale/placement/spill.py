@@ -39,6 +39,7 @@ from torch import nn
 
 from ..dispatch.base import Dispatcher
 from ..dispatch.comm import GroupInfo, all_to_all_bytes
+from ..moe.counts import count_ids
 from .llep import SpillPlan, plan_spill
 from .runtime import rank_within_expert
 
@@ -257,7 +258,7 @@ class SpillDispatcher(Dispatcher):
         E, R = self.num_experts, self.info.size
         flat = topk_idx_TK.reshape(-1)
         key = torch.where(flat >= 0, flat, torch.full_like(flat, E))
-        counts_E = torch.bincount(key, minlength=E + 1)[:E].to(torch.int64)
+        counts_E = count_ids(key, E + 1)[:E].to(torch.int64)
         out = counts_E.new_empty(R * E)
         self.info.counter.add(self.info.ranks, self.info.my_rank, [E * 8] * R,
                               self.info.ranks_per_node)
