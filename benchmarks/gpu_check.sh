@@ -70,6 +70,13 @@ stage train "train on cuda, then resume" "$TRAIN_S" train_cuda.log bash -c "
 stage bench "benchmarks/moe_layer.py --device cuda" "$BENCH_S" moe_layer_gpu.txt \
     "$PY" benchmarks/moe_layer.py --device cuda --dtypes bfloat16 --rounds 3 --reps 5 \
     --impls rows,grouped,eager,torchtitan,mixtral-grouped --json "$OUT/moe_layer_gpu.json"
+# Shapes large enough for the GPU's work to outweigh the host's launches: 64 experts of
+# D=2048, F=1024 over 16k tokens, and Mixtral 8x7B's experts (D=4096, F=14336) over 8k.
+for shape in 64,8,2048,1024,16384 8,2,4096,14336,8192; do
+    stage bench "benchmarks/moe_layer.py --device cuda --shape $shape" "$BENCH_S" \
+        "moe_layer_gpu_${shape//,/_}.txt" "$PY" benchmarks/moe_layer.py --device cuda \
+        --dtypes bfloat16 --shape "$shape" --rounds 2 --reps 3 --impls rows,torchtitan,mixtral-grouped
+done
 stage combine "benchmarks/combine.py --device cuda" 45 combine_gpu.txt \
     "$PY" benchmarks/combine.py --device cuda --json "$OUT/combine_gpu.json"
 # launches, host syncs and the top kernels per step, ours beside torchtitan's
