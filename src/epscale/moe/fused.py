@@ -149,7 +149,7 @@ def _chunks(plan: ExpertPlan, device: torch.device) -> list[_Chunk]:
     if plan.grouped and plan.chunks:
         ends = [plan.starts[e] + plan.counts[e] - r0
                 for r0, _, e0, e1 in plan.chunks for e in range(e0, e1)]
-        ends_n = torch.tensor(ends, dtype=torch.int32)
+        ends_n = torch.tensor(ends, dtype=torch.int32, device="cpu")  # whatever the default
         if device.type == "cuda":  # from pageable memory the copy would be a host sync
             offs_all = ends_n.pin_memory().to(device, non_blocking=True)
         else:
