@@ -3,8 +3,8 @@
 ``torch.bincount`` on CUDA reads its input's minimum and maximum back to the host to size
 its output: two synchronisations per call, each of which stalls the launch queue. The MoE
 layer counts ids several times per step (tokens per expert for the dispatch, the
-statistics, the balance losses), which made five of the six synchronisations of a step on
-an H200 (benchmarks/RESULTS.md, GPU section). :func:`count_ids` knows its output size.
+statistics, the balance losses): two such calls made four of the six synchronisations of
+a layer's step on an H200 (benchmarks/RESULTS.md, GPU section). :func:`count_ids` knows its output size.
 """
 
 from __future__ import annotations
