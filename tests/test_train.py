@@ -17,11 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from epscale import checkpoint as ckpt
 from epscale.config import load_config
-from epscale.model import Transformer
+from epscale.model import Transformer, build_model
 from epscale.balancing import update_expert_biases
 from epscale.training.dist import SingleProcessDims
 from epscale.training.loop import train
+from epscale.training.optim import build_optimizer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -226,6 +228,38 @@ def resume_in_process(tmp_path: Path, run_dir: Path, **extra) -> dict[int, float
     return losses_by_step(train(tiny_cfg(tmp_path, **over), run_dir).records)
 
 
+def assert_losses_close(got: dict[int, float], ref: dict[int, float], same_weights=()) -> None:
+    """Losses of runs that take different code paths (EP backends, process counts) on the
+    same global batch. Steps in ``same_weights`` start from identical weights (a shared
+    checkpoint, or step 1): summation order only, 1e-5. Other steps follow AdamW updates,
+    whose first steps are sign-like: a near-zero gradient that rounds the other way in
+    bf16 moves its weight by a full lr step. That moved the loss one update later by
+    1e-7 to 1.2e-4 (relative) over the seeds and layouts tried, so those are held to 5e-4;
+    the optimizer state a checkpoint carries is checked exactly by assert_loads_exactly."""
+    assert set(got) <= set(ref), (sorted(got), sorted(ref))
+    for s, loss in got.items():
+        rel = 1e-5 if s in same_weights else 5e-4
+        assert loss == pytest.approx(ref[s], rel=rel, abs=1e-5), (s, loss, ref[s])
+
+
+def assert_loads_exactly(tmp_path: Path, step_dir: Path, **overrides) -> None:
+    """A checkpoint written by several processes loads into one process's model and AdamW
+    (every expert on it) with exactly the tensors it holds."""
+    ckpt.export_full(step_dir, tmp_path / "export.pt")
+    saved = torch.load(tmp_path / "export.pt", weights_only=True)
+    c = tiny_cfg(tmp_path, **overrides)
+    model = build_model(c)
+    opt = build_optimizer(model, c.train)
+    ckpt.load(step_dir, model, opt, SingleProcessDims())
+    params = dict(model.named_parameters())
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, saved["model"][name]), name
+    assert sum(n.endswith("experts.w13") for n in saved["optim"]) == len(model.moe_layers()) > 0
+    for name, st in saved["optim"].items():
+        for key, t in st.items():
+            assert torch.equal(opt.state[params[name]][key], t), (name, key)
+
+
 @pytest.mark.timeout(900)
 def test_ep2_resume_is_bitwise_and_reshards_to_ep1(tmp_path):
     """(dp=1, ep=2), 2 processes x 2 sequences: stopped at step 2 and resumed equals the
@@ -245,18 +279,19 @@ def test_ep2_resume_is_bitwise_and_reshards_to_ep1(tmp_path):
     assert any(e["event"] == "resume" for e in events)
     meta = json.loads((tmp_path / "one" / "checkpoints" / "step_00000002" / "meta.json").read_text())
     assert (meta["dp"], meta["ep"], meta["world_size"]) == (1, 2, 2)
+    step2 = tmp_path / "checkpoints_step2"
+    shutil.copytree(tmp_path / "one" / "checkpoints" / "step_00000002", step2)
+    assert_loads_exactly(tmp_path, step2, **{"train.micro_batch_size": 4})
     one = resume_in_process(tmp_path, tmp_path / "one", **{"train.micro_batch_size": 4})
     ref = losses_by_step(full)
     assert set(one) == {3, 4}
-    for s in (3, 4):
-        assert one[s] == pytest.approx(ref[s], rel=1e-5, abs=1e-5), (s, one[s], ref[s])
+    assert_losses_close(one, ref, same_weights=(3,))
     # Least-loaded spill-over moves rows between ranks without changing the function.
     epscale_train(tmp_path, tmp_path / "spill", 2, *ep2, "parallel.spill_threshold=1.0",
                   "parallel.spill_min_rows=1")
     spill, _ = read_metrics(tmp_path / "spill")
     assert sum(r["spilled_rows"] for r in spill) > 0
-    for s, loss in losses_by_step(spill).items():
-        assert loss == pytest.approx(ref[s], rel=1e-5, abs=1e-5), (s, loss, ref[s])
+    assert_losses_close(losses_by_step(spill), ref, same_weights=(1,))
 
 
 @pytest.mark.timeout(900)
@@ -271,10 +306,12 @@ def test_dp2_ep2_checkpoint_loads_at_ep2_and_ep1(tmp_path):
     epscale_train(tmp_path, tmp_path / "w2", 2, "parallel.ep=2", "train.micro_batch_size=2")
     ref = losses_by_step(read_metrics(tmp_path / "w4")[0])
     got2 = losses_by_step(read_metrics(tmp_path / "w2")[0])
+    assert_loads_exactly(tmp_path, tmp_path / "w1" / "checkpoints" / "step_00000002",
+                         **{"train.micro_batch_size": 4})
     got1 = resume_in_process(tmp_path, tmp_path / "w1", **{"train.micro_batch_size": 4})
-    for s in (3, 4):
-        assert got2[s] == pytest.approx(ref[s], rel=1e-5, abs=1e-5), (s, got2[s], ref[s])
-        assert got1[s] == pytest.approx(ref[s], rel=1e-5, abs=1e-5), (s, got1[s], ref[s])
+    assert set(got1) == {3, 4} and {3, 4} <= set(got2)
+    assert_losses_close({s: got2[s] for s in (3, 4)}, ref, same_weights=(3,))
+    assert_losses_close(got1, ref, same_weights=(3,))
 
 
 @pytest.mark.timeout(900)
@@ -305,17 +342,16 @@ def test_redundant_experts_train_like_plain_ep_resume_and_reshard(tmp_path):
     assert (tmp_path / "one" / "checkpoints" / "step_00000002" / "rebalancer.pt").is_file()
     epscale_train(tmp_path, tmp_path / "plain", 2, "parallel.ep=2", "train.micro_batch_size=2")
     ref = losses_by_step(read_metrics(tmp_path / "plain")[0])
-    for s, loss in losses_by_step(full).items():
-        assert loss == pytest.approx(ref[s], rel=1e-5, abs=1e-5), (s, loss, ref[s])
+    assert_losses_close(losses_by_step(full), ref, same_weights=(1,))
     # Another slot count: the placement is re-planned from the saved load window.
     proc = epscale_train(tmp_path, tmp_path / "more", 2, "parallel.ep=2",
                          "train.micro_batch_size=2", "parallel.redundant_experts=4")
     assert "planned from the loads saved in step_00000002" in proc.stdout
     one = resume_in_process(tmp_path, tmp_path / "one", **{"train.micro_batch_size": 4})
     more = losses_by_step(read_metrics(tmp_path / "more")[0])
-    for s in (3, 4):
-        assert more[s] == pytest.approx(ref[s], rel=1e-5, abs=1e-5), (s, more[s], ref[s])
-        assert one[s] == pytest.approx(ref[s], rel=1e-5, abs=1e-5), (s, one[s], ref[s])
+    assert set(one) == {3, 4} and {3, 4} <= set(more)
+    assert_losses_close({s: more[s] for s in (3, 4)}, ref, same_weights=(3,))
+    assert_losses_close(one, ref, same_weights=(3,))
 
 
 def test_launch_env_from_torchrun_and_srun(monkeypatch):
