@@ -73,13 +73,6 @@ def build(pkg, shape, dtype, path: str, state=None):
         local = importlib.import_module(pkg.__name__ + ".dispatch.local")
         moe.dispatcher = local.LocalDispatcher(cfg.num_experts, fuse=False)
     if state is not None:
-        own = moe.state_dict()
-        if "experts.w13" in state and "experts.w13" not in own and "experts.w3" in own:
-            # a revision from before W1 | W3 became one parameter: give it the two halves
-            state = dict(state)
-            w13 = state.pop("experts.w13")
-            f = w13.shape[-1] // 2
-            state["experts.w1"], state["experts.w3"] = w13[..., :f], w13[..., f:]
         missing = moe.load_state_dict(state, strict=False)
         if missing.missing_keys:
             raise SystemExit(f"the base revision's layer has parameters the working tree's "

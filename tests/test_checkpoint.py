@@ -107,7 +107,7 @@ def test_mismatched_model_is_a_clear_error(tmp_path):
     m, o = trained(cfg())
     path = ckpt.save(tmp_path, 1, m, o, DIMS, {})
     other = build_model(cfg("moe.hidden_dim=24"))
-    with pytest.raises(ckpt.CheckpointError, match=r"step_00000001.*does not fit.*w13"):
+    with pytest.raises(ckpt.CheckpointError, match=r"step_00000001.*does not fit.*w1"):
         ckpt.load(path, other, None, DIMS)
 
 
@@ -139,54 +139,6 @@ def test_export_and_import_full_state_dict(tmp_path):
     m3, o3 = trained(c, steps=1, seed=4)
     ckpt.load(p3, m3, o3, DIMS)
     assert torch.equal(m3.tok_embeddings.weight, m1.tok_embeddings.weight)
-
-
-def split_w13(named: dict) -> dict:
-    """The former expert layout of a state dict: '...experts.w13' as separate w1 and w3."""
-    out = {}
-    for k, v in named.items():
-        if k.endswith("experts.w13"):
-            def halves(t):
-                f = t.shape[-1] // 2
-                return t[..., :f].clone(), t[..., f:].clone()
-            if isinstance(v, dict):  # optimizer state: per-key halves
-                pairs = {sk: halves(sv) if isinstance(sv, torch.Tensor) and sv.dim() == 3
-                         else (sv, sv) for sk, sv in v.items()}
-                out[k[:-1]] = {sk: a for sk, (a, _) in pairs.items()}
-                out[k[:-2] + "3"] = {sk: b for sk, (_, b) in pairs.items()}
-            else:
-                out[k[:-1]], out[k[:-2] + "3"] = halves(v)
-        else:
-            out[k] = v
-    return out
-
-
-def test_checkpoints_of_the_former_expert_layout(tmp_path, monkeypatch):
-    """Expert weights written as separate w1 / w3 (before w13): a state dict loads into
-    w13; an export imports (joined, optimizer state too); a sharded checkpoint of that
-    layout is a clear error that says how to convert it."""
-    c = cfg()
-    m1, o1 = trained(c)
-    ckpt.save(tmp_path / "run", 5, m1, o1, DIMS, {"config": to_dict(c)})
-    full = tmp_path / "full.pt"
-    ckpt.export_full(tmp_path / "run", full)
-    blob = torch.load(full, weights_only=True)
-    old = {"model": split_w13(blob["model"]), "optim": split_w13(blob["optim"]),
-           "meta": blob["meta"]}
-    assert "layers.0.ffn.experts.w1" in old["model"] and "layers.0.ffn.experts.w13" not in old["model"]
-    fresh = build_model(c, seed=9)
-    fresh.load_state_dict(old["model"])
-    for (n, a), (_, b) in zip(m1.state_dict().items(), fresh.state_dict().items()):
-        assert torch.equal(a, b), n
-    torch.save(old, tmp_path / "old.pt")
-    path = ckpt.import_full(tmp_path / "old.pt", tmp_path / "run2")
-    m2, o2 = trained(c, steps=1, seed=3)
-    ckpt.load(path, m2, o2, DIMS)
-    assert_same(m1, o1, m2, o2)
-    monkeypatch.setattr(ckpt, "join_w13", lambda *a, **k: None)  # write the old layout as is
-    stale = ckpt.import_full(tmp_path / "old.pt", tmp_path / "run3")
-    with pytest.raises(ckpt.CheckpointError, match=r"separate w1 and w3.*checkpoint export"):
-        ckpt.load(stale, build_model(c), None, DIMS)
 
 
 def test_import_rejects_other_files(tmp_path):

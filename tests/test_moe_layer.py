@@ -223,7 +223,7 @@ def test_expert_with_no_tokens(path):
     moe.router.expert_bias[3] = -100.0  # expert 3 is never selected
     _, grads = compare(moe, (16,), tol=1e-5)
     assert moe.last_stats["tokens_per_expert"][3] == 0
-    for name in ("experts.w13", "experts.w2"):
+    for name in ("experts.w1", "experts.w2", "experts.w3"):
         assert torch.count_nonzero(grads[name][3]) == 0
         assert grads[name].abs().sum() > 0
 
@@ -267,7 +267,7 @@ def test_all_assignments_dropped_dispatcher():
     y_TD = disp.combine(experts(recv_x_RD, counts_e), handle)
     assert y_TD.shape == (5, 8) and not y_TD.any()
     y_TD.sum().backward()
-    assert not x_TD.grad.any() and not experts.w13.grad.any()
+    assert not x_TD.grad.any() and not experts.w1.grad.any()
 
 
 @pytest.mark.parametrize("other", [dict(path="autograd", use_grouped_mm="never"),
@@ -311,7 +311,7 @@ def test_aux_loss_reaches_gate():
     assert moe.aux_loss.item() > 0
     moe.aux_loss.backward()
     assert moe.router.gate.weight.grad.abs().sum() > 0
-    assert moe.experts.w13.grad is None
+    assert moe.experts.w1.grad is None
 
 
 def test_balance_loss_is_one_when_uniform():
@@ -447,17 +447,3 @@ def test_count_ids_without_bincount_matches_bincount():
     assert torch.equal(index_add_counts(ids.reshape(-1), 12), want)
     assert torch.equal(count_ids(ids, 12), want)
     assert count_ids(ids[:0], 3).tolist() == [0, 0, 0]
-
-
-def test_w13_holds_w1_and_w3_side_by_side():
-    """SwiGLU experts keep W1 | W3 as one [e, D, 2F] parameter (one GEMM per direction);
-    w1 and w3 read as its halves. GELU experts keep w1 alone."""
-    ex = make_moe().experts
-    assert ex.param_names == ("w13", "w2") and [n for n, _ in ex.named_parameters()] == ["w13", "w2"]
-    F_ = SMALL["hidden_dim"]
-    assert ex.w13.shape == (8, 16, 2 * F_) and ex.w_in is ex.w13
-    assert torch.equal(ex.w1, ex.w13[..., :F_]) and torch.equal(ex.w3, ex.w13[..., F_:])
-    assert ex.w1.std() > 0 and ex.w3.std() > 0 and not torch.equal(ex.w1, ex.w3)
-    gelu = make_moe(activation="gelu").experts
-    assert gelu.param_names == ("w1", "w2") and gelu.w3 is None and gelu.w_in is gelu.w1
-    assert [n for n, _ in gelu.named_parameters()] == ["w1", "w2"]

@@ -163,35 +163,10 @@ def test_results_do_not_depend_on_thread_count(kernels):
 
 
 @needs_compiler
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_halves_of_one_buffer_give_what_separate_buffers_give(kernels, dtype):
-    """h1 | h3 and dL/dh1 | dL/dh3 as the two halves of one [C, 2F] buffer (the joint
-    W1|W3 GEMM's layout): bitwise the results of separate contiguous buffers."""
-    ga, h1, h3, w = inputs("swiglu", dtype)
-    C, F = h1.shape
-    h13 = torch.cat([h1, h3], 1)
-    a_sep, a_joint = torch.empty_like(h1), torch.empty_like(h1)
-    kernels.forward(h1, h3, w, a_sep)
-    kernels.forward(h13[:, :F], h13[:, F:], w, a_joint)
-    assert torch.equal(a_sep, a_joint)
-    sep = [torch.empty(C), torch.empty_like(h1), torch.empty_like(h1), torch.empty_like(h1)]
-    kernels.backward(ga, h1, h3, w, *sep)
-    gw, aw, g13 = torch.empty(C), torch.empty_like(h1), torch.full((C, 2 * F), float("nan"), dtype=dtype)
-    kernels.backward(ga, h13[:, :F], h13[:, F:], w, gw, aw, g13[:, :F], g13[:, F:])
-    assert torch.equal(gw, sep[0]) and torch.equal(aw, sep[1])
-    assert torch.equal(g13[:, :F], sep[2]) and torch.equal(g13[:, F:], sep[3])
-
-
-@needs_compiler
 def test_rejects_what_it_cannot_read(kernels):
     _, h1, h3, w = inputs("swiglu", torch.float32)
-    with pytest.raises(ValueError, match="unit column stride"):
+    with pytest.raises(ValueError, match="contiguous"):
         kernels.forward(h1.t(), h3.t(), None, torch.empty_like(h1.t()))
-    wide = torch.empty(h1.shape[0], 2 * h1.shape[1])
-    with pytest.raises(ValueError, match="shared row stride"):  # h1, h3 of different strides
-        kernels.forward(wide[:, :h1.shape[1]], h3, None, torch.empty_like(h1))
-    with pytest.raises(ValueError, match="shared row stride"):  # the output must be dense
-        kernels.forward(h1, h3, None, wide[:, :h1.shape[1]])
     with pytest.raises(ValueError, match="float32"):
         kernels.forward(h1, h3.double(), None, torch.empty_like(h1))
     with pytest.raises(ValueError, match="expected 67 gate weights"):

@@ -85,7 +85,7 @@ def _dims_checks(runner: CaseRunner, rank: int, world: int) -> None:
         assert moe.experts.w1.shape == (2, 8, 8) and moe.experts.num_experts == 2
         assert torch.equal(moe.experts.w1, full_w1[2 * rank:2 * rank + 2])
         from epscale.parallel import is_expert_param
-        assert is_expert_param(moe.experts.w13) and not is_expert_param(moe.router.gate.weight)
+        assert is_expert_param(moe.experts.w1) and not is_expert_param(moe.router.gate.weight)
         with pytest.raises(ValueError, match="already parallelized"):
             epscale.parallelize(moe, dims, dispatcher="alltoall")
 

@@ -277,14 +277,7 @@ def check_compatible(path: Path, state: dict) -> None:
     for name, t in state["model"].items():
         key = f"model.{name}"
         if key not in saved:
-            if key.endswith("experts.w13") and key[:-1] in saved and key[:-2] + "3" in saved:
-                problems.append(
-                    f"'{name}' is not in the checkpoint: it holds the expert weights as separate "
-                    "w1 and w3, the layout before epscale joined them. Convert it: `epscale "
-                    "checkpoint export` it, then `epscale checkpoint import` the export, which "
-                    "joins them")
-            else:
-                problems.append(f"'{name}' is not in the checkpoint")
+            problems.append(f"'{name}' is not in the checkpoint")
             continue
         shape = tuple(t.shape) if not isinstance(t, DTensor) else tuple(t.size())
         saved_shape = tuple(getattr(saved[key], "size", ()))
@@ -451,22 +444,6 @@ def export_full(path: str | Path, out: str | Path) -> dict:
     return full["meta"]
 
 
-def join_w13(model: dict, optim: dict | None = None) -> None:
-    """In place: the expert weights of the former layout, separate ``...experts.w1`` and
-    ``...experts.w3`` [e, D, F], joined into ``...experts.w13`` [e, D, 2F] (the layout
-    since SwiGLU experts run one joint GEMM), with their optimizer state alike."""
-    for key in [k for k in model if k.endswith("experts.w1")]:
-        base = key[:-len("w1")]
-        if base + "w3" not in model or base + "w13" in model:
-            continue
-        model[base + "w13"] = torch.cat([model.pop(key), model.pop(base + "w3")], -1)
-        if optim is not None and key in optim and base + "w3" in optim:
-            s1, s3 = optim.pop(key), optim.pop(base + "w3")
-            optim[base + "w13"] = {
-                k: (torch.cat([v, s3[k]], -1) if isinstance(v, torch.Tensor) and v.dim() == 3
-                    else v) for k, v in s1.items()}
-
-
 def import_full(src: str | Path, run_dir: str | Path, step: int | None = None) -> Path:
     """Turn a full state dict (an export, or a bare model ``state_dict``) into a checkpoint
     of ``run_dir`` that ``epscale train`` resumes from (at any dp x ep)."""
@@ -489,7 +466,6 @@ def import_full(src: str | Path, run_dir: str | Path, step: int | None = None) -
     else:
         raise CheckpointError(f"'{src}' is neither an 'epscale checkpoint export' file nor a "
                               "model state dict (name -> tensor)")
-    join_w13(state["model"], state.get("optim"))
     step = int(meta.get("step", 0) if step is None else step)
     final = step_dir(run_dir, step)
     tmp = final.parent / f".tmp_{final.name}"

@@ -200,7 +200,7 @@ def parallelize(module: nn.Module, dims: ParallelDims, dispatcher: str = "dedup"
         e = E // ep
         lo = dims.ep_rank * e
         experts = moe.experts
-        for pname in experts.param_names:
+        for pname in ("w1", "w2", "w3"):
             p = getattr(experts, pname, None)
             if p is None:
                 continue
@@ -223,9 +223,8 @@ def parallelize(module: nn.Module, dims: ParallelDims, dispatcher: str = "dedup"
 
 
 def is_expert_param(param: torch.Tensor) -> bool:
-    """True for the sharded expert weights (w13 or w1, and w2, of a parallelized MoE
-    layer): their leading dim is the local expert shard and their grads sync over the DP
-    group only."""
+    """True for the sharded expert weights (w1/w2/w3 of a parallelized MoE layer): their
+    leading dim is the local expert shard and their grads sync over the DP group only."""
     return bool(getattr(param, _EXPERT_ATTR, False))
 
 

@@ -50,13 +50,8 @@ class _GroupedMM(torch.autograd.Function):
 class GroupedExperts(nn.Module):
     """``num_experts`` FFNs with weights stacked on a leading expert dimension.
 
-    Parameters (the leading dim is sliced by EP; :attr:`param_names` lists them):
-    SwiGLU: ``w13`` [e, D, 2F], the gate projection W1 and the up projection W3 side by
-    side (Megatron's fused fc1 layout), so that the two GEMMs over the same rows run as
-    one of twice the width in each direction (6 GEMMs per step become 3, 1.01-1.05x on
-    CPU: benchmarks/RESULTS.md); GELU: ``w1`` [e, D, F]; both: ``w2`` [e, F, D].
-    ``w1`` and ``w3`` read as views of ``w13`` for SwiGLU (``w3`` is None for GELU).
-    Checkpoints written with separate ``w1`` / ``w3`` load into ``w13``.
+    Parameters (names kept stable for checkpoints; the leading dim is sliced by EP):
+    ``w1`` [e, D, F] (gate proj), ``w3`` [e, D, F] (up proj, SwiGLU only), ``w2`` [e, F, D].
     ``forward(x_RD, tokens_per_expert_e)``: rows grouped by expert in ascending order,
     ``tokens_per_expert_e`` int64 counts summing to R. Returns [R, D] in x's dtype.
     ``forward_scatter`` is the no-EP fast path that also gathers and combines.
@@ -95,53 +90,20 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"GroupedExperts: compile_kernels={compile_kernels!r}; "
                              f"allowed: {', '.join(map(repr, KERNEL_MODES))}")
         self.compile_kernels = compile_kernels
-        if activation == "swiglu":
-            self.w13 = nn.Parameter(torch.empty(num_experts, dim, 2 * hidden_dim))
-        else:
-            self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim)) if activation == "swiglu" else None
         self.reset_parameters()
 
-    @property
-    def param_names(self) -> tuple[str, str]:
-        """The expert weights' parameter names: the input projection, then w2."""
-        return ("w13", "w2") if self.activation == "swiglu" else ("w1", "w2")
-
-    @property
-    def w_in(self) -> nn.Parameter:
-        """The input projection: ``w13`` [e, D, 2F] (SwiGLU) or ``w1`` [e, D, F] (GELU)."""
-        return self._parameters[self.param_names[0]]
-
-    @property
-    def w1(self) -> torch.Tensor:
-        """The gate projection [e, D, F]: a view of ``w13``'s first half for SwiGLU."""
-        if "w1" in self._parameters:
-            return self._parameters["w1"]
-        return self.w13[..., :self.hidden_dim]
-
-    @property
-    def w3(self) -> torch.Tensor | None:
-        """The up projection [e, D, F], a view of ``w13``'s second half (None for GELU)."""
-        return self.w13[..., self.hidden_dim:] if "w13" in self._parameters else None
-
     def reset_parameters(self) -> None:
-        # In the order of the former separate parameters (w1, w2, w3): the same draws.
-        with torch.no_grad():
-            self.w1.normal_(0.0, self.dim ** -0.5)
-            self.w2.normal_(0.0, self.hidden_dim ** -0.5)
-            if self.w3 is not None:
-                self.w3.normal_(0.0, self.dim ** -0.5)
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # A checkpoint of the former layout (separate w1 and w3): joined into w13.
-        w1k, w3k = prefix + "w1", prefix + "w3"
-        if "w13" in self._parameters and prefix + "w13" not in state_dict \
-                and w1k in state_dict and w3k in state_dict:
-            state_dict[prefix + "w13"] = torch.cat([state_dict.pop(w1k), state_dict.pop(w3k)], -1)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        nn.init.normal_(self.w1, std=self.dim ** -0.5)
+        nn.init.normal_(self.w2, std=self.hidden_dim ** -0.5)
+        if self.w3 is not None:
+            nn.init.normal_(self.w3, std=self.dim ** -0.5)
 
     def _weights(self, dtype: torch.dtype):
-        return self.w_in.to(dtype), self.w2.to(dtype)
+        w3 = self.w3.to(dtype) if self.w3 is not None else None
+        return self.w1.to(dtype), w3, self.w2.to(dtype)
 
     def _grouped(self, x: torch.Tensor) -> bool:
         if self.gemm == "loop" or not self.use_grouped_mm:
@@ -152,9 +114,9 @@ class GroupedExperts(nn.Module):
     def _check_counts(self, tokens_per_expert_e: torch.Tensor | list[int], num_rows: int) -> list[int]:
         counts = (tokens_per_expert_e.tolist() if isinstance(tokens_per_expert_e, torch.Tensor)
                   else list(tokens_per_expert_e))  # the one host sync of the expert compute
-        if len(counts) != self.w2.shape[0] or sum(counts) != num_rows:
+        if len(counts) != self.w1.shape[0] or sum(counts) != num_rows:
             raise ValueError(f"GroupedExperts: tokens_per_expert has {len(counts)} entries "
-                             f"summing to {sum(counts)}; expected {self.w2.shape[0]} local "
+                             f"summing to {sum(counts)}; expected {self.w1.shape[0]} local "
                              f"experts and {num_rows} rows")
         return counts
 
@@ -186,7 +148,7 @@ class GroupedExperts(nn.Module):
         row_bytes = max(x.shape[-1], self.hidden_dim) * x.element_size()
         chunk_bytes = self.chunk_bytes or default_chunk_bytes(x.device)
         plan = ExpertPlan.build(counts, row_bytes, chunk_bytes, self._grouped(x))
-        w_in, w2 = self._weights(x.dtype)
+        w1, w3, w2 = self._weights(x.dtype)
         if src_R is not None and pos_TK is None:
             pos_TK = token_slots(src_R, x.shape[0])
         if src_R is not None and self.batch_pad_waste is not None and not plan.grouped:
@@ -194,7 +156,7 @@ class GroupedExperts(nn.Module):
             if padded is not None:  # chunks of small experts: one bmm each (rows.BATCH_PAD_WASTE)
                 src_R, weight_R, pos_TK = pad_expert_rows(src_R, weight_R, pos_TK, counts, padded)
                 plan = plan.with_counts(padded)
-        return FusedExperts.apply(x, weight_R, w_in, w2, src_R, pos_TK, plan, self.activation,
+        return FusedExperts.apply(x, weight_R, w1, w3, w2, src_R, pos_TK, plan, self.activation,
                                   self.workspace, self.compile_kernels)
 
     def _forward_autograd(self, x_RD: torch.Tensor, tokens_per_expert_e: torch.Tensor) -> torch.Tensor:
@@ -204,11 +166,10 @@ class GroupedExperts(nn.Module):
             offs_e, splits = torch.cumsum(tokens_per_expert_e, 0).to(torch.int32), None
         else:
             offs_e, splits = None, tokens_per_expert_e.tolist()  # one host sync per layer
-        w_in, w2 = self._weights(x_RD.dtype)
-        h_RF = _grouped_linear(x_RD, w_in, offs_e, splits)
-        if self.activation == "swiglu":
-            h1_RF, h3_RF = h_RF.chunk(2, dim=-1)
-            h_RF = F.silu(h1_RF) * h3_RF
+        w1, w3, w2 = self._weights(x_RD.dtype)
+        h_RF = _grouped_linear(x_RD, w1, offs_e, splits)
+        if w3 is not None:
+            h_RF = F.silu(h_RF) * _grouped_linear(x_RD, w3, offs_e, splits)
         else:
             h_RF = F.gelu(h_RF)
         return _grouped_linear(h_RF, w2, offs_e, splits)

@@ -220,14 +220,6 @@ def _weight_grad(a_CX: torch.Tensor, g_CY: torch.Tensor, grad: _Weights, ch: _Ch
         torch.mm(a.t(), g, out=grad.per_expert[e])
 
 
-def _halves(h_CX: torch.Tensor, gated: bool):
-    """(h1, h3) of a [C, 2F] SwiGLU buffer (views with row stride 2F), or (h, None)."""
-    if not gated:
-        return h_CX, None
-    f = h_CX.shape[1] // 2
-    return h_CX[:, :f], h_CX[:, f:]
-
-
 def _elementwise(mode: str, x: torch.Tensor):
     """(native, inductor) kernels for the element-wise work of one call, at most one of
     them not None; both None: eager ops. ``mode`` is ``moe.compile_kernels``: 'auto' and
@@ -243,9 +235,7 @@ class FusedExperts(torch.autograd.Function):
 
     x: [T, D] (gathered mode) or [R, D] (row mode), fp32 or bf16.
     weight_R: fp32 [R] gate weights (gathered mode) or None.
-    w_in, w2: [E, D, 2F] (SwiGLU: W1 | W3 side by side) or [E, D, F] (GELU), and
-    [E, F, D], in x's dtype. SwiGLU runs one GEMM of width 2F per direction where W1 and
-    W3 took two of width F; h1 and h3 are the two halves of its [C, 2F] output.
+    w1, w3, w2: [E, D, F], [E, D, F] or None (GELU), [E, F, D] in x's dtype.
     src_R: int64 [R] token of each row (gathered mode) or None.
     pos_TK: int64 [T, K] row of each assignment, R where dropped (gathered mode) or None.
     plan: :class:`ExpertPlan`. activation: 'swiglu' or 'gelu'.
@@ -256,22 +246,21 @@ class FusedExperts(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight_R, w_in, w2, src_R, pos_TK, plan: ExpertPlan, activation: str,
+    def forward(ctx, x, weight_R, w1, w3, w2, src_R, pos_TK, plan: ExpertPlan, activation: str,
                 ws: Workspace | None = None, kernels: str = "auto"):
         gathered = src_R is not None
-        R, D, Fh, Fi = plan.num_rows, x.shape[-1], w2.shape[1], w_in.shape[-1]
-        gated = activation == "swiglu"  # w_in is W1 | W3
-        if Fi != (2 if gated else 1) * Fh:
-            raise ValueError(f"FusedExperts: {activation} needs w_in [E, D, "
-                             f"{'2F' if gated else 'F'}] with F = {Fh}, got {tuple(w_in.shape)}")
+        R, D, Fh = plan.num_rows, x.shape[-1], w1.shape[-1]
         dt, dev = x.dtype, x.device
         C = plan.max_chunk_rows
         take = ws.take if ws is not None else take_fresh
         chunks = _chunks(plan, dev)
         sizes = [ch.r1 - ch.r0 for ch in chunks]
-        W_in, W2 = _Weights(w_in), _Weights(w2)
-        h_RF = take("h_in", (R, Fi), dt, dev)  # pre-activations, kept for backward
-        hs = h_RF.split(sizes)
+        W1, W2 = _Weights(w1), _Weights(w2)
+        W3 = _Weights(w3) if w3 is not None else None
+        h1_RF = take("h1", (R, Fh), dt, dev)
+        h3_RF = take("h3", (R, Fh), dt, dev) if W3 is not None else None
+        h1s = h1_RF.split(sizes)
+        h3s = h3_RF.split(sizes) if h3_RF is not None else None
         native, kern = _elementwise(kernels, x)
         a_CF = torch.empty((C, Fh), dtype=dt, device=dev) if kern is None else None
         if gathered:
@@ -288,27 +277,29 @@ class FusedExperts(torch.autograd.Function):
         for i, ch in enumerate(chunks):
             n = sizes[i]
             xc = torch.index_select(x, 0, srcs[i], out=x_CD[:n]) if gathered else xs[i]
-            _chunk_mm(xc, W_in, hs[i], ch)
-            h1c, h3c = _halves(hs[i], gated)
+            _chunk_mm(xc, W1, h1s[i], ch)
+            if W3 is not None:
+                _chunk_mm(xc, W3, h3s[i], ch)
             if native is not None:  # one pass: activation times gate weight
-                ac = native.forward(h1c, h3c, wts[i] if gathered else None, a_CF[:n])
+                ac = native.forward(h1s[i], h3s[i] if W3 is not None else None,
+                                    wts[i] if gathered else None, a_CF[:n])
             elif kern is not None:  # one generated pass: activation times gate weight
-                ac = run_compiled(kern[1], act_forward_eager, h1c, h3c,
-                                  wts[i] if gathered else None)
+                ac = run_compiled(kern[1], act_forward_eager, h1s[i],
+                                  h3s[i] if W3 is not None else None, wts[i] if gathered else None)
             else:
                 ac = a_CF[:n]
-                if gated:
-                    torch.ops.aten.silu.out(h1c, out=ac)
-                    ac.mul_(h3c)
+                if W3 is not None:
+                    torch.ops.aten.silu.out(h1s[i], out=ac)
+                    ac.mul_(h3s[i])
                 else:
-                    torch.ops.aten.gelu.out(h1c, out=ac)
+                    torch.ops.aten.gelu.out(h1s[i], out=ac)
                 if gathered:
                     ac.mul_(wts[i].unsqueeze(1))
             _chunk_mm(ac, W2, outs[i], ch)
         out = rows_RD
         if gathered:
             out = gather_combine(rows_RD, pos_TK)
-        ctx.save_for_backward(x, weight_R, w_in, w2, src_R, pos_TK, h_RF)
+        ctx.save_for_backward(x, weight_R, w1, w3, w2, src_R, pos_TK, h1_RF, h3_RF)
         ctx.plan = plan
         ctx.chunks = chunks
         ctx.ws = ws
@@ -317,13 +308,12 @@ class FusedExperts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight_R, w_in, w2, src_R, pos_TK, h_RF = ctx.saved_tensors
+        x, weight_R, w1, w3, w2, src_R, pos_TK, h1_RF, h3_RF = ctx.saved_tensors
         plan: ExpertPlan = ctx.plan
         gathered = src_R is not None
-        need_x, need_wt, need_w_in, need_w2 = ctx.needs_input_grad[:4]
+        need_x, need_wt, need_w1, need_w3, need_w2 = ctx.needs_input_grad[:5]
         dt, dev = x.dtype, x.device
-        R, D, Fh, Fi = plan.num_rows, x.shape[-1], w2.shape[1], w_in.shape[-1]
-        gated = Fi != Fh  # checked in forward against the activation
+        R, D, Fh = plan.num_rows, x.shape[-1], w1.shape[-1]
         C = plan.max_chunk_rows
         grad_out = grad_out.to(dt).contiguous()
         ws: Workspace | None = ctx.ws
@@ -341,10 +331,12 @@ class FusedExperts(torch.autograd.Function):
                     g[e].zero_()  # an expert that got no rows gets an exact zero gradient
             return g
 
-        gw_in, gw2 = (weight_grad_buffer("gw_in", w_in, need_w_in),
-                      weight_grad_buffer("gw2", w2, need_w2))
-        GW_in, GW2 = (_Weights(g) if g is not None else None for g in (gw_in, gw2))
-        W_inT, W2T = _Weights(w_in, transpose=True), _Weights(w2, transpose=True)
+        gw1, gw3, gw2 = (weight_grad_buffer("gw1", w1, need_w1),
+                         weight_grad_buffer("gw3", w3, need_w3),
+                         weight_grad_buffer("gw2", w2, need_w2))
+        GW1, GW3, GW2 = (_Weights(g) if g is not None else None for g in (gw1, gw3, gw2))
+        W1T, W2T = _Weights(w1, transpose=True), _Weights(w2, transpose=True)
+        W3T = _Weights(w3, transpose=True) if w3 is not None else None
         g_weight_R = torch.empty(R, dtype=torch.float32, device=dev) if need_wt and gathered else None
         gx_rows = None
         if need_x:
@@ -353,13 +345,15 @@ class FusedExperts(torch.autograd.Function):
             gx_rows = take("rows_RD", (R + 1 if gathered else R, D), dt, dev)
             if gathered:
                 gx_rows[R].zero_()
-        hs = h_RF.split(sizes)
+        h1s = h1_RF.split(sizes)
+        h3s = h3_RF.split(sizes) if h3_RF is not None else None
         gxs = gx_rows[:R].split(sizes) if gx_rows is not None else None
         gwts = g_weight_R.split(sizes) if g_weight_R is not None else None
         s_CF = torch.empty((C, Fh), dtype=dt, device=dev) if native is None else None
         a_CF = torch.empty((C, Fh), dtype=dt, device=dev)
         ga_CF = torch.empty((C, Fh), dtype=dt, device=dev)
-        gh_CF = torch.empty((C, Fi), dtype=dt, device=dev)  # dL/dh1 | dL/dh3 (SwiGLU)
+        gh1_CF = torch.empty((C, Fh), dtype=dt, device=dev)
+        gh3_CF = torch.empty((C, Fh), dtype=dt, device=dev) if w3 is not None else None
         if gathered:
             x_CD = torch.empty((C, D), dtype=dt, device=dev)
             gy_CD = torch.empty((C, D), dtype=dt, device=dev)
@@ -370,28 +364,25 @@ class FusedExperts(torch.autograd.Function):
         for i, ch in enumerate(chunks):
             n = sizes[i]
             gyc = torch.index_select(grad_out, 0, srcs[i], out=gy_CD[:n]) if gathered else gys[i]
-            h1c, h3c = _halves(hs[i], gated)
-            ghc = gh_CF[:n]
-            gh1c, gh3c = _halves(ghc, gated)
+            h1c = h1s[i]
+            h3c = h3s[i] if h3s is not None else None
             # dL/da (unweighted in gathered mode) = gy @ W2^T
             gac = ga_CF[:n]
             _chunk_mm(gyc, W2T, gac, ch)
             if native is not None:  # one pass for everything element-wise
-                ac = a_CF[:n]
+                ac, gh1c = a_CF[:n], gh1_CF[:n]
+                gh3c = gh3_CF[:n] if w3 is not None else None
                 native.backward(gac, h1c, h3c, wts[i] if gathered else None,
                                 gwts[i] if gwts is not None else None, ac, gh1c, gh3c)
             elif kern is not None:  # one generated pass for everything element-wise
-                gwc, ac, g1, g3 = run_compiled(kern[0], act_backward_eager, gac, h1c, h3c,
-                                               wts[i] if gathered else None)
-                gh1c.copy_(g1)
-                if gated:
-                    gh3c.copy_(g3)
+                gwc, ac, gh1c, gh3c = run_compiled(kern[0], act_backward_eager, gac, h1c, h3c,
+                                            wts[i] if gathered else None)
                 if gwts is not None:
                     gwts[i].copy_(gwc)
             else:
                 # Recompute the activation from the saved pre-activations (cheap, [C, F]).
                 ac = a_CF[:n]
-                if gated:
+                if w3 is not None:
                     sc = torch.ops.aten.silu.out(h1c, out=s_CF[:n])
                     torch.mul(sc, h3c, out=ac)
                 else:
@@ -404,20 +395,26 @@ class FusedExperts(torch.autograd.Function):
                     if GW2 is not None:
                         ac.mul_(wc_col)  # w2's gradient sees the weighted activation
                 # Back through the activation: gh1 (and gh3 for SwiGLU), in place in ga's buffer.
-                if gated:
-                    torch.mul(gac, sc, out=gh3c)
+                if w3 is not None:
+                    gh3c = torch.mul(gac, sc, out=gh3_CF[:n])
                     gac.mul_(h3c)
-                    torch.ops.aten.silu_backward.grad_input(gac, h1c, grad_input=gh1c)
+                    gh1c = torch.ops.aten.silu_backward.grad_input(gac, h1c, grad_input=gh1_CF[:n])
                 else:
-                    torch.ops.aten.gelu_backward.grad_input(gac, h1c, grad_input=gh1c)
+                    gh1c = torch.ops.aten.gelu_backward.grad_input(gac, h1c, grad_input=gh1_CF[:n])
+                    gh3c = None
             if GW2 is not None:
                 _weight_grad(ac, gyc, GW2, ch)
-            if GW_in is not None:
+            if GW1 is not None or GW3 is not None:
                 xc = torch.index_select(x, 0, srcs[i], out=x_CD[:n]) if gathered else xs[i]
-                _weight_grad(xc, ghc, GW_in, ch)
+                if GW1 is not None:
+                    _weight_grad(xc, gh1c, GW1, ch)
+                if GW3 is not None:
+                    _weight_grad(xc, gh3c, GW3, ch)
             if gxs is not None:
-                _chunk_mm(ghc, W_inT, gxs[i], ch)
+                _chunk_mm(gh1c, W1T, gxs[i], ch)
+                if gh3c is not None:
+                    _chunk_mm(gh3c, W3T, gxs[i], ch, accumulate=True)
         gx = gx_rows
         if gx is not None and gathered:
             gx = gather_combine(gx_rows, pos_TK)
-        return gx, g_weight_R, gw_in, gw2, None, None, None, None, None, None
+        return gx, g_weight_R, gw1, gw3, gw2, None, None, None, None, None, None

@@ -82,7 +82,7 @@ class MoE(nn.Module):
         if not x.is_floating_point():
             raise ValueError(f"MoE.forward: input dtype {x.dtype} must be floating point "
                              "(float32 or bfloat16)")
-        wdtype = self.experts.w2.dtype
+        wdtype = self.experts.w1.dtype
         if x.dtype != wdtype and not torch.is_autocast_enabled(x.device.type):
             raise ValueError(f"MoE.forward: input dtype {x.dtype} differs from the parameters' "
                              f"{wdtype}; cast the module with .to({x.dtype}) or run under autocast")

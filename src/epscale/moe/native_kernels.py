@@ -37,7 +37,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "act_kernels.c"
-ABI = 2  # epscale_act_kernels_abi() of the C file
+ABI = 1  # epscale_act_kernels_abi() of the C file
 # Flag sets tried in order: the first that builds wins. -march=native vectorises for the
 # machine that builds (hence the CPU in the cache key); -fopenmp splits rows over threads.
 FLAG_SETS = (
@@ -115,9 +115,9 @@ class NativeKernels:
         for act in ("swiglu", "gelu"):
             for dt, name in DTYPES.items():
                 fwd = getattr(lib, f"{act}_{name}_fwd")
-                fwd.argtypes, fwd.restype = [i64, i64, p, p, i64, p, p, i32], None
+                fwd.argtypes, fwd.restype = [i64, i64, p, p, p, p, i32], None
                 bwd = getattr(lib, f"{act}_{name}_bwd")
-                bwd.argtypes, bwd.restype = [i64, i64, p, p, p, i64, p, p, p, p, p, i64, i32], None
+                bwd.argtypes, bwd.restype = [i64, i64, p, p, p, p, p, p, p, p, i32], None
                 self._fns[(act, dt)] = (fwd, bwd)
 
     @staticmethod
@@ -126,23 +126,21 @@ class NativeKernels:
 
     def forward(self, h1_CF: torch.Tensor, h3_CF: torch.Tensor | None, w_C: torch.Tensor | None,
                 a_CF: torch.Tensor) -> torch.Tensor:
-        """a = act(h1[, h3]) (times w per row when given) into ``a_CF``; returns it.
-        h1 and h3 may be row-strided (the halves of one [C, 2F] buffer)."""
+        """a = act(h1[, h3]) (times w per row when given) into ``a_CF``; returns it."""
         act = "swiglu" if h3_CF is not None else "gelu"
-        _check(h1_CF, [h1_CF, h3_CF], [a_CF])
+        _check(h1_CF, h3_CF, a_CF)
         fwd, _ = self._fns[(act, h1_CF.dtype)]
         w = _weights(w_C, h1_CF.shape[0])
-        fwd(h1_CF.shape[0], h1_CF.shape[1], h1_CF.data_ptr(), _ptr(h3_CF), h1_CF.stride(0),
-            _ptr(w), a_CF.data_ptr(), torch.get_num_threads())
+        fwd(h1_CF.shape[0], h1_CF.shape[1], h1_CF.data_ptr(), _ptr(h3_CF), _ptr(w),
+            a_CF.data_ptr(), torch.get_num_threads())
         return a_CF
 
     def backward(self, ga_CF, h1_CF, h3_CF, w_C, gw_C, aw_CF, gh1_CF, gh3_CF) -> None:
         """From dL/da (before the gate weight): the gate weight's gradient into ``gw_C``
         (fp32; None to skip), the weighted activation into ``aw_CF``, dL/dh1 into
-        ``gh1_CF`` and, for SwiGLU, dL/dh3 into ``gh3_CF``. h1 and h3, and gh1 and gh3,
-        may be row-strided (the halves of one [C, 2F] buffer)."""
+        ``gh1_CF`` and, for SwiGLU, dL/dh3 into ``gh3_CF``."""
         act = "swiglu" if h3_CF is not None else "gelu"
-        _check(ga_CF, [h1_CF, h3_CF], [gh1_CF, gh3_CF], [ga_CF, aw_CF])
+        _check(ga_CF, h1_CF, h3_CF, aw_CF, gh1_CF, gh3_CF)
         _, bwd = self._fns[(act, h1_CF.dtype)]
         if gw_C is not None and (gw_C.dtype != torch.float32 or not gw_C.is_contiguous()
                                  or gw_C.shape != h1_CF.shape[:1]):
@@ -151,8 +149,8 @@ class NativeKernels:
                              f"{tuple(gw_C.shape)}")
         w = _weights(w_C, h1_CF.shape[0])
         bwd(h1_CF.shape[0], h1_CF.shape[1], ga_CF.data_ptr(), h1_CF.data_ptr(), _ptr(h3_CF),
-            h1_CF.stride(0), _ptr(w), _ptr(gw_C), aw_CF.data_ptr(), gh1_CF.data_ptr(),
-            _ptr(gh3_CF), gh1_CF.stride(0), torch.get_num_threads())
+            _ptr(w), _ptr(gw_C), aw_CF.data_ptr(), gh1_CF.data_ptr(), _ptr(gh3_CF),
+            torch.get_num_threads())
 
 
 def _ptr(t: torch.Tensor | None):
@@ -169,27 +167,20 @@ def _weights(w_C: torch.Tensor | None, rows: int) -> torch.Tensor | None:
     return w_C.contiguous() if w_C.dtype == torch.float32 else w_C.float()
 
 
-def _check(first: torch.Tensor, *groups: list[torch.Tensor | None]) -> None:
-    """The C code reads raw row-major memory: every matrix must be a CPU tensor of the first
-    one's shape and dtype (fp32 or bf16) with unit column stride, and the matrices of one
-    group share one row stride of at least their width (the last group: exactly it)."""
+def _check(first: torch.Tensor, *others: torch.Tensor | None) -> None:
+    """The C code reads raw row-major memory: every matrix must be a contiguous CPU tensor
+    of the first one's shape and dtype, fp32 or bf16."""
     if first.dtype not in DTYPES:
         raise ValueError(f"native kernels: {first.dtype} is not supported (only "
                          f"{', '.join(map(str, DTYPES))}); use moe.compile_kernels=off")
-    cols = first.shape[1] if first.dim() == 2 else 0
-    for gi, group in enumerate(groups):
-        ld = next(t.stride(0) for t in group if t is not None)
-        need = cols if gi == len(groups) - 1 else None
-        for t in group:
-            if t is None:
-                continue
-            if (t.device.type != "cpu" or t.dtype != first.dtype or t.shape != first.shape
-                    or t.dim() != 2 or t.stride(1) != 1 or t.stride(0) != ld or ld < cols
-                    or (need is not None and ld != need)):
-                raise ValueError(
-                    f"native kernels: expected CPU {first.dtype} {tuple(first.shape)} matrices "
-                    f"with unit column stride and a shared row stride, got {t.device.type} "
-                    f"{t.dtype} {tuple(t.shape)} with strides {tuple(t.stride())}")
+    for t in (first, *others):
+        if t is None:
+            continue
+        if (t.device.type != "cpu" or t.dtype != first.dtype or t.shape != first.shape
+                or not t.is_contiguous()):
+            raise ValueError(f"native kernels: expected contiguous CPU {first.dtype} "
+                             f"{tuple(first.shape)} matrices, got {t.device.type} {t.dtype} "
+                             f"{tuple(t.shape)} (contiguous={t.is_contiguous()})")
 
 
 class _Builder:

@@ -37,6 +37,7 @@ from .eplb import Placement, _build, plan_placement
 
 _EXPERT_ATTR = "_epscale_expert"           # parallel.py's marker of sharded expert params
 _PLACEMENT_ATTR = "_epscale_placement"     # the module-level Placement after apply_placement
+_EXPERT_PARAMS = ("w1", "w2", "w3")
 
 
 def _moe_layers(module: nn.Module) -> list[nn.Module]:
@@ -211,7 +212,7 @@ def apply_placement(module: nn.Module, dims, placement: Placement, dispatcher: s
             raise ValueError("apply_placement: this MoE layer is already parallelized; apply the "
                              "placement to the unparallelized module")
         slots = placement.phy2log[i, lo:lo + s]
-        for pname in experts.param_names:
+        for pname in _EXPERT_PARAMS:
             p = getattr(experts, pname, None)
             if p is None:
                 continue
@@ -270,7 +271,7 @@ def sync_replica_gradients(module: nn.Module, dims) -> None:
         pos_E[rep_ids] = torch.arange(rep_ids.numel())
         slot_pos = pos_E[local_slots(placement, i, dims.ep_rank)]       # [s], -1: not replicated
         mine = torch.nonzero(slot_pos >= 0).flatten()
-        for pname in moe.experts.param_names:
+        for pname in _EXPERT_PARAMS:
             p = getattr(moe.experts, pname, None)
             if p is None or not p.requires_grad:
                 continue
@@ -308,7 +309,7 @@ def expert_grad_sq_norm(module: nn.Module, dims=None) -> torch.Tensor:
             weight_s = 1.0 / placement.replica_count[i][local_slots(placement, i, dims.ep_rank)]
         else:
             weight_s = None
-        for pname in moe.experts.param_names:
+        for pname in _EXPERT_PARAMS:
             p = getattr(moe.experts, pname, None)
             if p is None or p.grad is None:
                 continue
@@ -402,7 +403,7 @@ def expert_state(moe: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     the weight (AdamW's exp_avg / exp_avg_sq; ``keys`` restricts to those), in a fixed
     order. Scalar entries such as 'step' are shared by all experts and left out."""
     out = []
-    for pname in moe.experts.param_names:
+    for pname in _EXPERT_PARAMS:
         p = getattr(moe.experts, pname, None)
         if p is None:
             continue

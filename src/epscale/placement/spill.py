@@ -282,7 +282,7 @@ class SpillDispatcher(Dispatcher):
         recv_x_RD, tokens_W, h = inner.dispatch(x_TD, phys_TK, topk_weight_TK)
         n_own = layout.own_rows[me]          # known on the host from the plan: no sync
         n_help = len(layout.helped[me])
-        names = self.experts.param_names
+        names = tuple(n for n in ("w1", "w2", "w3") if getattr(self.experts, n, None) is not None)
         weights = [getattr(self.experts, n) for n in names]
         ship = _shipping(layout, self.info, e, names)
         y_help_RD = _HelperExperts.apply(ship, self.experts, recv_x_RD[n_own:],

@@ -5,10 +5,8 @@
  * One pass per chunk instead of the 3 (forward) and ~9 (backward) passes of eager ops:
  * each element is loaded once, computed in fp32, rounded once when stored. Rows are
  * independent, so threads split the rows and the results do not depend on the thread
- * count. Matrices are row-major [rows, cols] with unit column stride; h1 and h3 share the
- * row stride ldh and gh1 and gh3 the row stride ldg (2 * cols when they are the two
- * halves of one [rows, 2 * cols] buffer, as with a joint W1|W3 GEMM), the others are
- * contiguous. w (a gate weight per row, fp32) and gw (its gradient, fp32) may be NULL.
+ * count. Matrices are row-major [rows, cols] and contiguous; w (a gate weight per row,
+ * fp32) and gw (its gradient, fp32) may be NULL.
  *
  * Forward  (SwiGLU): a = silu(h1) * h3 * w            (GELU: a = gelu(h1) * w)
  * Backward (SwiGLU): from ga = dL/d(silu(h1) * h3) (before the gate weight):
@@ -87,56 +85,53 @@ INLINE float erfc_f32(float x) {
 #define SQRT1_2 0.70710678118654752f
 #define INV_SQRT_2PI 0.39894228040143268f
 
-/* One row; oh, oa and og are the row's first element in h1/h3, in a/ga/aw and in gh1/gh3. */
-INLINE void fwd_row(int64_t cols, const void *h1, const void *h3, int64_t oh, float wr,
-                    void *a, int64_t oa, const int bf16, const int swiglu) {
+INLINE void fwd_row(int64_t cols, const void *h1, const void *h3, float wr, void *a,
+                    int64_t o, const int bf16, const int swiglu) {
     #pragma omp simd
-    for (int64_t c = 0; c < cols; c++) {
-        float x = load(h1, oh + c, bf16), act;
-        if (swiglu) act = x * sigmoid_f32(x) * load(h3, oh + c, bf16);
+    for (int64_t c = o; c < o + cols; c++) {
+        float x = load(h1, c, bf16), act;
+        if (swiglu) act = x * sigmoid_f32(x) * load(h3, c, bf16);
         else act = 0.5f * x * erfc_f32(-x * SQRT1_2);
-        store(a, oa + c, act * wr, bf16);
+        store(a, c, act * wr, bf16);
     }
 }
 
-INLINE float bwd_row(int64_t cols, const void *ga, const void *h1, const void *h3, int64_t oh,
-                     float wr, void *aw, int64_t oa, void *gh1, void *gh3, int64_t og,
-                     const int bf16, const int swiglu) {
+INLINE float bwd_row(int64_t cols, const void *ga, const void *h1, const void *h3, float wr,
+                     void *aw, void *gh1, void *gh3, int64_t o, const int bf16, const int swiglu) {
     float acc = 0.0f;
     #pragma omp simd reduction(+:acc)
-    for (int64_t c = 0; c < cols; c++) {
-        float g = load(ga, oa + c, bf16), x = load(h1, oh + c, bf16);
+    for (int64_t c = o; c < o + cols; c++) {
+        float g = load(ga, c, bf16), x = load(h1, c, bf16);
         float gwt = g * wr, act;
         if (swiglu) {
-            float v3 = load(h3, oh + c, bf16), s = sigmoid_f32(x), silu = x * s;
+            float v3 = load(h3, c, bf16), s = sigmoid_f32(x), silu = x * s;
             act = silu * v3;
-            store(gh3, og + c, gwt * silu, bf16);
-            store(gh1, og + c, gwt * v3 * s * (1.0f + x * (1.0f - s)), bf16);
+            store(gh3, c, gwt * silu, bf16);
+            store(gh1, c, gwt * v3 * s * (1.0f + x * (1.0f - s)), bf16);
         } else {
             float cdf = 0.5f * erfc_f32(-x * SQRT1_2);
             act = x * cdf;
-            store(gh1, og + c, gwt * (cdf + x * INV_SQRT_2PI * exp_f32(-0.5f * x * x)), bf16);
+            store(gh1, c, gwt * (cdf + x * INV_SQRT_2PI * exp_f32(-0.5f * x * x)), bf16);
         }
         acc += g * act;
-        store(aw, oa + c, act * wr, bf16);
+        store(aw, c, act * wr, bf16);
     }
     return acc;
 }
 
 #define KERNELS(NAME, BF16, SWIGLU)                                                        \
-void NAME##_fwd(int64_t rows, int64_t cols, const void *h1, const void *h3, int64_t ldh,    \
-                const float *w, void *a, int threads) {                                     \
+void NAME##_fwd(int64_t rows, int64_t cols, const void *h1, const void *h3, const float *w, \
+                void *a, int threads) {                                                     \
     _Pragma("omp parallel for num_threads(threads) schedule(static)")                       \
     for (int64_t r = 0; r < rows; r++)                                                      \
-        fwd_row(cols, h1, h3, r * ldh, w ? w[r] : 1.0f, a, r * cols, BF16, SWIGLU);         \
+        fwd_row(cols, h1, h3, w ? w[r] : 1.0f, a, r * cols, BF16, SWIGLU);                  \
 }                                                                                           \
 void NAME##_bwd(int64_t rows, int64_t cols, const void *ga, const void *h1, const void *h3, \
-                int64_t ldh, const float *w, float *gw, void *aw, void *gh1, void *gh3,     \
-                int64_t ldg, int threads) {                                                 \
+                const float *w, float *gw, void *aw, void *gh1, void *gh3, int threads) {   \
     _Pragma("omp parallel for num_threads(threads) schedule(static)")                       \
     for (int64_t r = 0; r < rows; r++) {                                                    \
-        float acc = bwd_row(cols, ga, h1, h3, r * ldh, w ? w[r] : 1.0f, aw, r * cols,       \
-                            gh1, gh3, r * ldg, BF16, SWIGLU);                               \
+        float acc = bwd_row(cols, ga, h1, h3, w ? w[r] : 1.0f, aw, gh1, gh3, r * cols,      \
+                            BF16, SWIGLU);                                                  \
         if (gw) gw[r] = acc;                                                                \
     }                                                                                       \
 }
@@ -147,4 +142,4 @@ KERNELS(gelu_bf16, 1, 0)
 KERNELS(gelu_f32, 0, 0)
 
 /* The ABI version the Python side checks after loading (bump on any signature change). */
-int epscale_act_kernels_abi(void) { return 2; }
+int epscale_act_kernels_abi(void) { return 1; }
