@@ -343,11 +343,12 @@ class Trainer:
                 total.backward()
             loss_sum += loss.detach().float() / accum
         self.loader.end_step()
-        with T.section("sync"):
+        with T.section("sync"):  # the gradient all-reduces: communication, and rank waits
             if self.world > 1:
                 from ..parallel import sync_gradients
 
                 sync_gradients(self.model, self.dims)
+        with T.section("optimizer"):  # the norm and clipping are compute, not communication
             grad_norm, stop, skip = grad_norm_and_flags(
                 self.model, self.dims, cfg.train.grad_clip, self._stop_requested(), loss_sum)
         lr = lr_at(step, cfg.train)
