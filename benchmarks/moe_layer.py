@@ -388,6 +388,33 @@ def print_table(res: dict) -> None:
         print(f"{name:38s} unavailable: {why}")
 
 
+def parse_device(p: argparse.ArgumentParser, name: str) -> torch.device:
+    """--device as a torch device (cpu or an available cuda), or a usage error."""
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        p.error(f"--device {name}: not a device name (cpu, cuda, cuda:1, ...)")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {name}: torch sees no CUDA device")
+    if dev.type not in ("cpu", "cuda"):
+        p.error(f"--device {name}: only cpu and cuda are supported")
+    return dev
+
+
+def parse_shapes(p: argparse.ArgumentParser, configs: str, shape: str | None) -> list[tuple[str, dict]]:
+    """(label, shape) pairs from --configs (names in CONFIGS) or --shape E,K,D,F,T."""
+    if shape:
+        try:
+            E, K, D, F, T = (int(v) for v in shape.split(","))
+        except ValueError:
+            p.error(f"--shape {shape}: expected five integers E,K,D,F,T")
+        return [("custom", dict(E=E, K=K, D=D, F=F, T=T))]
+    unknown = [c for c in configs.split(",") if c not in CONFIGS]
+    if unknown:
+        p.error(f"unknown config {unknown[0]!r}; known: {', '.join(CONFIGS)}")
+    return [(c, CONFIGS[c]) for c in configs.split(",")]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default="coarse,fine", help="comma list of: " + ", ".join(CONFIGS))
@@ -412,14 +439,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     global DEVICE
-    try:
-        DEVICE = torch.device(args.device)
-    except RuntimeError:
-        p.error(f"--device {args.device}: not a device name (cpu, cuda, cuda:1, ...)")
-    if DEVICE.type == "cuda" and not torch.cuda.is_available():
-        p.error(f"--device {args.device}: torch sees no CUDA device")
-    if DEVICE.type not in ("cpu", "cuda"):
-        p.error(f"--device {args.device}: only cpu and cuda are supported")
+    DEVICE = parse_device(p, args.device)
     if DEVICE.type == "cuda" and args.clock == "cpu":
         p.error("--clock cpu measures host CPU time; use the wall clock with --device cuda")
     if args.clock == "cpu":
@@ -427,14 +447,7 @@ def main(argv=None) -> int:
         if torch.get_num_threads() != 1:
             p.error("--clock cpu needs --threads 1")
         CLOCK = time.process_time
-    if args.shape:
-        E, K, D, F, T = (int(v) for v in args.shape.split(","))
-        todo = [("custom", dict(E=E, K=K, D=D, F=F, T=T))]
-    else:
-        unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
-        if unknown:
-            p.error(f"unknown config {unknown[0]!r}; known: {', '.join(CONFIGS)}")
-        todo = [(c, CONFIGS[c]) for c in args.configs.split(",")]
+    todo = parse_shapes(p, args.configs, args.shape)
     where = (f"{torch.cuda.get_device_name(DEVICE)}" if DEVICE.type == "cuda"
              else f"{platform.processor() or platform.machine()}")
     print(f"torch {torch.__version__}, {DEVICE}, {torch.get_num_threads()} threads, {args.clock} "

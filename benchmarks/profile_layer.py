@@ -118,14 +118,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    ml.DEVICE = torch.device(args.device)
-    if ml.DEVICE.type == "cuda" and not torch.cuda.is_available():
-        p.error(f"--device {args.device}: torch sees no CUDA device")
-    if args.shape:
-        E, K, D, F, T = (int(v) for v in args.shape.split(","))
-        todo = [("custom", dict(E=E, K=K, D=D, F=F, T=T))]
-    else:
-        todo = [(c, ml.CONFIGS[c]) for c in args.configs.split(",")]
+    ml.DEVICE = ml.parse_device(p, args.device)
+    todo = ml.parse_shapes(p, args.configs, args.shape)
     dtype = getattr(torch, args.dtype)
     print(f"torch {torch.__version__}, {ml.DEVICE}, {torch.get_num_threads()} threads, {args.dtype}")
     out = []
