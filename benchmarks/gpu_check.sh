@@ -12,9 +12,11 @@
 #   NGPU=4 bash benchmarks/gpu_check.sh --quick  # extra args go to benchmarks/dispatch.py
 #
 # Each stage has a time limit (seconds; TEST_S, TRAIN_S, BENCH_S set three); a stage that
-# fails or runs out is reported and the next one runs. ONLY="tests profile" runs some. Logs and JSON land in $OUT (benchmarks/out by
-# default). Works without installing the package (PYTHONPATH=src) on an image whose torch
-# is older than the pin, and says so.
+# fails or runs out is reported and the next one runs. ONLY="tests profile" runs some
+# (keys: tests train bench combine profile inductor dispatch). Logs and JSON land in $OUT
+# (benchmarks/out by default). Works without installing the package (PYTHONPATH=src) on
+# an image whose torch is older than the pin, and says so. The run of 2026-11-29 on one
+# H200 took about 3 minutes of machine time (benchmarks/RESULTS.md, GPU section).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
