@@ -16,7 +16,7 @@
 # (keys: tests train bench combine profile inductor dispatch). Logs and JSON land in $OUT
 # (benchmarks/out by default). Works without installing the package (PYTHONPATH=src) on
 # an image whose torch is older than the pin, and says so. The run of 2026-11-29 on one
-# H200 took about 3 minutes of machine time (benchmarks/RESULTS.md, GPU section).
+# H200 ran all stages in 151 s (benchmarks/RESULTS.md, GPU section).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
