@@ -401,7 +401,8 @@ def parse_device(p: argparse.ArgumentParser, name: str) -> torch.device:
     return dev
 
 
-def parse_shapes(p: argparse.ArgumentParser, configs: str, shape: str | None) -> list[tuple[str, dict]]:
+def parse_shapes(p: argparse.ArgumentParser, configs: str,
+                 shape: str | None) -> list[tuple[str, dict]]:
     """(label, shape) pairs from --configs (names in CONFIGS) or --shape E,K,D,F,T."""
     if shape:
         try:

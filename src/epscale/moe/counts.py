@@ -4,7 +4,8 @@
 its output: two synchronisations per call, each of which stalls the launch queue. The MoE
 layer counts ids several times per step (tokens per expert for the dispatch, the
 statistics, the balance losses): two such calls made four of the six synchronisations of
-a layer's step on an H200 (benchmarks/RESULTS.md, GPU section). :func:`count_ids` knows its output size.
+a layer's step on an H200 (benchmarks/RESULTS.md, GPU section). :func:`count_ids` is
+given its output size, so it needs none.
 """
 
 from __future__ import annotations
