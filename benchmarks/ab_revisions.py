@@ -7,6 +7,12 @@ second package. For claims of the form "this change made the layer N% faster".
     .venv/bin/python benchmarks/ab_revisions.py --base e3b2090~1 --configs coarse,fine,narrow \\
         --threads 1 --clock cpu --rounds 6 --json ab.json
 
+Where there is no git history (a device machine gets a copy of the working tree only),
+``--base`` also takes a directory holding a revision's ``src/epscale``, prepared with
+``mkdir -p .base && git archive REV src/epscale | tar -x -C .base``:
+
+    python benchmarks/ab_revisions.py --base .base --device cuda     # on a GPU
+
 Both layers get the same weights and the same input; their outputs must agree within
 the dtype's tolerance before anything is timed. Steps (forward + backward, gradients
 set to None between steps) alternate between the two in every round, so a noisy
@@ -44,8 +50,16 @@ CONFIGS = {
 
 
 def load_revision(rev: str, workdir: str):
-    """``src/epscale`` at ``rev`` imported as the package ``epscale_base``. Its modules
-    import each other relatively, so they stay inside that package."""
+    """``src/epscale`` at ``rev`` (a git revision, or a directory holding a revision's
+    ``src/epscale``) imported as the package ``epscale_base``. Its modules import each
+    other relatively, so they stay inside that package."""
+    if os.path.isdir(rev):
+        pkg_dir = os.path.join(rev, "src", "epscale")
+        if not os.path.isfile(os.path.join(pkg_dir, "__init__.py")):
+            raise SystemExit(f"--base {rev}: a directory, but {pkg_dir}/__init__.py is not "
+                             "there; fill it with `git archive REV src/epscale | tar -x -C "
+                             f"{rev}`")
+        return _import_as_base(pkg_dir)
     try:
         blob = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "src/epscale"],
                               check=True, capture_output=True).stdout
@@ -55,7 +69,10 @@ def load_revision(rev: str, workdir: str):
                          f"{err.decode(errors='replace').strip() or e}")
     with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
         tar.extractall(workdir, filter="data")
-    pkg_dir = os.path.join(workdir, "src", "epscale")
+    return _import_as_base(os.path.join(workdir, "src", "epscale"))
+
+
+def _import_as_base(pkg_dir: str):
     spec = importlib.util.spec_from_file_location(
         "epscale_base", os.path.join(pkg_dir, "__init__.py"), submodule_search_locations=[pkg_dir])
     module = importlib.util.module_from_spec(spec)
@@ -82,7 +99,9 @@ def build(pkg, shape, dtype, path: str, state=None):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--base", required=True, help="git revision to compare the working tree against")
+    p.add_argument("--base", required=True,
+                   help="git revision to compare the working tree against, or a directory "
+                        "holding that revision's src/epscale")
     p.add_argument("--configs", default="coarse,fine", help="comma list of: " + ", ".join(CONFIGS))
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--path", default="fused", choices=("fused", "rows"),
@@ -93,8 +112,18 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="cpu: process CPU time (needs --threads 1)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: torch sees no CUDA device")
+    if device.type == "cuda" and args.clock == "cpu":
+        p.error("--clock cpu measures host CPU time; use the wall clock with --device cuda")
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
     unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
     if unknown:
         p.error(f"unknown config {unknown[0]!r}; known: {', '.join(CONFIGS)}")
@@ -107,16 +136,18 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         base_pkg = load_revision(args.base, tmp)
         print(f"base {args.base} vs working tree; torch {torch.__version__}, "
-              f"{torch.get_num_threads()} threads, {args.clock} clock, {args.dtype}, {args.path} path")
+              f"{torch.get_num_threads()} threads, {args.clock} clock, {args.dtype}, "
+              f"{args.path} path, {device}")
         print(f"{'config':8s} {'base ms':>8s} {'new ms':>8s} {'speedup':>8s}  out diff")
         results = []
         for name in args.configs.split(","):
             shape = CONFIGS[name]
-            new = build(epscale, shape, dtype, args.path)
-            base = build(base_pkg, shape, dtype, args.path, new.state_dict())
+            new = build(epscale, shape, dtype, args.path).to(device)
+            base = build(base_pkg, shape, dtype, args.path, new.state_dict()).to(device)
             g = torch.Generator().manual_seed(1)
-            x = torch.randn(shape["T"], shape["D"], generator=g).to(dtype).requires_grad_(True)
-            gy = torch.randn(shape["T"], shape["D"], generator=g).to(dtype)
+            x_TD = torch.randn(shape["T"], shape["D"], generator=g)
+            x = x_TD.to(device, dtype).requires_grad_(True)
+            gy = torch.randn(shape["T"], shape["D"], generator=g).to(device, dtype)
             with torch.no_grad():
                 yn, yb = new(x).float(), base(x).float()
             diff = ((yn - yb).norm() / yb.norm()).item()
@@ -134,9 +165,11 @@ def main(argv=None) -> int:
             for _ in range(args.rounds):
                 for side, moe in (("base", base), ("new", new)):
                     step(moe)  # warm-up after the other side ran
+                    sync()
                     for _ in range(args.reps):
                         t0 = clock()
                         step(moe)
+                        sync()
                         best[side] = min(best[side], clock() - t0)
             speedup = best["base"] / best["new"]
             print(f"{name:8s} {best['base'] * 1e3:8.1f} {best['new'] * 1e3:8.1f} {speedup:8.3f}  {diff:.1e}")
@@ -145,7 +178,8 @@ def main(argv=None) -> int:
                                 new_ms=best["new"] * 1e3, speedup=speedup, out_rel_diff=diff))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(benchmark="ab_revisions", base=args.base, path=args.path, torch=torch.__version__,
+            json.dump(dict(benchmark="ab_revisions", base=args.base, path=args.path,
+                           device=str(device), torch=torch.__version__,
                            threads=torch.get_num_threads(), clock=args.clock, dtype=args.dtype,
                            command=" ".join(sys.argv), results=results), f, indent=1)
     return 0

@@ -4,8 +4,9 @@
 #      forward and backward; tests/conftest.py's EPSCALE_TEST_DEVICE);
 #   2. a short training run on the GPU, then a resume from its checkpoint;
 #   3. benchmarks/moe_layer.py and benchmarks/combine.py on the GPU (synchronised timing),
-#      benchmarks/profile_layer.py (launches, host syncs, top kernels per step) and the
-#      layer with moe.compile_kernels=inductor (Triton);
+#      benchmarks/profile_layer.py (launches, host syncs, top kernels per step), the layer
+#      against a carried base revision (benchmarks/ab_revisions.py, when .base exists) and
+#      with moe.compile_kernels=inductor (Triton);
 #   4. with >= 2 GPUs, benchmarks/dispatch.py over NCCL (EP needs one rank per GPU).
 #
 #   bash benchmarks/gpu_check.sh                 # every visible GPU
@@ -13,9 +14,10 @@
 #
 # Each stage has a time limit (seconds; TEST_S, TRAIN_S, BENCH_S set three); a stage that
 # fails or runs out is reported and the next one runs. ONLY="tests profile" runs some
-# (keys: tests train bench combine profile inductor dispatch). Logs and JSON land in $OUT
-# (benchmarks/out by default). Works without installing the package (PYTHONPATH=src) on
-# an image whose torch is older than the pin, and says so. The run of 2026-11-29 on one
+# (keys: tests train bench combine profile ab inductor dispatch). One log of every stage
+# (gpu_check.log) and the JSON files land in $OUT (benchmarks/out by default). Works
+# without installing the package (PYTHONPATH=src) on an image whose torch is older than
+# the pin, and says so. The run of 2026-11-29 on one
 # H200 ran all stages in 151 s (benchmarks/RESULTS.md, GPU section).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,14 +35,16 @@ mkdir -p "$OUT"
 NGPU=${NGPU:-$("$PY" -c 'import torch; print(torch.cuda.device_count())')}
 FAILED=()
 ONLY=${ONLY:-}  # e.g. ONLY="tests bench profile": run only the stages with these keys
-stage() {  # stage KEY NAME LIMIT_S LOG CMD...: run with a time limit, log to $OUT/LOG
-    local key=$1 name=$2 limit=$3 log=$4; shift 4
+LOG="$OUT/gpu_check.log"  # every stage's output, in order (one file: few files come back)
+: > "$LOG"
+stage() {  # stage KEY NAME LIMIT_S CMD...: run with a time limit, output to the log too
+    local key=$1 name=$2 limit=$3; shift 3
     if [ -n "$ONLY" ] && [[ " $ONLY " != *" $key "* ]]; then return; fi
-    echo "== $name (limit ${limit}s)"
+    echo "== $name (limit ${limit}s)" | tee -a "$LOG"
     local t0=$SECONDS
-    timeout --signal=INT --kill-after=10 "$limit" "$@" 2>&1 | tee "$OUT/$log"
+    timeout --signal=INT --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG"
     local rc=${PIPESTATUS[0]}
-    echo "== $name: rc $rc in $((SECONDS - t0)) s"
+    echo "== $name: rc $rc in $((SECONDS - t0)) s" | tee -a "$LOG"
     [ "$rc" -eq 0 ] || FAILED+=("$name (rc $rc)")
 }
 
@@ -57,35 +61,45 @@ if (major, minor) < (2, 13):
     print(f"note: torch {torch.__version__} is older than epscale's pin (>= 2.13)")
 PY
 
-stage tests "layer tests on cuda" "$TEST_S" tests_cuda.log env EPSCALE_TEST_DEVICE=cuda \
+stage tests "layer tests on cuda" "$TEST_S" env EPSCALE_TEST_DEVICE=cuda \
     "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -rfs tests/test_moe_layer.py \
     tests/test_router.py tests/test_fused_batched.py tests/test_fused_combine.py \
     tests/test_fused_workspace.py tests/test_model.py
 
 RUN_DIR=$(mktemp -d)/tiny
-stage train "train on cuda, then resume" "$TRAIN_S" train_cuda.log bash -c "
+stage train "train on cuda, then resume" "$TRAIN_S" bash -c "
     '$PY' -m epscale train --config configs/tiny.yaml --run-dir '$RUN_DIR' parallel.ep=1 \
         train.steps=100 train.ckpt_every=50 train.eval_every=50 &&
     '$PY' -m epscale train --config configs/tiny.yaml --run-dir '$RUN_DIR' parallel.ep=1 \
         train.steps=150 train.ckpt_every=50 train.eval_every=50"
 
-stage bench "benchmarks/moe_layer.py --device cuda" "$BENCH_S" moe_layer_gpu.txt \
+stage bench "benchmarks/moe_layer.py --device cuda" "$BENCH_S" \
     "$PY" benchmarks/moe_layer.py --device cuda --dtypes bfloat16 --rounds 3 --reps 5 \
     --impls rows,grouped,eager,torchtitan,mixtral-grouped --json "$OUT/moe_layer_gpu.json"
 # Shapes large enough for the GPU's work to outweigh the host's launches: 64 experts of
 # D=2048, F=1024 over 16k tokens, and Mixtral 8x7B's experts (D=4096, F=14336) over 8k.
 for shape in 64,8,2048,1024,16384 8,2,4096,14336,8192; do
     stage bench "benchmarks/moe_layer.py --device cuda --shape $shape" "$BENCH_S" \
-        "moe_layer_gpu_${shape//,/_}.txt" "$PY" benchmarks/moe_layer.py --device cuda \
-        --dtypes bfloat16 --shape "$shape" --rounds 2 --reps 3 --impls rows,torchtitan,mixtral-grouped
+        "$PY" benchmarks/moe_layer.py --device cuda --dtypes bfloat16 --shape "$shape" \
+        --rounds 2 --reps 3 --impls rows,torchtitan,mixtral-grouped
 done
-stage combine "benchmarks/combine.py --device cuda" 45 combine_gpu.txt \
+stage combine "benchmarks/combine.py --device cuda" 45 \
     "$PY" benchmarks/combine.py --device cuda --json "$OUT/combine_gpu.json"
 # launches, host syncs and the top kernels per step, ours beside torchtitan's
-stage profile "benchmarks/profile_layer.py --device cuda" 90 profile_gpu.txt \
-    "$PY" benchmarks/profile_layer.py --device cuda --impls epscale,rows,torchtitan --tables --find-syncs
+stage profile "benchmarks/profile_layer.py --device cuda" 90 \
+    "$PY" benchmarks/profile_layer.py --device cuda --impls epscale,rows,torchtitan --tables \
+    --find-syncs
+# A GPU-side change against the revision it changes: carry that revision's source as .base
+# (`mkdir -p .base && git archive REV src/epscale | tar -x -C .base`, .base ignored).
+if [ -f .base/src/epscale/__init__.py ]; then
+    for path in fused rows; do
+        stage ab "benchmarks/ab_revisions.py --base .base --device cuda --path $path" "$BENCH_S" \
+            "$PY" benchmarks/ab_revisions.py --base .base --device cuda \
+            --path "$path" --configs coarse,fine,narrow --rounds 4 --reps 5
+    done
+fi
 # moe.compile_kernels=inductor on CUDA (Triton kernels; their compile takes most of this)
-stage inductor "benchmarks/moe_layer.py --device cuda, inductor" 80 moe_layer_inductor_gpu.txt \
+stage inductor "benchmarks/moe_layer.py --device cuda, inductor" 80 \
     "$PY" benchmarks/moe_layer.py --device cuda --dtypes bfloat16 --configs coarse \
     --rounds 2 --reps 5 --impls eager,inductor
 
@@ -93,7 +107,7 @@ if [ "$NGPU" -lt 2 ] && { [ -z "$ONLY" ] || [[ " $ONLY " == *" dispatch "* ]]; }
     echo "gpu_check: $NGPU GPU(s): the EP dispatch benchmark needs >= 2; skipped" >&2
 elif [ "$NGPU" -ge 2 ]; then
     EP_SIZES=$("$PY" -c "n=$NGPU; print(','.join(str(e) for e in (2, 4, 8) if n % e == 0))")
-    stage dispatch "benchmarks/dispatch.py on $NGPU GPUs (NCCL), EP sizes $EP_SIZES" 300 dispatch_gpu.txt \
+    stage dispatch "benchmarks/dispatch.py on $NGPU GPUs (NCCL), EP sizes $EP_SIZES" 300 \
         "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" benchmarks/dispatch.py \
         --ep-sizes "$EP_SIZES" --layer-ep "$(( NGPU >= 4 ? 4 : 2 ))" --ranks-per-node "$NGPU" \
         --json "$OUT/dispatch_gpu.json" "$@"

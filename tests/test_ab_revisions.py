@@ -47,3 +47,23 @@ def test_unknown_revision_is_a_clear_error():
     ab = _load_script()
     with pytest.raises(SystemExit, match="cannot read src/epscale at revision 'no-such-rev'"):
         ab.main(["--base", "no-such-rev", "--configs", "narrow"])
+
+
+def test_base_from_a_source_directory(tmp_path, monkeypatch):
+    """--base DIR takes a revision's src/epscale from a directory (a device machine has no
+    git history): here a copy of the working tree's, which computes the same layer."""
+    ab = _load_script()
+    monkeypatch.setitem(ab.CONFIGS, "tiny", dict(E=8, K=2, D=64, F=96, T=128))
+    shutil.copytree(ROOT / "src" / "epscale", tmp_path / "base" / "src" / "epscale",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp_path / "ab.json"
+    try:
+        assert ab.main(["--base", str(tmp_path / "base"), "--configs", "tiny", "--rounds", "1",
+                        "--reps", "1", "--dtype", "float32", "--json", str(out)]) == 0
+    finally:
+        sys.modules.pop("epscale_base", None)
+    res = json.loads(out.read_text())
+    assert res["device"] == "cpu" and res["results"][0]["out_rel_diff"] < 1e-4
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="empty/src/epscale/__init__.py is not there"):
+        ab.main(["--base", str(tmp_path / "empty"), "--configs", "tiny"])
