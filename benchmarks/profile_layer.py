@@ -32,26 +32,32 @@ COPIES = ("cudaMemcpyAsync", "cudaMemcpy")
 
 
 def build(name: str, shape, dtype) -> ml.Impl | str:
-    ours = ml.build_epscale(shape, dtype)
+    """One implementation; the comparisons get the weights of epscale's default layer."""
+    ours = lambda: ml.build_epscale(shape, dtype).module  # noqa: E731
     makers = {
-        "epscale": lambda: ours,
+        "epscale": lambda: ml.build_epscale(shape, dtype),
         "rows": lambda: ml.build_epscale(shape, dtype, fuse=False),
         "grouped": lambda: ml.build_epscale(shape, dtype, gemm="grouped"),
         "eager": lambda: ml.build_epscale(shape, dtype, kernels="off"),
         "inductor": lambda: ml.build_epscale(shape, dtype, kernels="inductor"),
-        "torchtitan": lambda: ml.build_torchtitan(ours.module, shape, dtype),
-        "mixtral-grouped": lambda: ml.build_mixtral(ours.module, shape, dtype, "grouped_mm"),
+        "torchtitan": lambda: ml.build_torchtitan(ours(), shape, dtype),
+        "mixtral-grouped": lambda: ml.build_mixtral(ours(), shape, dtype, "grouped_mm"),
     }
     if name not in makers:
         raise SystemExit(f"--impls: unknown {name!r}; known: {', '.join(makers)}")
     return makers[name]()
 
 
-def profile_one(impl: ml.Impl, shape, dtype, steps: int) -> dict:
+def step_of(impl: ml.Impl, shape, dtype):
+    """One forward + backward of ``impl`` on a fixed random [T, D] input."""
     g = torch.Generator().manual_seed(1)
     x_TD = torch.randn(shape["T"], shape["D"], generator=g).to(ml.DEVICE, dtype).requires_grad_(True)
     gy_TD = torch.randn(shape["T"], shape["D"], generator=g).to(ml.DEVICE, dtype)
-    step = ml.make_step(impl, x_TD, gy_TD)
+    return ml.make_step(impl, x_TD, gy_TD)
+
+
+def profile_one(impl: ml.Impl, shape, dtype, steps: int) -> dict:
+    step = step_of(impl, shape, dtype)
     best = ml.best_time(step, reps=max(3, steps))  # also the warm-up
     cuda = ml.DEVICE.type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -75,10 +81,7 @@ def find_syncs(impl: ml.Impl, shape, dtype) -> list[tuple[int, str]]:
     """(count, where) of every host synchronisation in one step, from CUDA's sync debug
     mode: the epscale frames of the Python stack that asked for it (autograd's backward
     threads included)."""
-    g = torch.Generator().manual_seed(1)
-    x_TD = torch.randn(shape["T"], shape["D"], generator=g).to(ml.DEVICE, dtype).requires_grad_(True)
-    gy_TD = torch.randn(shape["T"], shape["D"], generator=g).to(ml.DEVICE, dtype)
-    step = ml.make_step(impl, x_TD, gy_TD)
+    step = step_of(impl, shape, dtype)
     step()  # warm-up: first-call work is not the steady state
     ml.sync()
     sites: collections.Counter = collections.Counter()

@@ -149,11 +149,11 @@ def _chunks(plan: ExpertPlan, device: torch.device) -> list[_Chunk]:
     if plan.grouped and plan.chunks:
         ends = [plan.starts[e] + plan.counts[e] - r0
                 for r0, _, e0, e1 in plan.chunks for e in range(e0, e1)]
-        ends_n = torch.tensor(ends, dtype=torch.int32, device="cpu")  # whatever the default
+        ends_cpu = torch.tensor(ends, dtype=torch.int32, device="cpu")  # whatever the default
         if device.type == "cuda":  # from pageable memory the copy would be a host sync
-            offs_all = ends_n.pin_memory().to(device, non_blocking=True)
+            offs_all = ends_cpu.pin_memory().to(device, non_blocking=True)
         else:
-            offs_all = ends_n.to(device)
+            offs_all = ends_cpu.to(device)
     out, at = [], 0
     for i, (r0, r1, e0, e1) in enumerate(plan.chunks):
         segs = tuple((e, plan.starts[e] - r0, plan.counts[e]) for e in range(e0, e1)
