@@ -60,13 +60,17 @@ class Impl:
 # ------------------------------------------------------------------ implementations
 
 def build_epscale(shape, dtype, fuse: bool = True, gemm: str = "auto",
-                  kernels: str = "auto", workspace: bool = True) -> Impl:
+                  kernels: str = "auto", workspace: bool = True, workers: int | None = None) -> Impl:
     cfg = epscale.MoEConfig(dim=shape["D"], hidden_dim=shape["F"], num_experts=shape["E"],
                             top_k=shape["K"], score_func="softmax", route_norm=True)
     torch.manual_seed(0)
     moe = epscale.MoE(cfg).to(dtype).to(DEVICE)
     moe.experts.gemm = gemm
     moe.experts.compile_kernels = kernels
+    moe.experts.chunk_workers = workers
+    if workers == 1:
+        return Impl("epscale (serial chunks)", moe, moe,
+                    "one chunk after another, each op split over the intra-op threads")
     if not workspace:
         moe.experts.workspace = None
     if kernels == "inductor":
@@ -320,6 +324,8 @@ def bench_one(label: str, shape, dtype, args) -> dict:
         impls.append(build_epscale(shape, dtype, kernels="inductor"))
     if "noworkspace" in wanted:
         impls.append(build_epscale(shape, dtype, workspace=False))
+    if "serial" in wanted:
+        impls.append(build_epscale(shape, dtype, workers=1))
     for key, build in (("torchtitan", lambda: build_torchtitan(ours.module, shape, dtype)),
                        ("mixtral", lambda: build_mixtral(ours.module, shape, dtype, None)),
                        ("mixtral-grouped", lambda: build_mixtral(ours.module, shape, dtype,
@@ -424,7 +430,7 @@ def main(argv=None) -> int:
     p.add_argument("--impls", default="rows,grouped,torchtitan,mixtral,mixtral-grouped",
                    help="others beside epscale: rows, grouped, eager (moe.compile_kernels=off), "
                         "inductor (moe.compile_kernels=inductor; 'compiled' is its old name), "
-                        "noworkspace (fresh buffers every step), torchtitan, mixtral, "
+                        "noworkspace (fresh buffers every step), serial (one chunk at a time, each op over all threads; GroupedExperts.chunk_workers=1), torchtitan, mixtral, "
                         "mixtral-grouped")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds over implementations")
     p.add_argument("--reps", type=int, default=2, help="timed steps per implementation per round")

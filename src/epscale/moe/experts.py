@@ -76,6 +76,10 @@ class GroupedExperts(nn.Module):
         # Target size of one chunk's widest buffer (fused impl); None: the device's default
         # (1 MB on CPU, cache-sized; 256 MB on accelerators, few launches).
         self.chunk_bytes: int | None = None
+        # Fused impl on CPU: at most this many single-threaded workers run its chunks side
+        # by side (epscale.moe.chunk_workers); None: torch's intra-op thread count where
+        # the layout gains from it; 1: one chunk after another, each op on all threads.
+        self.chunk_workers: int | None = None
         # Pad chunks of small experts to equal rows and run them as one bmm when that adds
         # at most this fraction of rows (fused impl without EP); None: never.
         self.batch_pad_waste: float | None = BATCH_PAD_WASTE
@@ -157,7 +161,7 @@ class GroupedExperts(nn.Module):
                 src_R, weight_R, pos_TK = pad_expert_rows(src_R, weight_R, pos_TK, counts, padded)
                 plan = plan.with_counts(padded)
         return FusedExperts.apply(x, weight_R, w1, w3, w2, src_R, pos_TK, plan, self.activation,
-                                  self.workspace, self.compile_kernels)
+                                  self.workspace, self.compile_kernels, self.chunk_workers)
 
     def _forward_autograd(self, x_RD: torch.Tensor, tokens_per_expert_e: torch.Tensor) -> torch.Tensor:
         use_grouped = (self.use_grouped_mm and x_RD.dtype in (torch.float32, torch.bfloat16)

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from . import native_kernels
+from .chunk_workers import choose_workers, run_chunks
 from .compiled_kernels import act_backward_eager, act_forward_eager, get_kernels, run_compiled
 from .rows import gather_combine
 from ..blocks import ACCELERATOR_BLOCK_BYTES
@@ -230,6 +231,26 @@ def _elementwise(mode: str, x: torch.Tensor):
     return None, get_kernels(mode == "inductor")
 
 
+def _workers(device: torch.device, sizes: list[int], kern, max_workers: int | None) -> int:
+    """Workers for the chunk loop; the torch.compile kernels (``kern``) stay in the
+    calling thread, where they were compiled and are guarded."""
+    return 1 if kern is not None else choose_workers(device, sizes, max_workers)
+
+
+class _Scratch:
+    """Per-worker [C, X] chunk buffers, allocated on a worker's first use of each name."""
+
+    def __init__(self, workers: int, rows: int, dtype: torch.dtype, device: torch.device):
+        self._bufs: list[dict[str, torch.Tensor]] = [{} for _ in range(workers)]
+        self._rows, self._dtype, self._device = rows, dtype, device
+
+    def get(self, worker: int, name: str, width: int) -> torch.Tensor:
+        bufs = self._bufs[worker]
+        if name not in bufs:
+            bufs[name] = torch.empty((self._rows, width), dtype=self._dtype, device=self._device)
+        return bufs[name]
+
+
 class FusedExperts(torch.autograd.Function):
     """See the module docstring. Arguments of ``forward``:
 
@@ -241,13 +262,15 @@ class FusedExperts(torch.autograd.Function):
     plan: :class:`ExpertPlan`. activation: 'swiglu' or 'gelu'.
     ws: a :class:`Workspace` to take the rows buffer, the saved pre-activations and the
     weight gradients from, or None (fresh buffers). kernels: ``moe.compile_kernels``, how
-    the element-wise work runs (see :func:`_elementwise`).
+    the element-wise work runs (see :func:`_elementwise`). max_workers: at most this many
+    single-threaded workers run the chunks side by side (see :mod:`chunk_workers`); None:
+    as many as torch's intra-op threads where the layout gains from them.
     Returns [T, D] (gathered mode) or [R, D] (row mode) in x's dtype.
     """
 
     @staticmethod
     def forward(ctx, x, weight_R, w1, w3, w2, src_R, pos_TK, plan: ExpertPlan, activation: str,
-                ws: Workspace | None = None, kernels: str = "auto"):
+                ws: Workspace | None = None, kernels: str = "auto", max_workers: int | None = None):
         gathered = src_R is not None
         R, D, Fh = plan.num_rows, x.shape[-1], w1.shape[-1]
         dt, dev = x.dtype, x.device
@@ -262,32 +285,35 @@ class FusedExperts(torch.autograd.Function):
         h1s = h1_RF.split(sizes)
         h3s = h3_RF.split(sizes) if h3_RF is not None else None
         native, kern = _elementwise(kernels, x)
-        a_CF = torch.empty((C, Fh), dtype=dt, device=dev) if kern is None else None
         if gathered:
             # Rows of weighted expert outputs, plus one zero row for dropped assignments.
             rows_RD = take("rows_RD", (R + 1, D), dt, dev)
             rows_RD[R].zero_()
-            x_CD = torch.empty((C, D), dtype=dt, device=dev)
             srcs, wts = src_R.split(sizes), weight_R.split(sizes)
         else:
             # The caller's combine consumes it before backward needs [R, D] for gx (same buffer).
             rows_RD = take("rows_RD", (R, D), dt, dev)
             xs = x.split(sizes)
         outs = rows_RD[:R].split(sizes)
-        for i, ch in enumerate(chunks):
+        workers = _workers(dev, sizes, kern, max_workers)
+        scratch = _Scratch(workers, C, dt, dev)
+
+        def forward_chunk(i: int, w: int) -> None:
             n = sizes[i]
-            xc = torch.index_select(x, 0, srcs[i], out=x_CD[:n]) if gathered else xs[i]
+            ch = chunks[i]
+            xc = (torch.index_select(x, 0, srcs[i], out=scratch.get(w, "x", D)[:n]) if gathered
+                  else xs[i])
             _chunk_mm(xc, W1, h1s[i], ch)
             if W3 is not None:
                 _chunk_mm(xc, W3, h3s[i], ch)
             if native is not None:  # one pass: activation times gate weight
                 ac = native.forward(h1s[i], h3s[i] if W3 is not None else None,
-                                    wts[i] if gathered else None, a_CF[:n])
+                                    wts[i] if gathered else None, scratch.get(w, "a", Fh)[:n])
             elif kern is not None:  # one generated pass: activation times gate weight
                 ac = run_compiled(kern[1], act_forward_eager, h1s[i],
                                   h3s[i] if W3 is not None else None, wts[i] if gathered else None)
             else:
-                ac = a_CF[:n]
+                ac = scratch.get(w, "a", Fh)[:n]
                 if W3 is not None:
                     torch.ops.aten.silu.out(h1s[i], out=ac)
                     ac.mul_(h3s[i])
@@ -296,6 +322,8 @@ class FusedExperts(torch.autograd.Function):
                 if gathered:
                     ac.mul_(wts[i].unsqueeze(1))
             _chunk_mm(ac, W2, outs[i], ch)
+
+        run_chunks(forward_chunk, sizes, workers)
         out = rows_RD
         if gathered:
             out = gather_combine(rows_RD, pos_TK)
@@ -304,6 +332,7 @@ class FusedExperts(torch.autograd.Function):
         ctx.chunks = chunks
         ctx.ws = ws
         ctx.kernels = kernels
+        ctx.workers = workers
         return out
 
     @staticmethod
@@ -349,41 +378,37 @@ class FusedExperts(torch.autograd.Function):
         h3s = h3_RF.split(sizes) if h3_RF is not None else None
         gxs = gx_rows[:R].split(sizes) if gx_rows is not None else None
         gwts = g_weight_R.split(sizes) if g_weight_R is not None else None
-        s_CF = torch.empty((C, Fh), dtype=dt, device=dev) if native is None else None
-        a_CF = torch.empty((C, Fh), dtype=dt, device=dev)
-        ga_CF = torch.empty((C, Fh), dtype=dt, device=dev)
-        gh1_CF = torch.empty((C, Fh), dtype=dt, device=dev)
-        gh3_CF = torch.empty((C, Fh), dtype=dt, device=dev) if w3 is not None else None
         if gathered:
-            x_CD = torch.empty((C, D), dtype=dt, device=dev)
-            gy_CD = torch.empty((C, D), dtype=dt, device=dev)
             srcs, wts = src_R.split(sizes), weight_R.split(sizes)
         else:
             xs, gys = x.split(sizes), grad_out.split(sizes)
+        scratch = _Scratch(ctx.workers, C, dt, dev)
 
-        for i, ch in enumerate(chunks):
+        def backward_chunk(i: int, w: int) -> None:
             n = sizes[i]
-            gyc = torch.index_select(grad_out, 0, srcs[i], out=gy_CD[:n]) if gathered else gys[i]
+            ch = chunks[i]
+            gyc = (torch.index_select(grad_out, 0, srcs[i], out=scratch.get(w, "gy", D)[:n])
+                   if gathered else gys[i])
             h1c = h1s[i]
             h3c = h3s[i] if h3s is not None else None
             # dL/da (unweighted in gathered mode) = gy @ W2^T
-            gac = ga_CF[:n]
+            gac = scratch.get(w, "ga", Fh)[:n]
             _chunk_mm(gyc, W2T, gac, ch)
             if native is not None:  # one pass for everything element-wise
-                ac, gh1c = a_CF[:n], gh1_CF[:n]
-                gh3c = gh3_CF[:n] if w3 is not None else None
+                ac, gh1c = scratch.get(w, "a", Fh)[:n], scratch.get(w, "gh1", Fh)[:n]
+                gh3c = scratch.get(w, "gh3", Fh)[:n] if w3 is not None else None
                 native.backward(gac, h1c, h3c, wts[i] if gathered else None,
                                 gwts[i] if gwts is not None else None, ac, gh1c, gh3c)
             elif kern is not None:  # one generated pass for everything element-wise
                 gwc, ac, gh1c, gh3c = run_compiled(kern[0], act_backward_eager, gac, h1c, h3c,
-                                            wts[i] if gathered else None)
+                                                   wts[i] if gathered else None)
                 if gwts is not None:
                     gwts[i].copy_(gwc)
             else:
                 # Recompute the activation from the saved pre-activations (cheap, [C, F]).
-                ac = a_CF[:n]
+                ac = scratch.get(w, "a", Fh)[:n]
                 if w3 is not None:
-                    sc = torch.ops.aten.silu.out(h1c, out=s_CF[:n])
+                    sc = torch.ops.aten.silu.out(h1c, out=scratch.get(w, "s", Fh)[:n])
                     torch.mul(sc, h3c, out=ac)
                 else:
                     torch.ops.aten.gelu.out(h1c, out=ac)
@@ -395,17 +420,19 @@ class FusedExperts(torch.autograd.Function):
                     if GW2 is not None:
                         ac.mul_(wc_col)  # w2's gradient sees the weighted activation
                 # Back through the activation: gh1 (and gh3 for SwiGLU), in place in ga's buffer.
+                gh1_out = scratch.get(w, "gh1", Fh)[:n]
                 if w3 is not None:
-                    gh3c = torch.mul(gac, sc, out=gh3_CF[:n])
+                    gh3c = torch.mul(gac, sc, out=scratch.get(w, "gh3", Fh)[:n])
                     gac.mul_(h3c)
-                    gh1c = torch.ops.aten.silu_backward.grad_input(gac, h1c, grad_input=gh1_CF[:n])
+                    gh1c = torch.ops.aten.silu_backward.grad_input(gac, h1c, grad_input=gh1_out)
                 else:
-                    gh1c = torch.ops.aten.gelu_backward.grad_input(gac, h1c, grad_input=gh1_CF[:n])
+                    gh1c = torch.ops.aten.gelu_backward.grad_input(gac, h1c, grad_input=gh1_out)
                     gh3c = None
             if GW2 is not None:
                 _weight_grad(ac, gyc, GW2, ch)
             if GW1 is not None or GW3 is not None:
-                xc = torch.index_select(x, 0, srcs[i], out=x_CD[:n]) if gathered else xs[i]
+                xc = (torch.index_select(x, 0, srcs[i], out=scratch.get(w, "x", D)[:n])
+                      if gathered else xs[i])
                 if GW1 is not None:
                     _weight_grad(xc, gh1c, GW1, ch)
                 if GW3 is not None:
@@ -414,7 +441,9 @@ class FusedExperts(torch.autograd.Function):
                 _chunk_mm(gh1c, W1T, gxs[i], ch)
                 if gh3c is not None:
                     _chunk_mm(gh3c, W3T, gxs[i], ch, accumulate=True)
+
+        run_chunks(backward_chunk, sizes, ctx.workers)
         gx = gx_rows
         if gx is not None and gathered:
             gx = gather_combine(gx_rows, pos_TK)
-        return gx, g_weight_R, gw1, gw3, gw2, None, None, None, None, None, None
+        return gx, g_weight_R, gw1, gw3, gw2, None, None, None, None, None, None, None

@@ -37,7 +37,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "act_kernels.c"
-ABI = 1  # epscale_act_kernels_abi() of the C file
+ABI = 2  # epscale_act_kernels_abi() of the C file
 # Flag sets tried in order: the first that builds wins. -march=native vectorises for the
 # machine that builds (hence the CPU in the cache key); -fopenmp splits rows over threads.
 FLAG_SETS = (
@@ -47,6 +47,8 @@ FLAG_SETS = (
 )
 COMMON_FLAGS = ("-shared", "-fPIC", "-fno-math-errno")
 DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
+# int fn(int64 chunk, int worker): a chunk callback of epscale_run_chunks (chunk_workers.py).
+CHUNK_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_int)
 
 
 def cache_dir() -> Path:
@@ -119,6 +121,17 @@ class NativeKernels:
                 bwd = getattr(lib, f"{act}_{name}_bwd")
                 bwd.argtypes, bwd.restype = [i64, i64, p, p, p, p, p, p, p, p, i32], None
                 self._fns[(act, dt)] = (fwd, bwd)
+        self._run_chunks = lib.epscale_run_chunks
+        self._run_chunks.argtypes = [CHUNK_FN, ctypes.POINTER(i64), i64, i32]
+        self._run_chunks.restype = i32
+        lib.epscale_openmp.restype = i32
+        self.openmp = bool(lib.epscale_openmp())  # False: run_chunks runs on one thread
+
+    def run_chunks(self, fn, order: list[int], workers: int) -> int:
+        """Call ``fn(chunk, worker)`` (a :data:`CHUNK_FN`: returns 0, or nonzero to stop
+        the others taking more) for each chunk index in ``order`` on a team of ``workers``
+        OpenMP threads, each taking the next index. Returns the first nonzero status."""
+        return self._run_chunks(fn, (ctypes.c_int64 * len(order))(*order), len(order), workers)
 
     @staticmethod
     def supports(t: torch.Tensor) -> bool:

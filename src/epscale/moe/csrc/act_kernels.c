@@ -23,6 +23,14 @@
  * except GELU(+inf): inf here, NaN in eager.
  */
 #include <stdint.h>
+#ifdef _OPENMP
+#include <omp.h>
+#define THREAD_NUM() omp_get_thread_num()
+#define IN_PARALLEL() omp_in_parallel()
+#else
+#define THREAD_NUM() 0
+#define IN_PARALLEL() 0
+#endif
 
 typedef union { float f; uint32_t u; int32_t i; } bits32;
 
@@ -122,12 +130,14 @@ INLINE float bwd_row(int64_t cols, const void *ga, const void *h1, const void *h
 #define KERNELS(NAME, BF16, SWIGLU)                                                        \
 void NAME##_fwd(int64_t rows, int64_t cols, const void *h1, const void *h3, const float *w, \
                 void *a, int threads) {                                                     \
+    if (IN_PARALLEL()) threads = 1; /* on a chunk worker (epscale_run_chunks) */          \
     _Pragma("omp parallel for num_threads(threads) schedule(static)")                       \
     for (int64_t r = 0; r < rows; r++)                                                      \
         fwd_row(cols, h1, h3, w ? w[r] : 1.0f, a, r * cols, BF16, SWIGLU);                  \
 }                                                                                           \
 void NAME##_bwd(int64_t rows, int64_t cols, const void *ga, const void *h1, const void *h3, \
                 const float *w, float *gw, void *aw, void *gh1, void *gh3, int threads) {   \
+    if (IN_PARALLEL()) threads = 1;                                                         \
     _Pragma("omp parallel for num_threads(threads) schedule(static)")                       \
     for (int64_t r = 0; r < rows; r++) {                                                    \
         float acc = bwd_row(cols, ga, h1, h3, w ? w[r] : 1.0f, aw, gh1, gh3, r * cols,      \
@@ -141,5 +151,47 @@ KERNELS(swiglu_f32, 0, 1)
 KERNELS(gelu_bf16, 1, 0)
 KERNELS(gelu_f32, 0, 0)
 
+/* The chunk runner (epscale/moe/chunk_workers.py): the chunks of one fused expert call on
+ * the threads of an OpenMP team. Each thread takes the next index of `order` (largest
+ * chunk first) and calls fn(chunk, thread) (a Python callback through ctypes) until none
+ * is left or a callback returns nonzero, which is returned. Inside the parallel region
+ * torch's ops and the kernels above run on their calling thread alone, and the team is
+ * torch's own (the process has one libgomp), so no idle team spins beside the workers. */
+typedef int (*epscale_chunk_fn)(int64_t chunk, int worker);
+
+int epscale_run_chunks(epscale_chunk_fn fn, const int64_t *order, int64_t n, int workers) {
+    int64_t next = 0;
+    int status = 0;
+    #pragma omp parallel num_threads(workers)
+    {
+        const int me = THREAD_NUM();
+        for (;;) {
+            int64_t k;
+            int failed;
+            #pragma omp atomic read
+            failed = status;
+            if (failed) break;
+            #pragma omp atomic capture
+            k = next++;
+            if (k >= n) break;
+            int r = fn(order[k], me);
+            if (r) {
+                #pragma omp atomic write
+                status = r;
+            }
+        }
+    }
+    return status;
+}
+
+/* Whether this build has OpenMP (the last flag set builds without it). */
+int epscale_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* The ABI version the Python side checks after loading (bump on any signature change). */
-int epscale_act_kernels_abi(void) { return 1; }
+int epscale_act_kernels_abi(void) { return 2; }
