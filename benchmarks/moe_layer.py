@@ -295,12 +295,36 @@ def _quiet_stderr():
         os.close(saved)
 
 
-def check_same_work(ours: torch.Tensor, theirs: torch.Tensor, name: str, lowp: bool) -> float:
-    err = ((ours.float() - theirs.float()).norm() / ours.float().norm()).item()
+def near_ties(moe: epscale.MoE, x_TD: torch.Tensor) -> torch.Tensor | None:
+    """bool [T]: tokens whose K-th and (K+1)-th router logits (ours, fp32) are within
+    2^-5 of the mean |logit| of each other. Another implementation's router, with bf16
+    logits, may choose the other expert for them: the outputs then differ by the whole
+    expert, which is a different routing decision, not different work."""
+    K, E = moe.cfg.top_k, moe.cfg.num_experts
+    if K >= E:
+        return None
+    with torch.no_grad():
+        logits_TE = moe.router(x_TD).logits_TE.float()
+    top_TK = logits_TE.topk(K + 1, dim=-1).values
+    return (top_TK[:, K - 1] - top_TK[:, K]) < 2 ** -5 * logits_TE.abs().mean()
+
+
+def check_same_work(ours: torch.Tensor, theirs: torch.Tensor, name: str, lowp: bool,
+                    near_tie_T: torch.Tensor | None = None) -> float:
+    """Relative norm difference of two outputs [T, D]; exits when it says the two do not
+    do the same work. In bf16 (``lowp``), tokens at a routing near-tie (``near_tie_T``)
+    are left out: each differs by a whole expert when the other router rounds the other
+    way (0.3-3% of the tokens on the benchmark shapes, all of them near-ties)."""
+    a, b = ours.float(), theirs.float()
+    if lowp and near_tie_T is not None:
+        a, b = a[~near_tie_T], b[~near_tie_T]
+    err = ((a - b).norm() / a.norm()).item()
     limit = 5e-2 if lowp else 1e-3
     if not err < limit:
+        left_out = int(near_tie_T.sum()) if lowp and near_tie_T is not None else 0
         raise SystemExit(f"{name}: output differs from epscale's by {err:.3g} (relative "
-                         f"norm, limit {limit}); the adapter does not do the same work")
+                         f"norm over {a.shape[0]} tokens, {left_out} routing near-ties "
+                         f"left out; limit {limit}); the adapter does not do the same work")
     return err
 
 
@@ -342,12 +366,14 @@ def bench_one(label: str, shape, dtype, args) -> dict:
     gy_TD = torch.randn(T, D, generator=g).to(DEVICE, dtype)
     with torch.no_grad():
         ref = ours.run(x_TD)
+    near_tie_T = near_ties(ours.module, x_TD)
     diffs = {}
     for impl in impls[1:]:
         try:
             with torch.no_grad():
                 lowp = dtype != torch.float32 or "bf16" in impl.note
-                diffs[impl.name] = check_same_work(ref, impl.run(x_TD), impl.name, lowp)
+                diffs[impl.name] = check_same_work(ref, impl.run(x_TD), impl.name, lowp,
+                                                   near_tie_T)
         except SystemExit:
             raise
         except Exception as e:  # noqa: BLE001 - an implementation that cannot run here
