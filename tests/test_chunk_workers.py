@@ -64,6 +64,10 @@ def test_choose_workers(threads, monkeypatch):
     threads(1)
     assert choose_workers(CPU, even) == 1
     threads(2)
+    assert chunk_workers._one_openmp_runtime()  # torch's libgomp, which the library links to
+    monkeypatch.setattr(chunk_workers, "_one_openmp_runtime", lambda: False)
+    assert choose_workers(CPU, even) == 1                     # torch would not see the team
+    monkeypatch.undo()
     monkeypatch.setattr(native_kernels.BUILDER, "get", lambda: None)
     assert choose_workers(CPU, even) == 1                     # no native library: no team
 

@@ -6,8 +6,9 @@ machine one thread is often slowed by a neighbour, and then every op runs at the
 the slow one. Here each thread runs whole chunks alone and takes the next chunk when it
 is done, largest first, so a slowed thread just takes fewer. Chunks hold whole experts
 and write disjoint rows and disjoint weight gradients: they need no synchronisation beyond
-waiting for the last one. Measured on the 2-thread VM: equal to the split ops when the
-machine is quiet, up to 1.2x faster when it is not (benchmarks/RESULTS.md).
+waiting for the last one. Measured on the 2-thread VM: about equal to the split ops when
+the machine is quiet (coarse 0-2.5% slower, fine-grained 4-6% faster), 1.13-1.15x faster
+in the runs that met a slowed thread (benchmarks/RESULTS.md).
 
 How: the native library's ``epscale_run_chunks`` (csrc/act_kernels.c) opens an OpenMP
 parallel region, torch's own team, and each of its threads calls back into Python for its
@@ -16,12 +17,15 @@ thread alone. A chunk runs under the caller's grad and inference modes.
 
 Where it does not apply, :func:`choose_workers` returns 1 and the chunks run one after
 another in the calling thread, each op over all threads: other devices, one intra-op
-thread, no native library (or one built without OpenMP), and layouts where one chunk
-holds so many of the rows that the others would wait for it.
+thread, no native library (or one built without OpenMP), a process with two OpenMP
+runtimes (torch's would not see the team and split its ops anyway), and layouts where
+one chunk holds so many of the rows that the others would wait for it.
 """
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Callable, Sequence
 
 import torch
@@ -42,6 +46,19 @@ def longest_share(sizes: Sequence[int], workers: int) -> int:
     return max(loads)
 
 
+@functools.cache
+def _one_openmp_runtime() -> bool:
+    """Whether this process has loaded one OpenMP runtime only, so that the native
+    library's team is torch's (Linux: the mapped libgomp / libiomp5 / libomp files)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            runtimes = {line.split()[-1] for line in maps
+                        if re.search(r"/lib(gomp|iomp5|omp)[^/]*\.so", line)}
+    except OSError:
+        return False
+    return len(runtimes) == 1
+
+
 def choose_workers(device: torch.device, sizes: Sequence[int], requested: int | None = None) -> int:
     """How many threads should run chunks of ``sizes`` rows on ``device`` side by side:
     1 (one chunk at a time, each op over all intra-op threads) or up to torch's intra-op
@@ -56,7 +73,7 @@ def choose_workers(device: torch.device, sizes: Sequence[int], requested: int | 
     if total == 0 or longest_share(sizes, threads) * threads > MAX_IMBALANCE * total:
         return 1
     lib = native_kernels.BUILDER.get()
-    return threads if lib is not None and lib.openmp else 1
+    return threads if lib is not None and lib.openmp and _one_openmp_runtime() else 1
 
 
 def run_chunks(fn: Callable[[int, int], None], sizes: Sequence[int], workers: int) -> None:
