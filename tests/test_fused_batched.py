@@ -1,6 +1,7 @@
 """Batched chunks of the fused kernel: small experts padded to equal rows and run as one
 bmm per matrix, against the reference (forward and backward) and against the per-expert
-loop; the padding and the plan that decides it.
+loop; the padding and the plan that decides it. Also large experts padded to a multiple
+of 8 rows (rows.ROW_ALIGN).
 
 Legend: T tokens, K top-k, R rows, P padded rows.
 """
@@ -10,9 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from epscale.moe import fused
+from epscale.moe import experts as experts_mod
+from epscale.moe import fused, rows
 from epscale.moe.fused import ExpertPlan
-from epscale.moe.rows import pad_expert_rows
+from epscale.moe.rows import aligned_counts, pad_expert_rows
 from test_moe_layer import VARIANTS, compare, make_moe
 
 
@@ -109,3 +111,47 @@ def test_chunks_sized_by_the_wider_of_dim_and_hidden(dim, hidden, monkeypatch):
     moe = make_moe(torch.float32, dim=dim, hidden_dim=hidden, num_experts=4, top_k=2)
     moe(torch.randn(16, dim))
     assert seen == [max(dim, hidden) * 4]
+
+
+def test_aligned_counts_pad_large_experts_only():
+    assert aligned_counts([0, 5, 511, 512, 513, 1073], 8) == [0, 5, 511, 512, 520, 1080]
+    assert aligned_counts([0, 5, 9], 8, min_rows=1) == [0, 8, 16]
+    assert aligned_counts([5, 9], 1, min_rows=1) == [5, 9]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["softmax-norm", "cap-probs", "gelu-cap-shared", "deepseek-like"])
+def test_aligned_rows_match_reference_and_unaligned(name, dtype, monkeypatch):
+    """Experts padded to a multiple of 8 rows (every expert here: ALIGN_MIN_ROWS set to 1)
+    match the reference, and the unpadded layer up to the GEMMs' summation order (a GEMM
+    of other M may block differently): a pad row adds exact zeros."""
+    monkeypatch.setattr(rows, "ALIGN_MIN_ROWS", 1)
+    layouts = []
+    real = experts_mod.pad_expert_rows
+    monkeypatch.setattr(experts_mod, "pad_expert_rows",
+                        lambda src, w, pos, counts, padded: layouts.append(padded)
+                        or real(src, w, pos, counts, padded))
+    moe = make_moe(dtype, **VARIANTS[name])
+    moe.experts.batch_pad_waste = None  # alignment alone
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    _, grads = compare(moe, (2, 12), tol=tol, dtype=dtype)
+    assert layouts and all(n % 8 == 0 for n in layouts[-1]), layouts
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(24, moe.cfg.dim, generator=g).to(dtype)
+    gy = torch.randn(24, moe.cfg.dim, generator=g).to(dtype)
+
+    def run():
+        moe.zero_grad(set_to_none=True)
+        xr = x.clone().requires_grad_(True)
+        y = moe(xr)
+        y.backward(gy)
+        return [y.detach(), xr.grad, *(p.grad for p in moe.parameters())]
+
+    aligned = run()
+    moe.experts.row_align = 1
+    layouts.clear()
+    plain = run()
+    assert not layouts  # nothing padded
+    rtol, atol = (1e-5, 1e-6) if dtype == torch.float32 else (2e-2, 1e-3)
+    for a, b in zip(aligned, plain):
+        assert (a is None and b is None) or torch.allclose(a.float(), b.float(), rtol, atol)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .fused import HAS_GROUPED_MM, ExpertPlan, FusedExperts, default_chunk_bytes
-from .rows import BATCH_PAD_WASTE, pad_expert_rows, token_slots
+from .rows import BATCH_PAD_WASTE, ROW_ALIGN, aligned_counts, pad_expert_rows, token_slots
 from ..config import KERNEL_MODES, kernel_mode
 from ..workspace import Workspace
 
@@ -83,6 +83,9 @@ class GroupedExperts(nn.Module):
         # Pad chunks of small experts to equal rows and run them as one bmm when that adds
         # at most this fraction of rows (fused impl without EP); None: never.
         self.batch_pad_waste: float | None = BATCH_PAD_WASTE
+        # Pad each expert's rows to a multiple of this on CPU (fused impl without EP;
+        # rows.ROW_ALIGN: some row counts run the GEMMs slowly); 1: no padding.
+        self.row_align: int = ROW_ALIGN
         # Weight-gradient and saved pre-activation buffers kept across steps on CPU (fused
         # impl; see workspace.Workspace). None allocates fresh ones every step.
         self.workspace: Workspace | None = Workspace()
@@ -151,15 +154,22 @@ class GroupedExperts(nn.Module):
         # (pre-activations, activation and their gradients), whichever is wider.
         row_bytes = max(x.shape[-1], self.hidden_dim) * x.element_size()
         chunk_bytes = self.chunk_bytes or default_chunk_bytes(x.device)
-        plan = ExpertPlan.build(counts, row_bytes, chunk_bytes, self._grouped(x))
+        grouped = self._grouped(x)
+        # Gathered mode owns its row layout, so it may add pad rows (see pad_expert_rows).
+        layout = counts
+        if src_R is not None and not grouped and x.device.type == "cpu" and self.row_align > 1:
+            layout = aligned_counts(counts, self.row_align)
+        plan = ExpertPlan.build(layout, row_bytes, chunk_bytes, grouped)
         w1, w3, w2 = self._weights(x.dtype)
         if src_R is not None and pos_TK is None:
             pos_TK = token_slots(src_R, x.shape[0])
-        if src_R is not None and self.batch_pad_waste is not None and not plan.grouped:
+        if src_R is not None and self.batch_pad_waste is not None and not grouped:
             padded = plan.batched_padding(self.batch_pad_waste)
             if padded is not None:  # chunks of small experts: one bmm each (rows.BATCH_PAD_WASTE)
-                src_R, weight_R, pos_TK = pad_expert_rows(src_R, weight_R, pos_TK, counts, padded)
+                layout = padded
                 plan = plan.with_counts(padded)
+        if layout != counts:
+            src_R, weight_R, pos_TK = pad_expert_rows(src_R, weight_R, pos_TK, counts, layout)
         return FusedExperts.apply(x, weight_R, w1, w3, w2, src_R, pos_TK, plan, self.activation,
                                   self.workspace, self.compile_kernels, self.chunk_workers)
 

@@ -40,6 +40,27 @@ def gather_combine(rows_RD: torch.Tensor, pos_TK: torch.Tensor) -> torch.Tensor:
 BATCH_PAD_WASTE = 0.5
 
 
+# Gathered mode on CPU: an expert's rows are padded up to a multiple of ROW_ALIGN when it
+# has at least ALIGN_MIN_ROWS of them. Why: oneDNN's bf16 GEMM runs [M, K] x [K, N] 10-25%
+# slower than usual for about 9% of the row counts M that are not multiples of 8 (31 of
+# 350 M in 900-1299 with K = N = 1024, at 1 and 2 threads; none of the 50 multiples of 8;
+# benchmarks/RESULTS.md), and a routing that gives one large expert such a count slows
+# the whole step. That is ~1.5% of the GEMM time on average against the padding's 3.5
+# rows per expert on average (a pad row computes zeros, like those of the batched
+# chunks): worth it for large experts only. Measured on the layer: coarse (~1024 rows per
+# expert) 1.02-1.03x faster; padding every expert made the 128- and 256-row shapes 1-3%
+# slower.
+ROW_ALIGN = 8
+ALIGN_MIN_ROWS = 512
+
+
+def aligned_counts(counts: list[int], align: int, min_rows: int | None = None) -> list[int]:
+    """Each count of at least ``min_rows`` (default ALIGN_MIN_ROWS) rounded up to a
+    multiple of ``align``."""
+    min_rows = ALIGN_MIN_ROWS if min_rows is None else min_rows
+    return [-(-n // align) * align if n >= min_rows else n for n in counts]
+
+
 def pad_expert_rows(src_R: torch.Tensor, weight_R: torch.Tensor, pos_TK: torch.Tensor,
                     counts: list[int], padded: list[int]):
     """Rows re-laid out with ``padded[e] >= counts[e]`` rows per expert (gathered mode: the
