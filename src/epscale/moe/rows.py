@@ -42,9 +42,9 @@ BATCH_PAD_WASTE = 0.5
 
 # Gathered mode on CPU: an expert's rows are padded up to a multiple of ROW_ALIGN when it
 # has at least ALIGN_MIN_ROWS of them. Why: oneDNN's bf16 GEMM runs [M, K] x [K, N] 10-25%
-# slower than usual for about 9% of the row counts M that are not multiples of 8 (31 of
-# 350 M in 900-1299 with K = N = 1024, at 1 and 2 threads; none of the 50 multiples of 8;
-# benchmarks/RESULTS.md), and a routing that gives one large expert such a count slows
+# slower than usual for about one in ten row counts M that are not multiples of 8 (37 of
+# 350 M in 900-1299 with K = N = 1024 at 1 thread, 13 of 113 at 2; none of the multiples
+# of 8; benchmarks/RESULTS.md), and a routing that gives one large expert such a count slows
 # the whole step. That is ~1.5% of the GEMM time on average against the padding's 3.5
 # rows per expert on average (a pad row computes zeros, like those of the batched
 # chunks): worth it for large experts only. Measured on the layer: coarse (~1024 rows per
