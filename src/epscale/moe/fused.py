@@ -31,6 +31,10 @@ Matmuls run per expert with ``torch.mm(out=...)`` into views of the chunk buffer
 with ``grouped_mm`` over a chunk when that is available and allowed. The per-expert and
 per-chunk views are cut once per call (``unbind``/``split``), not op by op in the loop:
 with 64-128 experts, Python and dispatch overhead is several percent of a step.
+
+On CPU with two or more threads the chunks run side by side, one per thread, each with
+its own scratch buffers (:mod:`epscale.moe.chunk_workers`); chunks write disjoint rows and
+disjoint weight gradients, so the results are the same as one chunk at a time.
 """
 
 
