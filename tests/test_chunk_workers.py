@@ -230,3 +230,14 @@ def test_accelerators_and_single_thread_run_in_the_caller(threads):
     run_chunks(lambda c, w: callers.add((threading.get_ident(), w)), [4, 4, 4],
                chunk_workers.choose_workers(CPU, [4, 4, 4]))
     assert callers == {(threading.get_ident(), 0)}
+
+
+def test_describe_says_how_chunks_run(threads, monkeypatch):
+    threads(1)
+    assert chunk_workers.describe("cpu") == "one after another (1 thread)"
+    assert chunk_workers.describe("meta").startswith("one after another")
+    threads(2)
+    if _team_available():
+        assert chunk_workers.describe("cpu") == "side by side, one chunk per thread on 2 threads"
+    monkeypatch.setattr(native_kernels.BUILDER, "get", lambda: None)
+    assert chunk_workers.describe("cpu").startswith("one after another, each op over 2 threads (")

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from .config import MoEConfig, apply_overrides, from_dict, to_dict
 from .moe.layer import MoE
+from .moe.chunk_workers import describe as describe_chunks
 from .moe.native_kernels import describe as describe_kernels
 
 
@@ -68,4 +69,5 @@ def run(args) -> int:
                   f"[bold]{args.tokens / best:,.0f} tokens/s[/] ({args.dtype}, "
                   f"{torch.get_num_threads()} threads)")
     console.print(f"element-wise expert kernels: {describe_kernels(cfg.compile_kernels, 'cpu')}")
+    console.print(f"expert chunks: {describe_chunks('cpu')}")
     return 0

@@ -76,6 +76,24 @@ def choose_workers(device: torch.device, sizes: Sequence[int], requested: int | 
     return threads if lib is not None and lib.openmp and _one_openmp_runtime() else 1
 
 
+def describe(device: torch.device | str) -> str:
+    """One line for logs: how the fused kernel's chunks run on ``device`` with torch's
+    current thread count (builds the native library if it is not built yet)."""
+    if torch.device(device).type != "cpu":
+        return "one after another (side by side is for CPU threads)"
+    threads = torch.get_num_threads()
+    if threads < 2:
+        return "one after another (1 thread)"
+    lib = native_kernels.BUILDER.get()
+    if lib is None or not lib.openmp:
+        why = native_kernels.BUILDER.failed or "the native library was built without OpenMP"
+        return f"one after another, each op over {threads} threads ({why})"
+    if not _one_openmp_runtime():
+        return (f"one after another, each op over {threads} threads (two OpenMP runtimes "
+                "are loaded; torch's would not see the team)")
+    return f"side by side, one chunk per thread on {threads} threads"
+
+
 def run_chunks(fn: Callable[[int, int], None], sizes: Sequence[int], workers: int) -> None:
     """Call ``fn(chunk, worker)`` once for every chunk index of ``sizes`` (rows per
     chunk): in order in the calling thread when ``workers`` is 1 (worker 0), else on a

@@ -32,6 +32,7 @@ from ..config import RunConfig, dump_yaml, to_dict
 from ..data import DataLoader, byte_unigram_entropy, load_splits
 from ..metrics import MetricsWriter, StepStatsCollector, StepTimers, peak_flops
 from ..model import build_model
+from ..moe.chunk_workers import describe as describe_chunks
 from ..moe.native_kernels import describe as describe_kernels
 from ..sizing import model_size
 from .console import TrainConsole
@@ -218,6 +219,7 @@ class Trainer:
             f"{cfg.parallel.dispatcher if self.dims.ep > 1 else 'local'}, {self.device.type}"
             f"{' bf16 autocast' if self.use_bf16 else ' fp32'}, {threads} thread(s) per process",
             f"element-wise expert kernels: {describe_kernels(moe.compile_kernels, self.device)}",
+            f"expert chunks: {describe_chunks(self.device)}",
             f"batch: {self.loader.samples_per_step} sequences x {m.seq_len} = "
             f"{self.loader.samples_per_step * m.seq_len:,} tokens per step, {cfg.train.steps} steps",
         ]
