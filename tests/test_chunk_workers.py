@@ -81,7 +81,8 @@ def test_every_chunk_once_largest_first_on_the_team(threads):
     def fn(chunk, worker):
         with lock:
             seen.append((chunk, worker, threading.get_ident()))
-        time.sleep(0.01)  # releases the GIL: both threads take chunks
+        time.sleep(0.05)  # releases the GIL: both threads take chunks (and record them in
+        # the order taken, unless one stalls for 50 ms between taking and recording)
 
     run_chunks(fn, sizes, 2)
     assert sorted(c for c, _, _ in seen) == list(range(len(sizes)))
