@@ -76,15 +76,17 @@ class GroupedExperts(nn.Module):
         # Target size of one chunk's widest buffer (fused impl); None: the device's default
         # (1 MB on CPU, cache-sized; 256 MB on accelerators, few launches).
         self.chunk_bytes: int | None = None
-        # Fused impl on CPU: at most this many single-threaded workers run its chunks side
-        # by side (epscale.moe.chunk_workers); None: torch's intra-op thread count where
-        # the layout gains from it; 1: one chunk after another, each op on all threads.
+        # Fused impl on CPU: at most this many threads of torch's OpenMP team run its chunks
+        # side by side, one chunk per thread (epscale.moe.chunk_workers); None: torch's
+        # intra-op thread count where the layout allows; 1: one chunk after another, each
+        # op split over all threads.
         self.chunk_workers: int | None = None
         # Pad chunks of small experts to equal rows and run them as one bmm when that adds
         # at most this fraction of rows (fused impl without EP); None: never.
         self.batch_pad_waste: float | None = BATCH_PAD_WASTE
-        # Pad each expert's rows to a multiple of this on CPU (fused impl without EP;
-        # rows.ROW_ALIGN: some row counts run the GEMMs slowly); 1: no padding.
+        # Pad the rows of each expert with at least rows.ALIGN_MIN_ROWS of them to a multiple
+        # of this on CPU (fused impl without EP; rows.ROW_ALIGN: some row counts run the
+        # GEMMs slowly); 1: no padding.
         self.row_align: int = ROW_ALIGN
         # Weight-gradient and saved pre-activation buffers kept across steps on CPU (fused
         # impl; see workspace.Workspace). None allocates fresh ones every step.
