@@ -7,8 +7,8 @@ the slow one. Here each thread runs whole chunks alone and takes the next chunk 
 is done, largest first, so a slowed thread just takes fewer. Chunks hold whole experts
 and write disjoint rows and disjoint weight gradients: they need no synchronisation beyond
 waiting for the last one. Measured on the 2-thread VM: about equal to the split ops when
-the machine is quiet (coarse 0-2.5% slower, fine-grained 4-6% faster), 1.13-1.15x faster
-in the runs that met a slowed thread (benchmarks/RESULTS.md).
+the machine is quiet (fine-grained 4-6% faster), 1.11-1.19x faster in the runs that met
+a slowed thread (benchmarks/RESULTS.md).
 
 How: the native library's ``epscale_run_chunks`` (csrc/act_kernels.c) opens an OpenMP
 parallel region, torch's own team, and each of its threads calls back into Python for its
