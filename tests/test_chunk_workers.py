@@ -242,3 +242,28 @@ def test_describe_says_how_chunks_run(threads, monkeypatch):
         assert chunk_workers.describe("cpu") == "side by side, one chunk per thread on 2 threads"
     monkeypatch.setattr(native_kernels.BUILDER, "get", lambda: None)
     assert chunk_workers.describe("cpu").startswith("one after another, each op over 2 threads (")
+
+
+@needs_team
+def test_accumulation_and_retain_graph_on_the_team(threads, monkeypatch):
+    """Two micro-batches accumulated, the second backward run twice (retain_graph): the
+    gradients equal one chunk at a time's (the workspace hands out fresh buffers while
+    a gradient is held, with or without the team)."""
+    threads(2)
+    used = _spy_workers(monkeypatch)
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(96, 32, generator=g) for _ in range(2)]
+
+    def grads(workers):
+        moe = _layer("fused", torch.float32)
+        moe.experts.chunk_workers = workers
+        moe(xs[0]).square().sum().backward()
+        y = moe(xs[1]).square().sum()
+        y.backward(retain_graph=True)
+        y.backward()
+        return [p.grad.clone() for p in moe.parameters()]
+
+    side_by_side = grads(None)
+    assert used and all(w == 2 for w in used), used
+    for a, b in zip(side_by_side, grads(1)):
+        assert torch.equal(a, b)
