@@ -456,8 +456,9 @@ def main(argv=None) -> int:
     p.add_argument("--impls", default="rows,grouped,torchtitan,mixtral,mixtral-grouped",
                    help="others beside epscale: rows, grouped, eager (moe.compile_kernels=off), "
                         "inductor (moe.compile_kernels=inductor; 'compiled' is its old name), "
-                        "noworkspace (fresh buffers every step), serial (one chunk at a time, each op over all threads; GroupedExperts.chunk_workers=1), torchtitan, mixtral, "
-                        "mixtral-grouped")
+                        "noworkspace (fresh buffers every step), serial (one chunk at a time, "
+                        "each op over all threads: GroupedExperts.chunk_workers=1), "
+                        "torchtitan, mixtral, mixtral-grouped")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds over implementations")
     p.add_argument("--reps", type=int, default=2, help="timed steps per implementation per round")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")

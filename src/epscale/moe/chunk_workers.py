@@ -59,6 +59,17 @@ def _one_openmp_runtime() -> bool:
     return len(runtimes) == 1
 
 
+def _team_unavailable() -> str | None:
+    """Why chunks cannot run on a team in this process (None: they can). Builds the native
+    library if it is not built yet."""
+    lib = native_kernels.BUILDER.get()
+    if lib is None or not lib.openmp:
+        return native_kernels.BUILDER.failed or "the native library was built without OpenMP"
+    if not _one_openmp_runtime():
+        return "two OpenMP runtimes are loaded; torch's would not see the team"
+    return None
+
+
 def choose_workers(device: torch.device, sizes: Sequence[int], requested: int | None = None) -> int:
     """How many threads should run chunks of ``sizes`` rows on ``device`` side by side:
     1 (one chunk at a time, each op over all intra-op threads) or up to torch's intra-op
@@ -72,25 +83,20 @@ def choose_workers(device: torch.device, sizes: Sequence[int], requested: int | 
     total = sum(sizes)
     if total == 0 or longest_share(sizes, threads) * threads > MAX_IMBALANCE * total:
         return 1
-    lib = native_kernels.BUILDER.get()
-    return threads if lib is not None and lib.openmp and _one_openmp_runtime() else 1
+    return threads if _team_unavailable() is None else 1
 
 
 def describe(device: torch.device | str) -> str:
     """One line for logs: how the fused kernel's chunks run on ``device`` with torch's
-    current thread count (builds the native library if it is not built yet)."""
+    current thread count."""
     if torch.device(device).type != "cpu":
         return "one after another (side by side is for CPU threads)"
     threads = torch.get_num_threads()
     if threads < 2:
         return "one after another (1 thread)"
-    lib = native_kernels.BUILDER.get()
-    if lib is None or not lib.openmp:
-        why = native_kernels.BUILDER.failed or "the native library was built without OpenMP"
+    why = _team_unavailable()
+    if why is not None:
         return f"one after another, each op over {threads} threads ({why})"
-    if not _one_openmp_runtime():
-        return (f"one after another, each op over {threads} threads (two OpenMP runtimes "
-                "are loaded; torch's would not see the team)")
     return f"side by side, one chunk per thread on {threads} threads"
 
 
