@@ -40,6 +40,7 @@ def build(name: str, shape, dtype) -> ml.Impl | str:
         "grouped": lambda: ml.build_epscale(shape, dtype, gemm="grouped"),
         "eager": lambda: ml.build_epscale(shape, dtype, kernels="off"),
         "inductor": lambda: ml.build_epscale(shape, dtype, kernels="inductor"),
+        "serial": lambda: ml.build_epscale(shape, dtype, workers=1),
         "torchtitan": lambda: ml.build_torchtitan(ours(), shape, dtype),
         "mixtral-grouped": lambda: ml.build_mixtral(ours(), shape, dtype, "grouped_mm"),
     }

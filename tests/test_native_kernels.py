@@ -9,6 +9,7 @@ takes these kernels, and with 'off', which takes the eager ops.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import subprocess
 import sys
@@ -40,8 +41,25 @@ def fresh_builder(monkeypatch, tmp_path):
     return builder
 
 
-@pytest.fixture(scope="module")
-def kernels():
+def build_generic(where) -> native_kernels.NativeKernels:
+    """The library built with -DEPSCALE_GENERIC_LOOPS: the compiler-vectorised loops for
+    every dtype, which CPUs without AVX-512 BF16 run and which the bf16 vector loops must
+    agree with."""
+    flags = native_kernels.FLAG_SETS[0] + ("-DEPSCALE_GENERIC_LOOPS",)
+    path = where / "act_kernels-generic.so"
+    err = native_kernels._Builder()._compile(native_kernels.find_compiler(), flags, path)
+    assert err is None, err
+    return native_kernels.NativeKernels(ctypes.CDLL(str(path)), path, flags)
+
+
+@pytest.fixture(scope="module", params=["default", "generic"])
+def kernels(request, tmp_path_factory):
+    """Each test runs on the default build (AVX-512 BF16 loops for bf16 where the CPU has
+    them) and on the generic loops."""
+    if request.param == "generic":
+        k = build_generic(tmp_path_factory.mktemp("generic"))
+        assert not k.vector_bf16
+        return k
     k = native_kernels.get("native")
     assert k is not None, native_kernels.BUILDER.failed
     return k
@@ -145,6 +163,29 @@ def test_non_finite_and_extreme_values(kernels, act, dtype):
     fin = torch.isfinite(egh1)
     torch.testing.assert_close(gh1[fin].float(), egh1[fin].float(), rtol=2 ** -7, atol=2e-6)
     assert torch.isnan(gh1[0, 0])
+
+
+@needs_compiler
+@pytest.mark.parametrize("act", ACTS)
+def test_vector_loops_agree_with_generic_loops(act, tmp_path):
+    """Where the default build has the AVX-512 BF16 loops, bf16 results are those of the
+    generic loops but for rare one-ulp differences (the same formulas, other rounding
+    order inside fp32)."""
+    default = native_kernels.get("native")
+    if not default.vector_bf16:
+        pytest.skip("this CPU or build has no AVX-512 BF16 loops")
+    generic = build_generic(tmp_path)
+    ga, h1, h3, w = inputs(act, torch.bfloat16, rows=97, cols=333)  # a partial last vector
+    for got, want in zip(run_native(default, ga, h1, h3, w), run_native(generic, ga, h1, h3, w)):
+        if got is None:
+            continue
+        if got.dtype == torch.float32:  # the gate weight's gradient, summed in another order
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+            continue
+        differ = got != want
+        assert differ.float().mean() < 1e-3
+        ulp = want.float().abs() * 2 ** -7
+        assert ((got.float() - want.float()).abs()[differ] <= ulp[differ]).all()
 
 
 @needs_compiler

@@ -126,6 +126,8 @@ class NativeKernels:
         self._run_chunks.restype = i32
         lib.epscale_openmp.restype = i32
         self.openmp = bool(lib.epscale_openmp())  # False: run_chunks runs on one thread
+        lib.epscale_vector_bf16.restype = i32
+        self.vector_bf16 = bool(lib.epscale_vector_bf16())  # bf16 rows in AVX-512 BF16 loops
 
     def run_chunks(self, fn, order: list[int], workers: int) -> int:
         """Call ``fn(chunk, worker)`` (a :data:`CHUNK_FN`: returns 0, or nonzero to stop
@@ -308,4 +310,5 @@ def describe(mode: str, device: torch.device | str) -> str:
     kernels = BUILDER.get()
     if kernels is None:
         return f"eager torch ops ({BUILDER.failed})"
-    return f"native C kernels ({kernels.path.name}, {' '.join(kernels.flags)})"
+    loops = "; bf16 in AVX-512 BF16 loops" if kernels.vector_bf16 else ""
+    return f"native C kernels ({kernels.path.name}, {' '.join(kernels.flags)}{loops})"
