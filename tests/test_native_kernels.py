@@ -9,7 +9,6 @@ takes these kernels, and with 'off', which takes the eager ops.
 
 from __future__ import annotations
 
-import ctypes
 import math
 import subprocess
 import sys
@@ -41,23 +40,12 @@ def fresh_builder(monkeypatch, tmp_path):
     return builder
 
 
-def build_generic(where) -> native_kernels.NativeKernels:
-    """The library built with -DEPSCALE_GENERIC_LOOPS: the compiler-vectorised loops for
-    every dtype, which CPUs without AVX-512 BF16 run and which the bf16 vector loops must
-    agree with."""
-    flags = native_kernels.FLAG_SETS[0] + ("-DEPSCALE_GENERIC_LOOPS",)
-    path = where / "act_kernels-generic.so"
-    err = native_kernels._Builder()._compile(native_kernels.find_compiler(), flags, path)
-    assert err is None, err
-    return native_kernels.NativeKernels(ctypes.CDLL(str(path)), path, flags)
-
-
 @pytest.fixture(scope="module", params=["default", "generic"])
 def kernels(request, tmp_path_factory):
     """Each test runs on the default build (AVX-512 BF16 loops for bf16 where the CPU has
     them) and on the generic loops."""
     if request.param == "generic":
-        k = build_generic(tmp_path_factory.mktemp("generic"))
+        k = native_kernels.build_generic(tmp_path_factory.mktemp("generic"))
         assert not k.vector_bf16
         return k
     k = native_kernels.get("native")
@@ -174,7 +162,7 @@ def test_vector_loops_agree_with_generic_loops(act, tmp_path):
     default = native_kernels.get("native")
     if not default.vector_bf16:
         pytest.skip("this CPU or build has no AVX-512 BF16 loops")
-    generic = build_generic(tmp_path)
+    generic = native_kernels.build_generic(tmp_path)
     ga, h1, h3, w = inputs(act, torch.bfloat16, rows=97, cols=333)  # a partial last vector
     for got, want in zip(run_native(default, ga, h1, h3, w), run_native(generic, ga, h1, h3, w)):
         if got is None:

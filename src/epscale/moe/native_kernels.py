@@ -280,7 +280,24 @@ class _BuildError(RuntimeError):
 
 
 BUILDER = _Builder()
-_warned: set[str] = set()  # modes already told that the build failed
+_warned: set[str] = set()
+
+
+def build_generic(where: Path) -> NativeKernels:
+    """A second build of the kernels with ``-DEPSCALE_GENERIC_LOOPS``, into ``where``
+    (not the cache): the compiler-vectorised loops for bf16 too, which CPUs without
+    AVX-512 BF16 run. For the tests and benchmarks/act_kernels.py, which compare it with
+    the default build."""
+    cc = find_compiler()
+    if cc is None:
+        raise _BuildError("no C compiler found (looked for $CC, cc, gcc, clang)")
+    flags = FLAG_SETS[0] + ("-DEPSCALE_GENERIC_LOOPS",)
+    path = Path(where) / "act_kernels-generic.so"
+    err = _Builder()._compile(cc, flags, path)
+    lib = _Builder._try_load(path) if err is None else None
+    if lib is None:
+        raise _BuildError(f"could not build or load {path}: {err or 'wrong ABI'}")
+    return NativeKernels(lib, path, flags)  # modes already told that the build failed
 
 
 def get(mode: str) -> NativeKernels | None:
