@@ -4,6 +4,7 @@ second package. For claims of the form "this change made the layer N% faster".
 
     .venv/bin/python benchmarks/ab_revisions.py --base HEAD~1
     .venv/bin/python benchmarks/ab_revisions.py --base HEAD~1 --path rows   # the EP-style path
+    .venv/bin/python benchmarks/ab_revisions.py --base HEAD~1 --configs narrow,64/6/512/256/2048
     .venv/bin/python benchmarks/ab_revisions.py --base e3b2090~1 --configs coarse,fine,narrow \\
         --threads 1 --clock cpu --rounds 6 --json ab.json
 
@@ -102,7 +103,8 @@ def main(argv=None) -> int:
     p.add_argument("--base", required=True,
                    help="git revision to compare the working tree against, or a directory "
                         "holding that revision's src/epscale")
-    p.add_argument("--configs", default="coarse,fine", help="comma list of: " + ", ".join(CONFIGS))
+    p.add_argument("--configs", default="coarse,fine",
+                   help="comma list of: " + ", ".join(CONFIGS) + ", or custom shapes E/K/D/F/T")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--path", default="fused", choices=("fused", "rows"),
                    help="fused: the layer's default no-EP kernel; rows: generic dispatch -> "
@@ -124,9 +126,14 @@ def main(argv=None) -> int:
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
-    if unknown:
-        p.error(f"unknown config {unknown[0]!r}; known: {', '.join(CONFIGS)}")
+    shapes = {}
+    for c in args.configs.split(","):
+        if c in CONFIGS:
+            shapes[c] = CONFIGS[c]
+        elif len(c.split("/")) == 5 and all(v.isdigit() for v in c.split("/")):
+            shapes[c] = dict(zip("EKDFT", map(int, c.split("/"))))
+        else:
+            p.error(f"unknown config {c!r}; known: {', '.join(CONFIGS)}, or E/K/D/F/T")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.clock == "cpu" and torch.get_num_threads() != 1:
@@ -140,8 +147,7 @@ def main(argv=None) -> int:
               f"{args.path} path, {device}")
         print(f"{'config':8s} {'base ms':>8s} {'new ms':>8s} {'speedup':>8s}  out diff")
         results = []
-        for name in args.configs.split(","):
-            shape = CONFIGS[name]
+        for name, shape in shapes.items():
             new = build(epscale, shape, dtype, args.path).to(device)
             base = build(base_pkg, shape, dtype, args.path, new.state_dict()).to(device)
             g = torch.Generator().manual_seed(1)

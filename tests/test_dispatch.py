@@ -32,8 +32,12 @@ CASES = [
     ("a rank receives nothing", dict(num_experts=8, top_k=2), None, "last_rank_cold"),
     ("an expert without tokens", dict(num_experts=8, top_k=2), None, "expert1_cold"),
     ("all tokens to one expert", dict(num_experts=8, top_k=1), None, "last_expert_hot"),
+    ("small experts, rows padded", dict(num_experts=16, top_k=4), None, None),
 ]
-BF16_CASES = ("top2 shared aux", "top8", "capacity probs")
+BF16_CASES = ("top2 shared aux", "top8", "capacity probs", "small experts, rows padded")
+# Cases whose received rows always run padded into batched chunks (experts.py, row mode
+# through gathered mode): at EP 2 and 4 each rank holds 8 or 4 of the 16 experts.
+PADDED_ROW_CASES = ("small experts, rows padded",)
 
 
 def _bias(kind, E, ep):
@@ -73,6 +77,9 @@ def _layer_cases(runner, rank, world, dims, backends, tag):
                     full = full.to(dtype)
                     par = epscale.parallelize(copy.deepcopy(full), dims, dispatcher=backend,
                                               overlap_chunks=chunks, payload=payload)
+                    if name in PADDED_ROW_CASES:
+                        par.experts.gemm = "loop"
+                        par.experts.batch_pad_waste = 100.0
                     tokens = [tokens_fn(r, world) if tokens_fn else 12 for r in range(world)]
                     xs, gs = make_inputs(world, tokens, 32, dtype, seed=3)
                     ref_y, ref_dx, ref_pg = reference_grads(full, xs, gs)

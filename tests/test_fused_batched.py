@@ -155,3 +155,59 @@ def test_aligned_rows_match_reference_and_unaligned(name, dtype, monkeypatch):
     rtol, atol = (1e-5, 1e-6) if dtype == torch.float32 else (2e-2, 1e-3)
     for a, b in zip(aligned, plain):
         assert (a is None and b is None) or torch.allclose(a.float(), b.float(), rtol, atol)
+
+
+# Row mode (the path EP dispatchers take): chunks of four or more small experts run
+# through gathered mode over the rows themselves, so that they can be padded and batched.
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["softmax-norm", "sigmoid-scale", "top4-e16", "cap-probs",
+                                  "gelu-cap-shared", "deepseek-like"])
+def test_rows_path_batched_matches_reference(name, dtype, monkeypatch):
+    moe = make_moe(dtype, path="rows", **VARIANTS[name])
+    moe.experts.gemm = "loop"
+    moe.experts.batch_pad_waste = 100.0  # always pad, whatever the imbalance
+    seen = batched_chunks_seen(moe, monkeypatch)
+    compare(moe, (3, 11), tol=1e-5 if dtype == torch.float32 else 3e-2, dtype=dtype)
+    assert seen and all(seen)
+
+
+def test_rows_path_batched_equals_unbatched_with_empty_expert():
+    """Same output and gradients as row mode's per-expert loop, an expert without rows
+    inside the batched chunk included (its gradient stays exactly zero)."""
+    results = []
+    for waste in (None, 100.0):
+        torch.manual_seed(0)
+        moe = make_moe(path="rows", num_experts=8, top_k=3)
+        moe.router.expert_bias[2] = -100.0
+        moe.experts.gemm = "loop"
+        moe.experts.batch_pad_waste = waste
+        g = torch.Generator(torch.get_default_device()).manual_seed(1)
+        x = torch.randn(20, moe.cfg.dim, generator=g, requires_grad=True)
+        y = moe(x)
+        y.square().sum().backward()
+        results.append((y.detach(), x.grad, {n: p.grad for n, p in moe.named_parameters()}))
+    (y0, gx0, g0), (y1, gx1, g1) = results
+    torch.testing.assert_close(y1, y0, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gx1, gx0, rtol=1e-6, atol=1e-6)
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-6, msg=n)
+    for n in ("experts.w1", "experts.w2", "experts.w3"):
+        assert torch.count_nonzero(g1[n][2]) == 0
+
+
+def test_rows_path_batches_only_chunks_of_many_small_experts():
+    ex = make_moe(num_experts=8).experts
+    x = torch.empty(0, 64)
+    row_bytes, mb = 64 * 4, 1 << 20
+
+    def batch(counts, chunk_bytes=mb, device_x=x, grouped=False):
+        return ex._batch_rows(device_x, counts, row_bytes, chunk_bytes, grouped)
+
+    assert batch([100, 90, 110, 100, 95, 105, 100, 100])      # one chunk of 8 near-equal experts
+    assert not batch([100, 90, 110, 100, 95, 105, 100, 100], chunk_bytes=row_bytes * 200)  # 2 per chunk
+    assert not batch([700, 10, 10, 10, 10, 10, 10, 10])       # padding would add 5x the rows
+    assert not batch([0] * 8)                                   # no rows
+    assert not batch([100] * 8, grouped=True)                  # grouped_mm chunks are not padded
+    ex.batch_pad_waste = None
+    assert not batch([100] * 8)

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .fused import HAS_GROUPED_MM, ExpertPlan, FusedExperts, default_chunk_bytes
-from .rows import BATCH_PAD_WASTE, ROW_ALIGN, aligned_counts, pad_expert_rows, token_slots
+from .rows import (BATCH_PAD_WASTE, ROW_ALIGN, ROWS_BATCH_MIN_EXPERTS, ROWS_BATCH_MIN_SHARE,
+                   aligned_counts, pad_expert_rows, token_slots)
 from ..config import KERNEL_MODES, kernel_mode
 from ..workspace import Workspace
 
@@ -157,6 +158,13 @@ class GroupedExperts(nn.Module):
         row_bytes = max(x.shape[-1], self.hidden_dim) * x.element_size()
         chunk_bytes = self.chunk_bytes or default_chunk_bytes(x.device)
         grouped = self._grouped(x)
+        if src_R is None and self._batch_rows(x, counts, row_bytes, chunk_bytes, grouped):
+            # Row mode over chunks of small experts: run it as gathered mode over the rows
+            # themselves (row r is "token" r with weight 1 and one slot), which may pad.
+            R = x.shape[0]
+            src_R = torch.arange(R, device=x.device)
+            weight_R = torch.ones(R, dtype=torch.float32, device=x.device)
+            pos_TK = src_R.unsqueeze(1)
         # Gathered mode owns its row layout, so it may add pad rows (see pad_expert_rows).
         layout = counts
         if src_R is not None and not grouped and x.device.type == "cpu" and self.row_align > 1:
@@ -174,6 +182,22 @@ class GroupedExperts(nn.Module):
             src_R, weight_R, pos_TK = pad_expert_rows(src_R, weight_R, pos_TK, counts, layout)
         return FusedExperts.apply(x, weight_R, w1, w3, w2, src_R, pos_TK, plan, self.activation,
                                   self.workspace, self.compile_kernels, self.chunk_workers)
+
+    def _batch_rows(self, x: torch.Tensor, counts: list[int], row_bytes: int, chunk_bytes: int,
+                    grouped: bool) -> bool:
+        """Row mode on CPU: whether padding would turn chunks of ROWS_BATCH_MIN_EXPERTS or
+        more small experts into one bmm each (rows.BATCH_PAD_WASTE), for at least
+        ROWS_BATCH_MIN_SHARE of the rows. Only gathered mode can pad, and running row mode
+        through it copies each chunk's rows in and out once more (see rows.py)."""
+        if x.device.type != "cpu" or grouped or self.batch_pad_waste is None:
+            return False
+        plan = ExpertPlan.build(counts, row_bytes, chunk_bytes)
+        padded = plan.batched_padding(self.batch_pad_waste)
+        if padded is None:
+            return False
+        batched_rows = sum(r1 - r0 for r0, r1, e0, e1 in plan.chunks
+                           if e1 - e0 >= ROWS_BATCH_MIN_EXPERTS and len(set(padded[e0:e1])) == 1)
+        return batched_rows >= ROWS_BATCH_MIN_SHARE * max(plan.num_rows, 1)
 
     def _forward_autograd(self, x_RD: torch.Tensor, tokens_per_expert_e: torch.Tensor) -> torch.Tensor:
         use_grouped = (self.use_grouped_mm and x_RD.dtype in (torch.float32, torch.bfloat16)

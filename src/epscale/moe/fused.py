@@ -20,7 +20,9 @@ Two modes share one kernel:
   through ``pos_TK`` (the row of each assignment), in one ``embedding_bag`` pass: in
   fp32 with one rounding for bf16. ``weight_R`` gets its gradient here too:
   dL/dw_r = <dL/dy_t . W2_e^T, a_r>. The input gradient takes the same road back.
-* row mode (after an EP dispatcher): input is ``x_RD`` itself, output is [R, D].
+* row mode (after an EP dispatcher): input is ``x_RD`` itself, output is [R, D]. (On CPU,
+  GroupedExperts runs row mode over chunks of many small experts as gathered mode over
+  the rows themselves, so that they can be padded and batched: see rows.py.)
 
 The combine is a gather, not a scatter-add into an fp32 [T, D] accumulator (what this
 kernel did before): it reads each row once, writes each token once, needs no zeroing and

@@ -1,6 +1,7 @@
-"""Row layout of the fused kernel's gathered mode (no expert parallelism): which row
-holds which assignment (``token_slots``), padding experts to equal rows
-(``pad_expert_rows``), and the per-token sum of the rows (``gather_combine``).
+"""Row layout of the fused kernel's gathered mode (no expert parallelism, and row mode over
+chunks of small experts): which row holds which assignment (``token_slots``), padding
+experts to equal rows (``pad_expert_rows``), and the per-token sum of the rows
+(``gather_combine``).
 
 Legend: T tokens, D model dim, K top-k (rows per token), R rows, P padded rows.
 """
@@ -38,6 +39,17 @@ def gather_combine(rows_RD: torch.Tensor, pos_TK: torch.Tensor) -> torch.Tensor:
 # 0.25 at first; 0.5 batches the chunks that hold one busier expert too, which made that
 # shape another 1.01-1.02x faster (a tiny GEMM costs more than its padding).
 BATCH_PAD_WASTE = 0.5
+
+# Row mode (the rows an EP dispatcher hands over, [R, D] grouped by expert) cannot pad in
+# place, so where padding would batch chunks of at least ROWS_BATCH_MIN_EXPERTS experts
+# holding at least ROWS_BATCH_MIN_SHARE of the rows, it runs through gathered mode over
+# the rows themselves: row r is token r, with gate weight 1 and one slot. That costs a
+# gather of each chunk's inputs (forward, and twice in backward) and one [R, D] copy out
+# (forward and backward). Measured on the rows path (benchmarks/RESULTS.md): 1.06-1.23x
+# faster with 128-192 rows per expert and 4-8 experts per chunk; with two experts of 256
+# rows per chunk it was 0.97-0.99x, hence the minimum of four.
+ROWS_BATCH_MIN_EXPERTS = 4
+ROWS_BATCH_MIN_SHARE = 0.5
 
 
 # Gathered mode on CPU: an expert's rows are padded up to a multiple of ROW_ALIGN when it
