@@ -45,8 +45,8 @@ BATCH_PAD_WASTE = 0.5
 # holding at least ROWS_BATCH_MIN_SHARE of the rows, it runs through gathered mode over
 # the rows themselves: row r is token r, with gate weight 1 and one slot. That costs a
 # gather of each chunk's inputs (forward, and twice in backward) and one [R, D] copy out
-# (forward and backward). Measured on the rows path (benchmarks/RESULTS.md): 1.06-1.23x
-# faster with 128-192 rows per expert and 4-8 experts per chunk; with two experts of 256
+# (forward and backward). Measured on the rows path (benchmarks/RESULTS.md): 1.03-1.28x
+# faster with 128-256 rows per expert and 5-8 experts per chunk; with two experts of 256
 # rows per chunk it was 0.97-0.99x, hence the minimum of four.
 ROWS_BATCH_MIN_EXPERTS = 4
 ROWS_BATCH_MIN_SHARE = 0.5
