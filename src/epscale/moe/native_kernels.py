@@ -280,7 +280,7 @@ class _BuildError(RuntimeError):
 
 
 BUILDER = _Builder()
-_warned: set[str] = set()
+_warned: set[str] = set()  # modes already told that the build failed
 
 
 def build_generic(where: Path) -> NativeKernels:
@@ -297,7 +297,7 @@ def build_generic(where: Path) -> NativeKernels:
     lib = _Builder._try_load(path) if err is None else None
     if lib is None:
         raise _BuildError(f"could not build or load {path}: {err or 'wrong ABI'}")
-    return NativeKernels(lib, path, flags)  # modes already told that the build failed
+    return NativeKernels(lib, path, flags)
 
 
 def get(mode: str) -> NativeKernels | None:
