@@ -157,9 +157,10 @@ def test_aligned_rows_match_reference_and_unaligned(name, dtype, monkeypatch):
         assert (a is None and b is None) or torch.allclose(a.float(), b.float(), rtol, atol)
 
 
-# Row mode (the path EP dispatchers take): chunks of four or more small experts run
+# Row mode (the path EP dispatchers take): on CPU, chunks of four or more small experts run
 # through gathered mode over the rows themselves, so that they can be padded and batched.
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["softmax-norm", "sigmoid-scale", "top4-e16", "cap-probs",
                                   "gelu-cap-shared", "deepseek-like"])
@@ -172,6 +173,7 @@ def test_rows_path_batched_matches_reference(name, dtype, monkeypatch):
     assert seen and all(seen)
 
 
+@pytest.mark.cpu_only
 def test_rows_path_batched_equals_unbatched_with_empty_expert():
     """Same output and gradients as row mode's per-expert loop, an expert without rows
     inside the batched chunk included (its gradient stays exactly zero)."""
@@ -198,7 +200,7 @@ def test_rows_path_batched_equals_unbatched_with_empty_expert():
 
 def test_rows_path_batches_only_chunks_of_many_small_experts():
     ex = make_moe(num_experts=8).experts
-    x = torch.empty(0, 64)
+    x = torch.empty(0, 64, device="cpu")
     row_bytes, mb = 64 * 4, 1 << 20
 
     def batch(counts, chunk_bytes=mb, device_x=x, grouped=False):
@@ -209,5 +211,7 @@ def test_rows_path_batches_only_chunks_of_many_small_experts():
     assert not batch([700, 10, 10, 10, 10, 10, 10, 10])       # padding would add 5x the rows
     assert not batch([0] * 8)                                   # no rows
     assert not batch([100] * 8, grouped=True)                  # grouped_mm chunks are not padded
+    if torch.cuda.is_available():
+        assert not batch([100] * 8, device_x=x.cuda())                # CPU only
     ex.batch_pad_waste = None
     assert not batch([100] * 8)
