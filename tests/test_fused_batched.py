@@ -184,7 +184,7 @@ def test_rows_path_batches_only_chunks_of_many_small_experts():
     row_bytes, mb = 64 * 4, 1 << 20
 
     def batch(counts, chunk_bytes=mb, device_x=x, grouped=False):
-        return ex._batch_rows(device_x, counts, row_bytes, chunk_bytes, grouped)
+        return ex._batch_rows(device_x, *ex._plan(counts, row_bytes, chunk_bytes, grouped))
 
     assert batch([100, 90, 110, 100, 95, 105, 100, 100])      # one chunk of 8 near-equal experts
     assert not batch([100, 90, 110, 100, 95, 105, 100, 100], chunk_bytes=row_bytes * 200)  # 2 per chunk

@@ -158,7 +158,8 @@ class GroupedExperts(nn.Module):
         row_bytes = max(x.shape[-1], self.hidden_dim) * x.element_size()
         chunk_bytes = self.chunk_bytes or default_chunk_bytes(x.device)
         grouped = self._grouped(x)
-        if src_R is None and self._batch_rows(x, counts, row_bytes, chunk_bytes, grouped):
+        plan, padded = self._plan(counts, row_bytes, chunk_bytes, grouped)
+        if src_R is None and self._batch_rows(x, plan, padded):
             # Row mode over chunks of small experts: run it as gathered mode over the rows
             # themselves (row r is "token" r with weight 1 and one slot), which may pad.
             R = x.shape[0]
@@ -168,32 +169,37 @@ class GroupedExperts(nn.Module):
         # Gathered mode owns its row layout, so it may add pad rows (see pad_expert_rows).
         layout = counts
         if src_R is not None and not grouped and x.device.type == "cpu" and self.row_align > 1:
-            layout = aligned_counts(counts, self.row_align)
-        plan = ExpertPlan.build(layout, row_bytes, chunk_bytes, grouped)
+            aligned = aligned_counts(counts, self.row_align)
+            if aligned != counts:  # an expert of rows.ALIGN_MIN_ROWS rows or more
+                layout = aligned
+                plan, padded = self._plan(layout, row_bytes, chunk_bytes, grouped)
         w1, w3, w2 = self._weights(x.dtype)
         if src_R is not None and pos_TK is None:
             pos_TK = token_slots(src_R, x.shape[0])
-        if src_R is not None and self.batch_pad_waste is not None and not grouped:
-            padded = plan.batched_padding(self.batch_pad_waste)
-            if padded is not None:  # chunks of small experts: one bmm each (rows.BATCH_PAD_WASTE)
-                layout = padded
-                plan = plan.with_counts(padded)
+        if src_R is not None and padded is not None:
+            # chunks of small experts: one bmm each (rows.BATCH_PAD_WASTE)
+            layout = padded
+            plan = plan.with_counts(padded)
         if layout != counts:
             src_R, weight_R, pos_TK = pad_expert_rows(src_R, weight_R, pos_TK, counts, layout)
         return FusedExperts.apply(x, weight_R, w1, w3, w2, src_R, pos_TK, plan, self.activation,
                                   self.workspace, self.compile_kernels, self.chunk_workers)
 
-    def _batch_rows(self, x: torch.Tensor, counts: list[int], row_bytes: int, chunk_bytes: int,
-                    grouped: bool) -> bool:
-        """Row mode on CPU: whether padding would turn chunks of ROWS_BATCH_MIN_EXPERTS or
-        more small experts into one bmm each (rows.BATCH_PAD_WASTE), for at least
+    def _plan(self, layout: list[int], row_bytes: int, chunk_bytes: int,
+              grouped: bool) -> tuple[ExpertPlan, list[int] | None]:
+        """The chunk plan of ``layout`` and the rows per expert that would batch its chunks
+        of small experts (None: no chunk qualifies, or batching is off or not possible)."""
+        plan = ExpertPlan.build(layout, row_bytes, chunk_bytes, grouped)
+        if grouped or self.batch_pad_waste is None:
+            return plan, None
+        return plan, plan.batched_padding(self.batch_pad_waste)
+
+    def _batch_rows(self, x: torch.Tensor, plan: ExpertPlan, padded: list[int] | None) -> bool:
+        """Row mode on CPU: whether padding (``padded``, from :meth:`_plan`) turns chunks of
+        ROWS_BATCH_MIN_EXPERTS or more small experts into one bmm each, for at least
         ROWS_BATCH_MIN_SHARE of the rows. Only gathered mode can pad, and running row mode
         through it copies each chunk's rows in and out once more (see rows.py)."""
-        if x.device.type != "cpu" or grouped or self.batch_pad_waste is None:
-            return False
-        plan = ExpertPlan.build(counts, row_bytes, chunk_bytes)
-        padded = plan.batched_padding(self.batch_pad_waste)
-        if padded is None:
+        if x.device.type != "cpu" or padded is None:
             return False
         batched_rows = sum(r1 - r0 for r0, r1, e0, e1 in plan.chunks
                            if e1 - e0 >= ROWS_BATCH_MIN_EXPERTS and len(set(padded[e0:e1])) == 1)
