@@ -14,9 +14,9 @@ small real gate). What is real: everything from the top-k on, and the balancing:
   aux        the Switch aux loss (coefficient --aux-coeff) through the real layer, trained
              into the router (gate + a per-expert logit offset) by SGD (--aux-lr); there is
              no language-model loss pulling the other way, so this is its best case
-  loss-free  epscale.balancing.update_expert_biases after every step (u = --u), sign rule
+  loss-free  epscale.moe.balance.update_expert_biases after every step (u = --u), sign rule
   adaptive   the same with moe.bias_update_rule=adaptive
-  +N slots   redundant experts: apply_placement + Rebalancer re-planning every --every
+  +N slots   redundant experts: parallelize(placement=...) + Rebalancer re-planning every --every
              steps from the last --every steps' loads (weights move between ranks)
   spill      apply_spill (threshold 1.3, min 32 rows per piece)
 Per step and rank it records the rows each rank's experts compute, the CPU time of its
@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from epscale.balancing import RunningMaxVio
+from epscale.metrics.balance import RunningMaxVio
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "out"
@@ -173,7 +173,7 @@ class ExpertMeter:
 
 def _build_layer(a, strategy, zipf_s, dims, rank):
     import epscale
-    from epscale.placement import apply_placement, apply_spill, plan_placement
+    from epscale.placement import apply_spill, plan_placement
 
     E = a.experts
     cfg = epscale.MoEConfig(dim=a.dim, hidden_dim=a.hidden, num_experts=E, top_k=a.top_k,
@@ -186,7 +186,7 @@ def _build_layer(a, strategy, zipf_s, dims, rank):
     if strategy.startswith("+"):
         extra = int(strategy[1:].split()[0]) // dims.ep
         pl = plan_placement(torch.ones(E), E + extra * dims.ep, 1, dims.ep)  # no knowledge yet
-        apply_placement(moe, dims, pl, dispatcher=a.dispatcher)
+        epscale.parallelize(moe, dims, dispatcher=a.dispatcher, placement=pl)
     else:
         epscale.parallelize(moe, dims, dispatcher=a.dispatcher)
         if strategy.startswith("spill"):
@@ -196,7 +196,8 @@ def _build_layer(a, strategy, zipf_s, dims, rank):
 
 
 def _run_strategy(a, strategy, zipf_s, dims, rank, world):
-    from epscale.balancing import max_vio, update_expert_biases
+    from epscale.metrics.balance import max_vio
+    from epscale.moe.balance import update_expert_biases
     from epscale.placement import Rebalancer, sync_replica_gradients
 
     moe = _build_layer(a, strategy, zipf_s, dims, rank)
@@ -517,9 +518,9 @@ def _frozen_router_vio(run_dir: Path, num_tokens: int = 32768) -> dict[int, floa
     and bias frozen, on random training batches of 8, 32 and 128 sequences (num_tokens in
     all per size). Separates what a batch's content does (falls with the batch size) from
     where the bias left the balance (does not)."""
-    from epscale import checkpoint as ckpt
+    from epscale.training import checkpoint as ckpt
     from epscale.config import load_config
-    from epscale.data import load_splits
+    from epscale.training.data import load_splits
     from epscale.model import build_model
     from epscale.training.dist import SingleProcessDims
 

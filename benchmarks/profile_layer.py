@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     print(f"torch {torch.__version__}, {ml.DEVICE}, {torch.get_num_threads()} threads, {args.dtype}")
     if ml.DEVICE.type == "cpu" and torch.get_num_threads() > 1:
         print("note: the profiler records the calling thread's ops only; with 2+ threads the "
-              "fused kernel's chunks run on torch's OpenMP team (epscale.moe.chunk_workers), "
+              "fused kernel's chunks run on torch's OpenMP team (epscale.kernels.cpu.chunk_workers), "
               "whose other threads' ops are not counted. --threads 1 counts them all.")
     out = []
     for label, shape in todo:

@@ -24,7 +24,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from epscale.recipes import load_recipe
+from epscale.config import load_recipe
 from epscale.sim import load_cluster, simulate
 from epscale.sim.routing import RoutingSpec
 
@@ -89,7 +89,7 @@ def field_report(console: Console) -> dict:
 
 
 def _session(rank, nproc, moe_cfg, tokens, clock):
-    from epscale.calibrate import bench_moe_layer, measure
+    from epscale.sim.calibrate import bench_moe_layer, measure
 
     meas = measure(512, 1024, "swiglu", quick=False, clock=clock)
     return meas, {d: bench_moe_layer(moe_cfg, d, tokens, iters=5, warmup=1, clock=clock)
@@ -97,7 +97,7 @@ def _session(rank, nproc, moe_cfg, tokens, clock):
 
 
 def calibration(console: Console) -> None:
-    from epscale.calibrate import cluster_from, spawn_local
+    from epscale.sim.calibrate import cluster_from, spawn_local
     from epscale.config import ModelConfig, MoEConfig, ParallelConfig, RunConfig, TrainConfig
 
     moe_cfg = MoEConfig(dim=512, hidden_dim=1024, num_experts=8, top_k=2)

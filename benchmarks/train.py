@@ -82,7 +82,7 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, str(REPO / "src"))
     from epscale.config import load_config
-    from epscale.sizing import model_size
+    from epscale.sim.sizing import model_size
 
     console = Console(width=160)
     base_dir = args.keep or Path(tempfile.mkdtemp(prefix="epscale-bench-train-"))

@@ -10,8 +10,10 @@ from torch.utils.checkpoint import checkpoint
 
 import epscale
 from dist_utils import CaseRunner, assert_no_failures, run_distributed
-from epscale.balancing import (RunningMaxVio, global_batch_balance_loss, is_recomputing,
-                               max_vio, rank_idle, update_expert_biases)
+from epscale.metrics.balance import RunningMaxVio, max_vio, rank_idle
+from epscale.moe.balance import update_expert_biases
+from epscale.moe.layer import is_recomputing
+from epscale.moe.losses import global_batch_balance_loss
 from epscale.moe.losses import load_balance_loss
 
 

@@ -16,7 +16,7 @@ import json
 import numpy as np
 import pytest
 
-from epscale.calibrate import (bench_moe_layer, cluster_from, fit_alltoall, fit_gemm, measure,
+from epscale.sim.calibrate import (bench_moe_layer, cluster_from, fit_alltoall, fit_gemm, measure,
                                spawn_local)
 from epscale.cli import main as cli_main
 from epscale.config import ModelConfig, MoEConfig, ParallelConfig, RunConfig, TrainConfig

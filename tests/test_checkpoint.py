@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from epscale import checkpoint as ckpt
+from epscale.training import checkpoint as ckpt
 from epscale.config import load_config, to_dict
 from epscale.model import build_model
 from epscale.training.dist import SingleProcessDims

@@ -119,14 +119,14 @@ def test_parse_override_values_are_yaml():
 
 def test_on_off_yes_no_are_strings_not_booleans(tmp_path):
     """YAML 1.2 booleans: only true/false. YAML 1.1 would read off as False, and
-    moe.compile_kernels=off (a string choice) would be rejected as a boolean."""
-    assert parse_override("moe.compile_kernels=off") == (["moe", "compile_kernels"], "off")
+    moe.cpu.elementwise=off (a string choice) would be rejected as a boolean."""
+    assert parse_override("moe.cpu.elementwise=off") == (["moe", "cpu", "elementwise"], "off")
     assert parse_override("moe.route_norm=True") == (["moe", "route_norm"], True)
     path = tmp_path / "r.yaml"
-    path.write_text("name: t\nmoe:\n  compile_kernels: off\n  route_norm: false\n")
+    path.write_text("name: t\nmoe:\n  cpu:\n    elementwise: off\n  route_norm: false\n")
     cfg = load_config(path, [])
-    assert cfg.moe.compile_kernels == "off" and cfg.moe.route_norm is False
-    assert load_config(path, ["moe.compile_kernels=native"]).moe.compile_kernels == "native"
+    assert cfg.moe.cpu.elementwise == "off" and cfg.moe.route_norm is False
+    assert load_config(path, ["moe.cpu.elementwise=native"]).moe.cpu.elementwise == "native"
     with pytest.raises(ConfigError, match="moe.route_norm.*true or false"):
         load_config(path, ["moe.route_norm=yes"])
 

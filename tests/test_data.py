@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from epscale.config import DataConfig
-from epscale.data import (DataError, DataLoader, Splits, WindowSampler, _is_val, list_text_files,
+from epscale.training.data import (DataError, DataLoader, Splits, WindowSampler, _is_val, list_text_files,
                           load_splits, stdlib_root)
 
 

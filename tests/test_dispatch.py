@@ -59,6 +59,7 @@ def _rel_err(a, b):
 
 def _layer_cases(runner, rank, world, dims, backends, tag):
     import epscale
+    from epscale.config import CpuKernelConfig
 
     for backend, opts in backends:
         for name, over, tokens_fn, bias_kind in CASES:
@@ -70,16 +71,16 @@ def _layer_cases(runner, rank, world, dims, backends, tag):
                 label = f"{tag} {backend}{opts} {name} {dtype}"
                 with runner.case(label):
                     torch.manual_seed(11)
-                    cfg = epscale.MoEConfig(dim=32, hidden_dim=16, **over)
+                    # padded rows: the per-expert loop replaced by batched chunks, always
+                    cpu = (CpuKernelConfig(gemm="loop", batch_pad_waste=100.0)
+                           if name in PADDED_ROW_CASES else CpuKernelConfig())
+                    cfg = epscale.MoEConfig(dim=32, hidden_dim=16, **over, cpu=cpu)
                     full = epscale.MoE(cfg)
                     if bias_kind:
                         full.router.expert_bias.copy_(_bias(bias_kind, cfg.num_experts, dims.ep))
                     full = full.to(dtype)
                     par = epscale.parallelize(copy.deepcopy(full), dims, dispatcher=backend,
                                               overlap_chunks=chunks, payload=payload)
-                    if name in PADDED_ROW_CASES:
-                        par.experts.gemm = "loop"
-                        par.experts.batch_pad_waste = 100.0
                     tokens = [tokens_fn(r, world) if tokens_fn else 12 for r in range(world)]
                     xs, gs = make_inputs(world, tokens, 32, dtype, seed=3)
                     ref_y, ref_dx, ref_pg = reference_grads(full, xs, gs)

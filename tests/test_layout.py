@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from epscale.dispatch.comm import dequantize_fp8, pack_rows, plan_fields, quantize_fp8, unpack_rows
-from epscale.dispatch.dedup import chunk_bounds
+from epscale.dispatch.rows import chunk_bounds
 from epscale.dispatch.layout import (get_dispatch_layout, group_rows_by_expert, segment_ids,
                                      select_true)
 

@@ -13,9 +13,10 @@ from torch import nn
 
 import epscale
 from epscale.metrics import (STANDARD_SECTIONS, JsonlSink, MetricsWriter, PrometheusSink, Sink,
-                             StepStatsCollector, StepTimers, comm_share, find_moe_layers,
+                             StepStatsCollector, StepTimers, comm_share,
                              flops_per_token, max_vio, mfu, peak_flops, rank_loads)
 from epscale.metrics import timers as timers_mod
+from epscale.moe.layer import named_moe_layers
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -129,11 +130,11 @@ def _cfg(**kw):
     return epscale.MoEConfig(**base)
 
 
-def test_find_moe_layers_ids_from_names():
+def test_moe_layer_ids_from_names():
     m = TwoMoE(_cfg())
-    assert [(i, n) for i, n, _ in find_moe_layers(m)] == [(0, "blocks.0.moe"), (1, "blocks.1.moe")]
+    assert [(i, n) for i, n, _ in named_moe_layers(m)] == [(0, "blocks.0.moe"), (1, "blocks.1.moe")]
     solo = epscale.MoE(_cfg())
-    assert [(i, n) for i, n, _ in find_moe_layers(solo)] == [(0, "")]
+    assert [(i, n) for i, n, _ in named_moe_layers(solo)] == [(0, "")]
 
 
 def test_record_counts_every_training_forward_and_skips_eval():
@@ -226,7 +227,7 @@ def test_helpers():
 
 def test_flops_and_peak(monkeypatch):
     from epscale.config import RunConfig
-    from epscale.sizing import model_size
+    from epscale.sim.sizing import model_size
 
     cfg = RunConfig()
     assert flops_per_token(cfg) == model_size(cfg).flops_per_token > 0

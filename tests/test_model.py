@@ -1,5 +1,5 @@
 """The decoder-only MoE transformer: layer pattern, causality, RoPE, GQA/MLA, head tying,
-sizes matching epscale.sizing, and input errors."""
+sizes matching epscale.sim.sizing, and input errors."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from epscale.config import load_config
 from epscale.model import Attention, Transformer, apply_rope, build_model, rope_tables
 from epscale.moe.experts import FeedForward
 from epscale.moe.layer import MoE
-from epscale.sizing import model_size
+from epscale.sim.sizing import model_size
 
 
 def cfg(*over: str):

@@ -13,30 +13,40 @@ import warnings
 import pytest
 import torch
 
+import dataclasses
+
 from epscale import MoE, MoEConfig
+from epscale.config import CpuKernelConfig
 from epscale.dispatch.local import LocalDispatcher
-from epscale.moe.counts import count_ids, index_add_counts
+from epscale.kernels.cpu.fused import CHUNK_BYTES, ExpertPlan
 from epscale.moe.experts import GroupedExperts
-from epscale.moe.fused import ExpertPlan, default_chunk_bytes
 from epscale.moe.reference import reference_forward
 from epscale.moe.router import expert_capacity
+from epscale.ops import count_ids, index_add_counts
 
 SMALL = dict(dim=16, hidden_dim=24, num_experts=8, top_k=2)
 
 
-# The three ways the layer can compute: the fused no-EP kernel (default), the generic
-# dispatch -> experts(x_RD) -> combine path that EP dispatchers take, and that path with
-# plain-autograd experts (an independent second implementation).
-PATHS = ["fused", "rows", "autograd"]
+# The ways the layer can compute: the fused no-EP CPU kernel (default on CPU), the
+# generic dispatch -> experts(x_RD) -> combine path that EP dispatchers take, that path
+# with plain-autograd grouped-GEMM experts (an independent second implementation), and the
+# no-EP path with grouped-GEMM experts (moe.experts_impl=grouped_mm: the accelerators'
+# default).
+PATHS = ["fused", "rows", "autograd", "grouped"]
+CPU_KEYS = {f.name for f in dataclasses.fields(CpuKernelConfig)}
 
 
 def make_moe(dtype=torch.float32, bias_std: float = 0.0, path: str = "fused", **kw) -> MoE:
-    cfg = MoEConfig(**{**SMALL, **kw})
+    """A small layer; keys of CpuKernelConfig (elementwise, gemm, chunk_bytes, ...) go to
+    its ``moe.cpu`` section."""
+    cpu = CpuKernelConfig(**{k: kw.pop(k) for k in list(kw) if k in CPU_KEYS})
+    if path in ("autograd", "grouped"):
+        kw.setdefault("experts_impl", "grouped_mm")
+    cfg = MoEConfig(**{**SMALL, **kw}, cpu=cpu)
     moe = MoE(cfg).to(dtype)
-    if path != "fused":
-        moe.dispatcher = LocalDispatcher(cfg.num_experts, fuse=False)
-    if path == "autograd":
-        moe.experts.impl = "autograd"
+    if path in ("rows", "autograd"):
+        moe.dispatcher = LocalDispatcher(cfg.num_experts, fuse=False,
+                                         workspace=moe.experts.row_buffers())
     if bias_std:
         moe.router.expert_bias.normal_(0.0, bias_std)
     return moe
@@ -128,7 +138,7 @@ VARIANTS = {
 }
 
 
-# moe.compile_kernels: 'auto' (native C kernels where they build) and 'off' (eager ops)
+# moe.cpu.elementwise: 'auto' (native C kernels where they build) and 'off' (eager ops)
 # run the element-wise work of the fused path in two independent ways.
 KERNELS = ["auto", "off"]
 
@@ -136,7 +146,7 @@ KERNELS = ["auto", "off"]
 @pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_matches_reference_fp32(name, kernels):
-    moe = make_moe(compile_kernels=kernels, **VARIANTS[name])
+    moe = make_moe(elementwise=kernels, **VARIANTS[name])
     compare(moe, (2, 12), tol=1e-5)
 
 
@@ -153,7 +163,7 @@ def test_other_paths_match_reference_fp32(name, path):
 @pytest.mark.parametrize("name", ["softmax-norm", "groups", "cap-probs", "gelu-cap-shared",
                                   "losses", "loop", "deepseek-like"])
 def test_matches_reference_bf16(name, path, kernels):
-    moe = make_moe(torch.bfloat16, path=path, compile_kernels=kernels, **VARIANTS[name])
+    moe = make_moe(torch.bfloat16, path=path, elementwise=kernels, **VARIANTS[name])
     compare(moe, (2, 12), tol=3e-2, dtype=torch.bfloat16)
 
 
@@ -170,10 +180,9 @@ def test_dims_not_multiple_of_8(dtype, path):
 @pytest.mark.parametrize("chunk_bytes", [1, 200, 1 << 30])
 def test_many_small_chunks(chunk_bytes, path, gemm):
     """Chunk boundaries (one expert per chunk, or a few) and the GEMM form change nothing."""
-    moe = make_moe(path=path, num_experts=8, top_k=3, num_shared_experts=1)
+    moe = make_moe(path=path, num_experts=8, top_k=3, num_shared_experts=1,
+                   chunk_bytes=chunk_bytes, gemm=gemm)
     moe.router.expert_bias[2] = -100.0  # an empty expert inside a chunk
-    moe.experts.chunk_bytes = chunk_bytes
-    moe.experts.gemm = gemm
     compare(moe, (20,), tol=1e-5)
 
 
@@ -194,25 +203,28 @@ def test_expert_plan_chunks_whole_experts():
     assert ExpertPlan.build([0, 0], 10).chunks == ()
 
 
-def test_chunks_are_cache_sized_on_cpu_and_launch_sized_on_accelerators(monkeypatch):
-    """1 MB chunks on CPU; on an accelerator (meta stands in) one chunk holds a whole
-    64-expert layer (bf16, D=1024, 32k rows: 64 MB), not 64 chunks of launches."""
-    assert default_chunk_bytes(torch.device("cpu")) == 1 << 20
-    assert default_chunk_bytes(torch.device("meta")) == 256 << 20
+def test_chunks_are_cache_sized_and_the_cpu_kernel_stays_on_cpu(monkeypatch):
+    """1 MB chunks by default (moe.cpu.chunk_bytes overrides it); the chunked kernel is
+    the CPU path only: 'auto' runs grouped GEMMs on other devices (meta stands in for an
+    accelerator), and 'cpu_fused' asked for there says so instead of running."""
+    assert CHUNK_BYTES == 1 << 20
     counts, row_bytes = [512] * 64, 1024 * 2
-    assert len(ExpertPlan.build(counts, row_bytes, default_chunk_bytes(torch.device("cpu"))).chunks) == 64
-    assert len(ExpertPlan.build(counts, row_bytes, default_chunk_bytes(torch.device("meta"))).chunks) == 1
-    # The experts ask for the default of their input's device unless chunk_bytes is set.
+    assert len(ExpertPlan.build(counts, row_bytes, CHUNK_BYTES).chunks) == 64
     seen = []
     real = ExpertPlan.build
     monkeypatch.setattr(ExpertPlan, "build", staticmethod(
         lambda counts, row_bytes, chunk_bytes, grouped=False:
         seen.append(chunk_bytes) or real(counts, row_bytes, chunk_bytes, grouped)))
-    moe = make_moe()
-    moe(torch.randn(6, 16))
-    moe.experts.chunk_bytes = 200
-    moe(torch.randn(6, 16))
-    assert seen == [default_chunk_bytes(torch.get_default_device()), 200]
+    make_moe()(torch.randn(6, 16))
+    make_moe(chunk_bytes=200)(torch.randn(6, 16))
+    assert seen == [CHUNK_BYTES, 200]
+    auto = GroupedExperts(4, 8, 16)
+    assert auto.impl_for(torch.empty(1, device="meta")) == "grouped_mm"
+    assert auto.impl_for(torch.empty(1)) == "cpu_fused"
+    assert GroupedExperts(4, 8, 16, impl="grouped_mm").cpu_kernel is None
+    fused = GroupedExperts(4, 8, 16, impl="cpu_fused")
+    with pytest.raises(RuntimeError, match="cpu_fused' runs on CPU tensors only.*'auto' or 'grouped_mm'"):
+        fused(torch.empty(3, 8, device="meta"), torch.tensor([3, 0, 0, 0]))
 
 
 # ------------------------------------------------------------------ edge cases
@@ -271,7 +283,8 @@ def test_all_assignments_dropped_dispatcher():
 
 
 @pytest.mark.parametrize("other", [dict(path="autograd", use_grouped_mm="never"),
-                                   dict(path="autograd"), dict(path="rows")])
+                                   dict(path="autograd"), dict(path="rows"), dict(path="grouped"),
+                                   dict(path="grouped", use_grouped_mm="never")])
 def test_paths_agree_with_fused(other):
     torch.manual_seed(1)
     a = make_moe(num_experts=8, top_k=3)

@@ -281,17 +281,6 @@ def test_follow_tails_a_growing_run_until_it_ends(tmp_path):
 # ---------------------------------------------------------------------- evidence: a real run
 
 
-def _trainer_available() -> str | None:
-    try:
-        import epscale.train  # noqa: F401
-        from epscale.cli import COMMANDS
-    except ImportError as e:
-        return f"the trainer is not importable ({e})"
-    if "train" not in COMMANDS:
-        return "epscale train is not a command yet"
-    return None
-
-
 TINY = ["model.dim=64", "moe.hidden_dim=128", "model.dense_hidden_dim=256", "model.seq_len=64",
         "model.num_layers=2", "train.eval_every=0", "train.ckpt_every=0", "train.micro_batch_size=4"]
 
@@ -304,7 +293,6 @@ def _train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
                           stdin=subprocess.DEVNULL)
 
 
-@pytest.mark.skipif(_trainer_available() is not None, reason=str(_trainer_available()))
 def test_trained_run_with_collapsed_router_fires_imbalance_and_dead_experts(tmp_path):
     """The tiny recipe (shrunk to 2 layers of width 64, one process) trained on text that
     is one repeated byte: every token reaches the router with the same hidden state, so

@@ -13,8 +13,9 @@ import torch.distributed as dist
 
 from dist_utils import (CaseRunner, assert_no_failures, hot_moe, make_inputs, reference_grads,
                         run_distributed)
+import epscale
 from epscale.placement import plan_placement
-from epscale.placement.runtime import (placement_from_dict, placement_to_dict,
+from epscale.placement.replicas import (placement_from_dict, placement_to_dict,
                                        spread_over_replicas)
 
 
@@ -71,7 +72,7 @@ def _hot_load(E, hot, layers):
 
 def _check_grads(par, ref_pg, placement, dims, atol=2e-5, rtol=1e-4):
     from epscale.parallel import is_expert_param
-    from epscale.placement.runtime import local_slots
+    from epscale.placement.replicas import local_slots
 
     layer_of = {}
     for i, (name, m) in enumerate((n, m) for n, m in par.named_modules()
@@ -100,8 +101,8 @@ def _step(par, dims, x, g):
 
 
 def _equivalence_cases(runner, rank, world, dims, tag, backends=BACKENDS):
-    from epscale.placement import PlacedDispatcher, apply_placement
-    from epscale.placement.runtime import expert_grad_sq_norm
+    from epscale.placement import PlacedDispatcher
+    from epscale.placement.replicas import expert_grad_sq_norm
 
     for backend, chunks in backends:
         for name, over, hot, extra in CASES:
@@ -112,10 +113,11 @@ def _equivalence_cases(runner, rank, world, dims, tag, backends=BACKENDS):
                 E = over["num_experts"]
                 pl = plan_placement(_hot_load(E, hot, 1), E + extra * dims.ep, 1, dims.ep)
                 assert int(pl.replica_count.max()) > 1
-                par = apply_placement(copy.deepcopy(full), dims, pl, dispatcher=backend,
-                                      overlap_chunks=chunks)
+                par = epscale.parallelize(copy.deepcopy(full), dims, dispatcher=backend,
+                                          overlap_chunks=chunks, placement=pl)
                 assert isinstance(par.dispatcher, PlacedDispatcher)
-                assert par.dispatcher.fuse == (chunks > 1)
+                # the inner backend pipelines (dispatch_compute_combine) when chunks > 1
+                assert getattr(par.dispatcher.inner, "overlap_chunks", 1) == chunks
                 assert par.experts.w1.shape[0] == pl.slots_per_rank
                 xs, gs = make_inputs(dims.world_size, [20] * dims.world_size, 32,
                                      torch.float32, seed=9)
@@ -133,14 +135,14 @@ def _equivalence_cases(runner, rank, world, dims, tag, backends=BACKENDS):
 
 def _replacement_case(runner, rank, world, dims, tag):
     from epscale.parallel import is_expert_param
-    from epscale.placement import Rebalancer, apply_placement, get_placement
-    from epscale.placement.runtime import local_slots
+    from epscale.placement import Rebalancer, get_placement
+    from epscale.placement.replicas import local_slots
 
     with runner.case(f"{tag} re-placement keeps function and training"):
         over, hot = dict(num_experts=8, top_k=2), (0, 1)
         full = _hot_model(over, hot, layers=2)
         pl = plan_placement(_hot_load(8, hot, 2), 8 + dims.ep, 1, dims.ep)
-        par = apply_placement(copy.deepcopy(full), dims, pl, dispatcher="alltoall")
+        par = epscale.parallelize(copy.deepcopy(full), dims, dispatcher="alltoall", placement=pl)
         # eps large enough that Adam does not blow up rounding noise in grads that are
         # zero in exact arithmetic (non-chosen router logits under route_norm)
         hp = dict(lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-3)
@@ -193,20 +195,20 @@ def _replacement_case(runner, rank, world, dims, tag):
 
 
 def _error_cases(runner, rank, world, dims, tag):
-    from epscale.placement import apply_placement, move_to_placement
+    from epscale.placement import move_to_placement
 
     over = dict(num_experts=8, top_k=2)
     with runner.case(f"{tag} errors"):
         wrong = plan_placement(torch.ones(8), 8 + 2 * dims.ep, 1, dims.ep * 2)
         with pytest.raises(ValueError, match="planned for"):
-            apply_placement(_hot_model(over, ()), dims, wrong)
+            epscale.parallelize(_hot_model(over, ()), dims, placement=wrong)
         two = plan_placement(torch.ones(2, 8), 8 + dims.ep, 1, dims.ep)
         with pytest.raises(ValueError, match="2 layer"):
-            apply_placement(_hot_model(over, ()), dims, two)
+            epscale.parallelize(_hot_model(over, ()), dims, placement=two)
         pl = plan_placement(torch.ones(8), 8 + dims.ep, 1, dims.ep)
-        par = apply_placement(_hot_model(over, ()), dims, pl, dispatcher="alltoall")
+        par = epscale.parallelize(_hot_model(over, ()), dims, dispatcher="alltoall", placement=pl)
         with pytest.raises(ValueError, match="already parallelized"):
-            apply_placement(par, dims, pl)
+            epscale.parallelize(par, dims, placement=pl)
         bigger = plan_placement(torch.ones(8), 8 + 2 * dims.ep, 1, dims.ep)
         with pytest.raises(ValueError, match="slot count is fixed"):
             move_to_placement(par, dims, bigger)

@@ -11,8 +11,8 @@ import torch
 from epscale.cli import main as cli_main
 from epscale.config import ConfigError
 from epscale.model import Transformer
-from epscale.recipes import PUBLISHED, RECIPES, load_recipe, recipe_path, shrink
-from epscale.sizing import model_size
+from epscale.config import PUBLISHED, RECIPES, load_recipe, recipe_path, shrink
+from epscale.sim.sizing import model_size
 
 STRICT = ("mixtral-8x7b", "deepseek-v3", "qwen3-30b-a3b")   # the issue's 2% targets
 
@@ -126,7 +126,7 @@ def test_unknown_recipe_and_bad_scale_are_clear(capsys):
 
 def test_describe_rows_per_expert(capsys):
     """Rows an expert's GEMMs see per micro-batch: micro-batch tokens x ep x top_k / E."""
-    from epscale.describe import describe
+    from epscale.commands.describe import describe
 
     info = describe("tiny")  # 4 x 128 tokens, ep=2, top-2 of 8
     assert info["rows_per_expert"] == 4 * 128 * 2 * 2 / 8

@@ -10,7 +10,7 @@ import pytest
 
 from epscale.cli import main as cli_main
 from epscale.config import ConfigError, ModelConfig, MoEConfig, RunConfig, TrainConfig, ParallelConfig
-from epscale.recipes import load_recipe
+from epscale.config import load_recipe
 from epscale.sim import PRESETS, ClusterSpec, load_cluster, simulate
 from epscale.sim.cluster import dump_cluster
 from epscale.sim.routing import (RoutingSpec, inclusion_probs, read_trace, sample_topk, shares_of,

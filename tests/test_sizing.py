@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from epscale.config import ConfigError, ModelConfig, MoEConfig, RunConfig, TrainConfig
+from epscale.config import ConfigError, CpuKernelConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig
 from epscale.model import Transformer
-from epscale.sizing import model_size
+from epscale.sim.sizing import model_size
 
 CASES = {
     "mha-tied": (dict(num_heads=4), dict()),
@@ -56,16 +56,14 @@ def test_matmul_flops_match_flop_counter(case):
     """Forward matmul FLOPs per token x 3 (+ attention) is the training figure; the matmul
     part is checked exactly against torch's counter (dropless: every token uses K experts)."""
     cfg = _cfg(*CASES[case])
-    net = Transformer(cfg.model, cfg.moe)
-    for m in net.modules():  # the per-expert loop: batched chunks add pad rows and run as bmm
-        if hasattr(m, "batch_pad_waste"):
-            m.batch_pad_waste = None
+    cfg.moe.cpu = CpuKernelConfig(batch_pad_waste=None)  # the per-expert loop: batched chunks
+    net = Transformer(cfg.model, cfg.moe)                 # add pad rows and run as bmm
     B, S = 2, cfg.model.seq_len
     with FlopCounterMode(display=False) as fc:
         net(torch.randint(0, cfg.model.vocab_size, (B, S)))
     mm = fc.get_flop_counts()["Global"][torch.ops.aten.mm]
     size = model_size(cfg)
-    from epscale.sizing import attention_flops_per_token
+    from epscale.sim.sizing import attention_flops_per_token
     attn = cfg.model.num_layers * attention_flops_per_token(cfg.model)
     assert size.flops_per_token / 3 - attn == pytest.approx(mm / (B * S), rel=1e-9)
 

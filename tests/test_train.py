@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from epscale import checkpoint as ckpt
+from epscale.training import checkpoint as ckpt
 from epscale.config import load_config
 from epscale.model import Transformer, build_model
-from epscale.balancing import update_expert_biases
+from epscale.moe.balance import update_expert_biases
 from epscale.training.dist import SingleProcessDims
 from epscale.training.loop import train
 from epscale.training.optim import build_optimizer

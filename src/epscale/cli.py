@@ -1,6 +1,6 @@
-"""``epscale`` command line. Each subcommand lives in its own module that exposes
-``configure_parser(parser)`` and ``run(args) -> int``; the module is imported only when
-its command runs, so ``epscale --help`` stays fast."""
+"""``epscale`` command line. Each subcommand lives in its own module of
+:mod:`epscale.commands` that exposes ``configure_parser(parser)`` and ``run(args) -> int``;
+the module is imported only when its command runs, so ``epscale --help`` stays fast."""
 
 from __future__ import annotations
 
@@ -8,19 +8,21 @@ import argparse
 import importlib
 import sys
 
+from .config import ConfigError
+
 # name -> (module, one-line help). Add a line here to add a command.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("epscale.demo", "route a batch through an MoE layer and print what happened"),
-    "describe": ("epscale.describe", "parameters, FLOPs per token and memory per rank of a recipe"),
-    "simulate": ("epscale.sim.cli", "cluster-scale model of a training step per balancing strategy and dispatcher"),
-    "calibrate": ("epscale.calibrate", "measure this machine (GEMM rate, all-to-all) and write a cluster file"),
-    "sweep": ("epscale.sweep", "measure a grid of experts x capacity x top-k (x dispatcher) around a recipe and recommend one"),
-    "monitor": ("epscale.monitor.cli", "HTML report, live view (--follow) and alert check (--check) of a run"),
-    "train": ("epscale.train", "train an MoE transformer (EP x DP, checkpoints, resume)"),
-    "launch": ("epscale.launch.local", "train on this machine through torchrun (restarts after a rank dies)"),
-    "slurm": ("epscale.launch.slurm", "render or submit an sbatch script (srun torchrun, requeue, pre-emption)"),
-    "preflight": ("epscale.launch.preflight", "timed all-reduce/all-to-all check of every rank (run under torchrun)"),
-    "checkpoint": ("epscale.checkpoint_cli", "export a sharded checkpoint to one state dict, or import one"),
+    "demo": ("epscale.commands.demo", "route a batch through an MoE layer and print what happened"),
+    "describe": ("epscale.commands.describe", "parameters, FLOPs per token and memory per rank of a recipe"),
+    "simulate": ("epscale.commands.simulate", "cluster-scale model of a training step per balancing strategy and dispatcher"),
+    "calibrate": ("epscale.commands.calibrate", "measure this machine (GEMM rate, all-to-all) and write a cluster file"),
+    "sweep": ("epscale.commands.sweep", "measure a grid of experts x capacity x top-k (x dispatcher) around a recipe and recommend one"),
+    "monitor": ("epscale.commands.monitor", "HTML report, live view (--follow) and alert check (--check) of a run"),
+    "train": ("epscale.commands.train", "train an MoE transformer (EP x DP, checkpoints, resume)"),
+    "launch": ("epscale.commands.launch", "train on this machine through torchrun (restarts after a rank dies)"),
+    "slurm": ("epscale.commands.slurm", "render or submit an sbatch script (srun torchrun, requeue, pre-emption)"),
+    "preflight": ("epscale.commands.preflight", "timed all-reduce/all-to-all check of every rank (run under torchrun)"),
+    "checkpoint": ("epscale.commands.checkpoint", "export a sharded checkpoint to one state dict, or import one"),
 }
 
 
@@ -49,8 +51,6 @@ def main(argv: list[str] | None = None) -> int:
     sub = argparse.ArgumentParser(prog=f"epscale {name}", description=COMMANDS[name][1])
     module.configure_parser(sub)
     args = sub.parse_args(argv[1:])
-    from .config import ConfigError
-
     try:
         return int(module.run(args) or 0)
     except ConfigError as e:

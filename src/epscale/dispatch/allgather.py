@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..moe.counts import count_ids
-from .comm import AllGatherRows, GroupInfo, ReduceScatterRows
-from .dedup import expand_rows, reduce_rows
-from .ep import EPDispatcher
+from ..ops import count_experts
+from .base import EPDispatcher
+from .comm import AllGatherRows, ReduceScatterRows
+from .rows import expand_rows, reduce_rows
 
 
 @dataclass(frozen=True)
@@ -32,12 +32,6 @@ class AllGatherHandle:
 
 class AllGatherDispatcher(EPDispatcher):
     name = "allgather"
-
-    def __init__(self, num_experts: int, info: GroupInfo, payload: str = "auto"):
-        super().__init__(num_experts, info, payload)
-        if payload == "fp8":
-            raise ValueError("dispatcher 'allgather' sends rows in bf16/fp32 only; "
-                             "payload='fp8' is available with 'dedup' and 'hierarchical'")
 
     def _gather_counts(self, T: int, counts_E: torch.Tensor) -> torch.Tensor:
         info = self.info
@@ -53,8 +47,7 @@ class AllGatherDispatcher(EPDispatcher):
     def dispatch(self, x_TD, topk_idx_TK, topk_weight_TK):
         T, K = topk_idx_TK.shape
         E, e, lo = self.num_experts, self.num_local_experts, self.expert_offset
-        key = torch.where(topk_idx_TK < 0, torch.full_like(topk_idx_TK, E), topk_idx_TK)
-        counts_E = count_ids(key, E + 1)[:E]
+        counts_E = count_experts(topk_idx_TK, E)[1][:E]
         all_PC = self._gather_counts(T, counts_E)               # [P, 1+E]
         local_e = all_PC[:, 1 + lo:1 + lo + e].sum(0)
         host = torch.cat([all_PC[:, 0], local_e.sum().view(1)]).tolist()  # the one host sync

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..moe.counts import count_ids
-from .comm import Exchange, GroupInfo, exchange_counts
-from .ep import EPDispatcher
+from ..ops import count_experts
+from .base import EPDispatcher
+from .comm import Exchange, exchange_counts
 from .layout import segment_ids
-from .local import gather_rows, unpermute_weighted
+from .rows import gather_rows, unpermute_weighted
 
 
 @dataclass(frozen=True)
@@ -34,18 +34,11 @@ class AllToAllHandle:
 class AllToAllDispatcher(EPDispatcher):
     name = "alltoall"
 
-    def __init__(self, num_experts: int, info: GroupInfo, payload: str = "auto"):
-        super().__init__(num_experts, info, payload)
-        if payload == "fp8":
-            raise ValueError("dispatcher 'alltoall' sends rows in bf16/fp32 only; "
-                             "payload='fp8' is available with 'dedup' and 'hierarchical'")
-
     def dispatch(self, x_TD, topk_idx_TK, topk_weight_TK):
         T, K = topk_idx_TK.shape
         E, e, P = self.num_experts, self.num_local_experts, self.info.size
-        flat_A = topk_idx_TK.reshape(-1)
-        key_A = torch.where(flat_A < 0, torch.full_like(flat_A, E), flat_A)
-        counts_E = count_ids(key_A, E + 1)[:E]
+        key_A, counts_E1 = count_experts(topk_idx_TK, E)
+        counts_E = counts_E1[:E]
         send_counts_Pe = counts_E.view(P, e)
         recv_counts_Pe = exchange_counts(self.info, send_counts_Pe)
         host = torch.cat([send_counts_Pe.sum(1), recv_counts_Pe.sum(1)]).tolist()  # the one host sync

@@ -1,7 +1,7 @@
 """The dispatcher contract shared by every backend.
 
 Legend: T tokens on this rank, D model dim, K top-k, E global experts, e local experts,
-R received rows (what this rank's experts compute on).
+R received rows (what this rank's experts compute on), P ranks of the EP group.
 
 A dispatcher is stateless between calls: ``dispatch`` returns a handle (everything
 ``combine`` needs to send results back) and ``combine`` consumes it.
@@ -16,24 +16,34 @@ A dispatcher is stateless between calls: ``dispatch`` returns a handle (everythi
 * Autograd: the backward of dispatch is a combine with the same handle, the backward of
   combine is a dispatch; backends get this from autograd-aware collectives.
 
-Optional fused protocol: a backend may offer
-``dispatch_compute_combine(x_TD, topk_idx_TK, topk_weight_TK, experts, timer=None
-[, side_work=None]) -> (y_TD, tokens_per_local_expert_e)`` and set ``fuse = True``; MoE.forward
-then calls it instead of the three steps (the local fused kernel; the chunked
-compute/communication pipelines of dedup and hierarchical). ``accepts_side_work = True``
-says it runs ``side_work`` (the shared experts) while combines are in flight and adds the
-result to y_TD.
+``dispatch_compute_combine`` is what the MoE layer calls: dispatch -> experts -> combine,
+with optional side work (the shared experts) run while the combine is in flight and
+added to the output. The base class implements it from the three steps; a backend
+overrides it where it can do better (the local backend's one-pass kernel, the chunked
+compute/communication pipelines of dedup and hierarchical).
+
+``workspace``: an optional cache of large row buffers (anything with
+``take(name, shape, dtype, device)``, e.g. :class:`epscale.kernels.cpu.Workspace`), handed
+in by whoever builds the dispatcher for a layer on the CPU path; None allocates fresh
+buffers, as accelerators want.
 """
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import torch
 
-from ..moe.counts import count_ids
-from ..workspace import Workspace
+from .comm import CommCounter, GroupInfo
+
+Timer = Callable[[str], ContextManager]
+SideWork = Callable[[], torch.Tensor]
+
+
+def no_timer(name: str) -> ContextManager:
+    return contextlib.nullcontext()
 
 
 class Dispatcher(ABC):
@@ -41,13 +51,12 @@ class Dispatcher(ABC):
 
     name = "base"
 
-    def __init__(self, num_experts: int, num_local_experts: int, expert_offset: int = 0):
+    def __init__(self, num_experts: int, num_local_experts: int, expert_offset: int = 0,
+                 workspace=None):
         self.num_experts = num_experts
         self.num_local_experts = num_local_experts
         self.expert_offset = expert_offset
-        # Row buffers kept from step to step (the gathered rows and the combine's gradient
-        # rows): on CPU a fresh [R, D] buffer is page-faulted in on every step.
-        self.workspace = Workspace()
+        self.workspace = workspace
 
     @abstractmethod
     def dispatch(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor,
@@ -60,16 +69,42 @@ class Dispatcher(ABC):
         """Send expert outputs back and reduce them per token with the gate weights:
         returns y_TD."""
 
-    def combine_overlapped(self, y_RD: torch.Tensor, handle: Any,
-                           side_work: Callable[[], torch.Tensor] | None
+    def combine_overlapped(self, y_RD: torch.Tensor, handle: Any, side_work: SideWork | None
                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Combine and run ``side_work`` (e.g. shared experts) while the combine is in
         flight. Backends that cannot overlap run it first, then combine."""
         side = side_work() if side_work is not None else None
         return self.combine(y_RD, handle), side
 
+    def dispatch_compute_combine(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor,
+                                 topk_weight_TK: torch.Tensor,
+                                 experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                                 timer: Timer | None = None,
+                                 side_work: SideWork | None = None) -> torch.Tensor:
+        """y_TD = combine(experts(dispatch(x_TD))) (+ ``side_work()``).
+
+        ``experts(recv_x_RD, tokens_per_local_expert_e) -> recv_y_RD``: the layer's
+        :class:`epscale.moe.experts.GroupedExperts`. ``timer``: optional ``name -> context
+        manager``; sections 'dispatch', 'experts', 'combine'. ``side_work``: runs while the
+        combine is in flight where the backend can overlap it; its output is added.
+        Returns y_TD [T, D] in x's dtype.
+        """
+        timer = timer or no_timer
+        with timer("dispatch"):
+            recv_x_RD, tokens_per_local_expert_e, handle = self.dispatch(
+                x_TD, topk_idx_TK, topk_weight_TK)
+        with timer("experts"):
+            recv_y_RD = experts(recv_x_RD, tokens_per_local_expert_e)
+        with timer("combine"):
+            y_TD, side_TD = self.combine_overlapped(recv_y_RD, handle, side_work)
+        return y_TD + side_TD if side_TD is not None else y_TD
+
     def bytes_sent(self) -> int:
         """Bytes this rank sent since construction (0 for purely local backends)."""
+        return 0
+
+    def inter_node_bytes_sent(self) -> int:
+        """Of ``bytes_sent``, the bytes that crossed nodes."""
         return 0
 
     def __repr__(self) -> str:
@@ -77,18 +112,63 @@ class Dispatcher(ABC):
                 f"local={self.num_local_experts}, offset={self.expert_offset})")
 
 
-def permute_by_expert(topk_idx_TK: torch.Tensor, num_experts: int,
-                      num_valid: int | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Order the T*K assignments by expert id, dropped (-1) ones last.
+class EPDispatcher(Dispatcher):
+    """An expert-parallel backend over ``info`` (the EP group). Expert ``i`` lives on group
+    rank ``i // e``; this rank holds ``[offset, offset + e)``.
 
-    Returns ``order_A`` (indices into the flattened T*K assignments of the kept ones,
-    grouped by expert, stable in token order), ``tokens_per_expert_E`` and the number
-    kept. One host sync (the number kept) only when ``num_valid`` is not given.
+    Subclasses implement ``dispatch`` and ``_combine_start(y_RD, handle, async_op) ->
+    finish`` where ``finish()`` returns y_TD; the transfer may still be in flight between
+    the two, which is what ``combine_overlapped`` uses to run the shared experts meanwhile.
+
+    ``payload``: how token rows travel; a backend lists what it can send in ``payloads``
+    ('fp8' only where the rows carry their scales: dedup and hierarchical).
     """
-    flat_A = topk_idx_TK.reshape(-1)
-    key_A = torch.where(flat_A < 0, torch.full_like(flat_A, num_experts), flat_A)
-    counts = count_ids(key_A, num_experts + 1)
-    order_A = torch.argsort(key_A, stable=True)
-    if num_valid is None:
-        num_valid = int(flat_A.numel() - counts[num_experts].item())  # the one host sync
-    return order_A[:num_valid], counts[:num_experts], num_valid
+
+    payloads: tuple[str, ...] = ("auto", "bf16")
+
+    def __init__(self, num_experts: int, info: GroupInfo, payload: str = "auto", workspace=None):
+        P = info.size
+        if num_experts % P:
+            raise ValueError(f"num_experts={num_experts} is not divisible by the EP size {P}")
+        if payload not in self.payloads:
+            raise ValueError(f"dispatcher {self.name!r} cannot send payload={payload!r}; it sends "
+                             f"{', '.join(map(repr, self.payloads))} ('fp8' needs 'dedup' or "
+                             "'hierarchical')")
+        e = num_experts // P
+        super().__init__(num_experts, e, info.index * e, workspace)
+        self.info = info
+        self.payload = payload
+
+    @property
+    def counter(self) -> CommCounter:
+        return self.info.counter
+
+    def bytes_sent(self) -> int:
+        return self.info.counter.total
+
+    def inter_node_bytes_sent(self) -> int:
+        return self.info.counter.inter_node
+
+    @abstractmethod
+    def _combine_start(self, y_RD: torch.Tensor, handle: Any, async_op: bool
+                       ) -> Callable[..., torch.Tensor]:
+        """Start the combine exchange (async when ``async_op``); the returned callable
+        waits for it and returns y_TD."""
+
+    def combine(self, y_RD: torch.Tensor, handle: Any) -> torch.Tensor:
+        return self._combine_start(y_RD, handle, False)()
+
+    def combine_overlapped(self, y_RD, handle, side_work):
+        finish = self._combine_start(y_RD, handle, side_work is not None)
+        side = side_work() if side_work is not None else None
+        return finish(), side
+
+    def _payload_cast(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """The tensor to send and whether its first field travels as fp8."""
+        if self.payload == "bf16" and x_ND.dtype != torch.bfloat16:
+            return x_ND.to(torch.bfloat16), False
+        return x_ND, self.payload == "fp8"
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(experts={self.num_experts}, local={self.num_local_experts}, "
+                f"offset={self.expert_offset}, ep={self.info.size}, payload={self.payload})")

@@ -86,6 +86,17 @@ class GroupInfo:
                    counter)
 
 
+def group_info(dims, which: str, counter: CommCounter | None = None) -> GroupInfo:
+    """GroupInfo of the ParallelDims ``dims``' group 'ep', 'dp', 'ep_inter' or 'ep_intra'
+    (a single-rank group when the real one would be trivial), sharing ``counter``."""
+    counter = counter if counter is not None else CommCounter()
+    group = {"ep": dims.ep_group, "dp": dims.dp_group, "ep_inter": dims.ep_inter_group,
+             "ep_intra": dims.ep_intra_group}[which]
+    if group is None:
+        return GroupInfo(None, [dims.rank], dims.rank, dims.ranks_per_node, counter)
+    return GroupInfo.of(group, dims.ranks_per_node, counter)
+
+
 # --------------------------------------------------------------------------------------
 # Packing rows of mixed dtypes into bytes
 # --------------------------------------------------------------------------------------

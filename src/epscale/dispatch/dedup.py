@@ -12,25 +12,21 @@ experts locally, so combine sends one row back per (token, rank). The token payl
 travel as bf16 or as fp8 (e4m3, one fp32 scale per 128 channels); combine stays in the
 compute dtype (bf16/fp32) and so does the backward of dispatch.
 
-``dispatch_compute_combine`` pipelines C chunks of tokens: the exchange of chunk c+1 is in
-flight while the experts compute chunk c, each chunk's combine is in flight while the
-next chunk computes, and the shared experts run while the last combines are in flight.
-All chunks share one count exchange and one host sync.
+With ``overlap_chunks`` > 1, ``dispatch_compute_combine`` pipelines that many chunks of
+tokens (:mod:`.pipeline`): the next chunk's exchange is in flight during expert compute.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Callable, ContextManager
 
 import torch
 
+from . import pipeline
+from .base import EPDispatcher
 from .comm import Exchange, GroupInfo, exchange_counts
-from .ep import EPDispatcher, small_int_dtype
-from ..workspace import Workspace
-from .local import WeightedRowSum, gather_rows
-from .layout import get_dispatch_layout, group_rows_by_expert, select_true
+from .layout import get_dispatch_layout, select_true
+from .rows import chunk_bounds, expand_rows, reduce_rows, relative_expert_ids
 
 
 @dataclass(frozen=True)
@@ -54,54 +50,14 @@ class _Plan:
     in_rank_TP: list[torch.Tensor]     # [C] bool masks
 
 
-def chunk_bounds(num_tokens: int, num_chunks: int) -> list[tuple[int, int]]:
-    """``num_chunks`` contiguous token ranges (some empty when T < C); every rank makes the
-    same number so the collectives match."""
-    base, extra = divmod(num_tokens, num_chunks)
-    out, s = [], 0
-    for c in range(num_chunks):
-        n = base + (c < extra)
-        out.append((s, s + n))
-        s += n
-    return out
-
-
-def expand_rows(recv_x_MD: torch.Tensor, recv_lidx_MK: torch.Tensor, num_local_experts: int,
-                num_expanded: int, dtype: torch.dtype,
-                ws: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Received rows -> one row per (row, local expert), expert-major. Returns
-    (recv_x_RD in ``dtype``, order_R)."""
-    K = recv_lidx_MK.shape[1]
-    order_R = group_rows_by_expert(recv_lidx_MK, num_local_experts, num_expanded)
-    return gather_rows(recv_x_MD, order_R, K, ws).to(dtype), order_R
-
-
-def reduce_rows(y_RD: torch.Tensor, order_R: torch.Tensor, recv_w_MK: torch.Tensor,
-                ws: Workspace | None = None) -> torch.Tensor:
-    """Sum over a received row's local experts of gate weight * expert output:
-    returns [M, D] in y's dtype. ``order_R[i]`` = row*K + k of expanded row i."""
-    return WeightedRowSum.apply(y_RD, order_R, recv_w_MK, ws)
-
-
-def relative_expert_ids(topk_idx_NK: torch.Tensor, base_N: torch.Tensor, span: int) -> torch.Tensor:
-    """Expert ids relative to ``base_N`` (the first expert of the row's destination), -1
-    outside ``[0, span)``, in the narrowest int dtype."""
-    rel = topk_idx_NK - base_N.unsqueeze(1)
-    rel = torch.where((topk_idx_NK >= 0) & (rel >= 0) & (rel < span), rel, torch.full_like(rel, -1))
-    return rel.to(small_int_dtype(span))
-
-
 class DedupDispatcher(EPDispatcher):
     name = "dedup"
-    # dispatch_compute_combine takes side_work= (shared experts overlapped with combine).
-    accepts_side_work = True
+    payloads = ("auto", "bf16", "fp8")
 
     def __init__(self, num_experts: int, info: GroupInfo, payload: str = "auto",
-                 overlap_chunks: int = 1):
-        super().__init__(num_experts, info, payload)
+                 overlap_chunks: int = 1, workspace=None):
+        super().__init__(num_experts, info, payload, workspace)
         self.overlap_chunks = overlap_chunks
-        # MoE.forward takes dispatch_compute_combine when ``fuse`` is true.
-        self.fuse = overlap_chunks > 1
 
     # ------------------------------------------------------------------ planning
     def _plan(self, topk_idx_TK: torch.Tensor, num_chunks: int) -> _Plan:
@@ -166,47 +122,8 @@ class DedupDispatcher(EPDispatcher):
 
     # ------------------------------------------------------------------ public API
     def dispatch(self, x_TD, topk_idx_TK, topk_weight_TK):
-        plan = self._plan(topk_idx_TK, 1)
-        sent = self._send(x_TD, topk_idx_TK, topk_weight_TK, plan, 0, False)
-        return self._receive(sent, plan, 0, x_TD.dtype, x_TD.shape[0])
+        return pipeline.dispatch_one(self, x_TD, topk_idx_TK, topk_weight_TK)
 
-    def dispatch_compute_combine(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor,
-                                 topk_weight_TK: torch.Tensor,
-                                 experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                                 timer: Callable[[str], ContextManager] | None = None,
-                                 side_work: Callable[[], torch.Tensor] | None = None
-                                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """dispatch -> ``experts(recv_x_RD, tokens_per_local_expert_e)`` -> combine, in
-        ``overlap_chunks`` pipelined chunks (the protocol MoE.forward uses when the
-        dispatcher's ``fuse`` is true, which it is here when overlap_chunks > 1).
-
-        ``timer``: optional ``name -> context manager`` ('dispatch', 'experts', 'combine').
-        ``side_work`` (e.g. the shared experts): runs while the last combines are in
-        flight and its output is added to y_TD.
-        Returns y_TD [T, D] in x's dtype and tokens_per_local_expert_e (int64, all chunks).
-        """
-        timer = timer or (lambda name: contextlib.nullcontext())
-        C = self.overlap_chunks
-        T = x_TD.shape[0]
-        with timer("dispatch"):
-            plan = self._plan(topk_idx_TK, C)
-            sent = [self._send(x_TD, topk_idx_TK, topk_weight_TK, plan, 0, True)]
-        finishes = []
-        for c in range(C):
-            with timer("dispatch"):
-                if c + 1 < C:  # keep the next chunk's exchange in flight during this compute
-                    sent.append(self._send(x_TD, topk_idx_TK, topk_weight_TK, plan, c + 1, True))
-                recv_x_RD, counts_e, handle = self._receive(sent[c], plan, c, x_TD.dtype, T)
-                sent[c] = None
-            with timer("experts"):
-                recv_y_RD = experts(recv_x_RD, counts_e)
-            with timer("combine"):
-                finishes.append(self._combine_start(recv_y_RD, handle, True))
-        with timer("combine"):
-            side = side_work() if side_work is not None else None
-            acc_TD = x_TD.new_zeros(x_TD.shape, dtype=torch.float32)
-            for fin in finishes:
-                acc_TD = fin(acc_TD)
-            if side is not None:
-                acc_TD = acc_TD + side.float()
-        return acc_TD.to(x_TD.dtype), torch.stack(plan.tokens_per_local_expert).sum(0)
+    def dispatch_compute_combine(self, *args, **kwargs):
+        return pipeline.dispatch_compute_combine(self, super().dispatch_compute_combine,
+                                                 *args, **kwargs)

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .base import EPDispatcher
 from .comm import CommCounter, GroupInfo
-from .dedup import expand_rows, reduce_rows
-from .ep import EPDispatcher
+from .rows import expand_rows, reduce_rows
 
 FALLBACK = "dedup"
 
@@ -107,12 +107,12 @@ class DeepEPDispatcher(EPDispatcher):
 
     name = "deepep"
 
-    def __init__(self, num_experts: int, dims, hidden_bytes: int = 8192 * 2):
+    def __init__(self, num_experts: int, dims, hidden_bytes: int = 8192 * 2, workspace=None):
         require_deepep()
-        import deep_ep
+        import deep_ep  # an optional dependency: imported only where it is used
 
         info = GroupInfo.of(dims.ep_group, dims.ranks_per_node, CommCounter())
-        super().__init__(num_experts, info, "auto")
+        super().__init__(num_experts, info, "auto", workspace)
         P = info.size
         nvl = rdma = 0
         for cfg in (deep_ep.Buffer.get_dispatch_config(P), deep_ep.Buffer.get_combine_config(P)):

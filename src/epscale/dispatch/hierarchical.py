@@ -25,10 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
+from . import pipeline
+from .base import EPDispatcher
 from .comm import Exchange, GroupInfo, exchange_counts
-from .dedup import (DedupDispatcher, chunk_bounds, expand_rows, reduce_rows,
-                    relative_expert_ids)
 from .layout import get_dispatch_layout, membership, select_true
+from .rows import chunk_bounds, expand_rows, reduce_rows, relative_expert_ids
 
 
 @dataclass(frozen=True)
@@ -55,16 +56,29 @@ class _HPlan:
     in_node_TN: list[torch.Tensor]
 
 
-class HierarchicalDispatcher(DedupDispatcher):
+class HierarchicalDispatcher(EPDispatcher):
+    """Two-stage dispatch over ``inter`` (one rank per node of the EP group, same local
+    index) and ``intra`` (the EP group's ranks on this node). ``overlap_chunks`` > 1
+    pipelines chunks as ``dedup`` does (:mod:`.pipeline`)."""
+
     name = "hierarchical"
+    payloads = ("auto", "bf16", "fp8")
 
     def __init__(self, num_experts: int, info: GroupInfo, inter: GroupInfo, intra: GroupInfo,
-                 payload: str = "auto", overlap_chunks: int = 1):
-        super().__init__(num_experts, info, payload, overlap_chunks)
+                 payload: str = "auto", overlap_chunks: int = 1, workspace=None):
+        super().__init__(num_experts, info, payload, workspace)
         if inter.size * intra.size != info.size:
             raise ValueError(f"inter group ({inter.size}) x intra group ({intra.size}) must "
                              f"cover the EP group ({info.size})")
         self.inter, self.intra = inter, intra
+        self.overlap_chunks = overlap_chunks
+
+    def dispatch(self, x_TD, topk_idx_TK, topk_weight_TK):
+        return pipeline.dispatch_one(self, x_TD, topk_idx_TK, topk_weight_TK)
+
+    def dispatch_compute_combine(self, *args, **kwargs):
+        return pipeline.dispatch_compute_combine(self, super().dispatch_compute_combine,
+                                                 *args, **kwargs)
 
     def _plan(self, topk_idx_TK, num_chunks):
         E, e, P = self.num_experts, self.num_local_experts, self.info.size

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..moe.counts import count_ids
+from ..ops import count_experts
 
 
 @dataclass(frozen=True)
@@ -61,8 +61,7 @@ def get_dispatch_layout(topk_idx_TK: torch.Tensor, num_experts: int, num_ranks: 
     node_TK = torch.where(valid_TK, rank_TK // L, rank_TK)
     in_rank_TP = membership(rank_TK, num_ranks)
     in_node_TN = membership(node_TK, num_ranks // L)
-    key = torch.where(valid_TK, topk_idx_TK, torch.full_like(topk_idx_TK, num_experts))
-    per_expert_E = count_ids(key, num_experts + 1)[:num_experts]
+    per_expert_E = count_experts(topk_idx_TK, num_experts)[1][:num_experts]
     return DispatchLayout(in_rank_TP.sum(0), in_node_TN.sum(0), per_expert_E,
                           in_rank_TP, in_node_TN)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import socket
 import sys
 from pathlib import Path
 
@@ -21,6 +22,13 @@ def _positive(key: str, value: int, allow_zero: bool = False) -> None:
     low = 0 if allow_zero else 1
     if not isinstance(value, int) or value < low:
         raise ConfigError(f"{key} = {value!r} is invalid: must be an integer >= {low}")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a local rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def train_args(config: str, run_dir: str | None = None,
@@ -64,52 +72,3 @@ def launch_command(config: str, *, nproc: int, max_restarts: int = 0,
     return [python or sys.executable, "-m", "epscale.launch.agent",
             *torchrun_args(nproc_per_node=nproc, max_restarts=max_restarts, log_dir=log_dir),
             "-m", "epscale", *train_args(config, run_dir, overrides)]
-
-
-def allow_intermixed(p) -> None:
-    """Let ``key=value`` overrides come after options (``CONFIG --nproc 2 train.steps=9``):
-    plain argparse stops collecting a positional list at the first option."""
-    plain = p.parse_known_args
-
-    def parse_known(args=None, namespace=None):
-        del p.parse_known_args  # the intermixed parser calls the plain one twice inside
-        try:
-            return p.parse_known_intermixed_args(args, namespace)
-        finally:
-            p.parse_known_args = parse_known
-
-    assert plain  # the class method, found again once the instance attribute is deleted
-    p.parse_known_args = parse_known
-
-
-def configure_parser(p) -> None:
-    allow_intermixed(p)
-    p.add_argument("config", help="recipe YAML, e.g. configs/tiny.yaml")
-    p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="config overrides passed to the trainer, e.g. train.steps=50")
-    p.add_argument("--nproc", type=int, default=1,
-                   help="processes on this machine (one per GPU, or CPU processes with gloo)")
-    p.add_argument("--max-restarts", type=int, default=3,
-                   help="restarts of the whole group after a rank fails (default 3); each "
-                        "restart resumes from the latest checkpoint")
-    p.add_argument("--run-dir", default=None,
-                   help="run directory (checkpoints, metrics, heartbeats); the trainer's "
-                        "default when omitted")
-    p.add_argument("--log-dir", default=None,
-                   help="torchrun's per-attempt, per-rank log files go here")
-    p.add_argument("--dry-run", action="store_true", help="print the command, do not run it")
-
-
-def run(args) -> int:
-    cmd = launch_command(args.config, nproc=args.nproc, max_restarts=args.max_restarts,
-                         run_dir=args.run_dir, overrides=args.overrides, log_dir=args.log_dir)
-    if args.dry_run:
-        print(shlex.join(cmd))
-        return 0
-    print(f"epscale launch: {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
-    # exec, not a child: signals sent to this process (Ctrl-C, SIGTERM, SIGUSR1) reach
-    # torchrun directly, which stops or forwards them to the workers.
-    os.execve(cmd[0], cmd, env)
-    return 1  # not reached

@@ -11,7 +11,6 @@ processes per node), which is how the test-suite runs it on a one-node local clu
 
 from __future__ import annotations
 
-import argparse
 import re
 import shlex
 import subprocess
@@ -20,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import ConfigError, load_config
-from .local import allow_intermixed, train_args
+from .local import train_args
 from .watchdog import NCCL_FLIGHT_RECORDER_ENV
 
 TEMPLATE = Path(__file__).parent / "templates" / "sbatch.sh.in"
@@ -55,14 +54,14 @@ _TIME_RE = re.compile(r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d
                       r"|\d+-\d+:\d{1,2}:\d{1,2})$")
 
 
-def _bad(option: str, value, allowed: str) -> ConfigError:
+def bad_option(option: str, value, allowed: str) -> ConfigError:
     return ConfigError(f"{option} = {value!r} is invalid: {allowed}")
 
 
 def time_limit_seconds(text: str) -> int:
     """Seconds in a Slurm time limit ('90', 'MM:SS', 'HH:MM:SS', 'D-HH', 'D-HH:MM[:SS]')."""
     if not _TIME_RE.match(text):
-        raise _bad("--time", text, "use a Slurm time limit: minutes, MM:SS, HH:MM:SS, D-HH, "
+        raise bad_option("--time", text, "use a Slurm time limit: minutes, MM:SS, HH:MM:SS, D-HH, "
                                    "D-HH:MM or D-HH:MM:SS")
     days = 0
     if "-" in text:
@@ -121,37 +120,37 @@ class SlurmJob:
 
     def __post_init__(self) -> None:
         if not Path(self.config).is_file():
-            raise _bad("CONFIG", self.config, "the recipe file does not exist")
+            raise bad_option("CONFIG", self.config, "the recipe file does not exist")
         cfg = load_config(self.config, self.overrides)  # fail at render time, not in the queue
         for opt, v, low in (("--nodes", self.nodes, 1), ("--gpus-per-node", self.gpus_per_node, 0),
                             ("--max-restarts", self.max_restarts, 0),
                             ("--signal-before", self.signal_before, 1)):
             if not isinstance(v, int) or v < low:
-                raise _bad(opt, v, f"must be an integer >= {low}")
+                raise bad_option(opt, v, f"must be an integer >= {low}")
         if self.signal_before > 65535:
-            raise _bad("--signal-before", self.signal_before, "Slurm allows at most 65535 s")
+            raise bad_option("--signal-before", self.signal_before, "Slurm allows at most 65535 s")
         if self.procs_per_node is None:
             self.procs_per_node = self.gpus_per_node or 1
         if self.procs_per_node < 1:
-            raise _bad("--procs-per-node", self.procs_per_node, "must be an integer >= 1")
+            raise bad_option("--procs-per-node", self.procs_per_node, "must be an integer >= 1")
         if self.gpus_per_node and self.procs_per_node > self.gpus_per_node:
-            raise _bad("--procs-per-node", self.procs_per_node,
+            raise bad_option("--procs-per-node", self.procs_per_node,
                        f"at most --gpus-per-node ({self.gpus_per_node}): one process per GPU")
         if self.cpus_per_node is not None and self.cpus_per_node < 1:
-            raise _bad("--cpus-per-node", self.cpus_per_node, "must be an integer >= 1")
+            raise bad_option("--cpus-per-node", self.cpus_per_node, "must be an integer >= 1")
         if self.time is not None:
             limit = time_limit_seconds(self.time)
             if self.signal_before >= limit:
-                raise _bad("--signal-before", self.signal_before,
+                raise bad_option("--signal-before", self.signal_before,
                            f"must be shorter than the time limit --time={self.time} ({limit} s)")
         for opt, v in (("--partition", self.partition), ("--exclude", self.exclude),
                        ("--account", self.account), ("--qos", self.qos), ("--mem", self.mem),
                        ("--job-name", self.job_name)):
             if v is not None and (not v or re.search(r"\s", v)):
-                raise _bad(opt, v, "must be a non-empty value without spaces")
+                raise bad_option(opt, v, "must be a non-empty value without spaces")
         for item in self.env:
             if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", item):
-                raise _bad("--env", item, "use NAME=VALUE")
+                raise bad_option("--env", item, "use NAME=VALUE")
         if self.exclusive is None:
             self.exclusive = self.gpus_per_node > 0
         self.job_name = self.job_name or f"epscale-{cfg.name}"
@@ -276,79 +275,3 @@ def submit(script: str | Path, sbatch: str = "sbatch", env: dict | None = None) 
 # ---------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------
-
-
-def _add_job_options(p) -> None:
-    allow_intermixed(p)
-    p.add_argument("config", help="recipe YAML, e.g. configs/tiny.yaml")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="trainer config overrides")
-    p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
-    p.add_argument("--gpus-per-node", type=int, required=True,
-                   help="GPUs per node; 0 = CPU mode (gloo, no GPU request)")
-    p.add_argument("--procs-per-node", "--ntasks-per-node", type=int, default=None,
-                   dest="procs_per_node",
-                   help="training processes per node (default: --gpus-per-node, or 1 on CPU)")
-    p.add_argument("--cpus-per-node", type=int, default=None,
-                   help="CPUs for each node's torchrun task (sbatch --cpus-per-task)")
-    p.add_argument("--mem", default=None, help="memory per node, e.g. 0 (all) or 500G")
-    p.add_argument("--partition", default=None)
-    p.add_argument("--time", default=None, help="time limit, e.g. 2-00:00:00")
-    p.add_argument("--exclude", default=None, help="nodes to avoid, e.g. node[03,17]")
-    p.add_argument("--account", default=None)
-    p.add_argument("--qos", default=None)
-    p.add_argument("--exclusive", action=argparse.BooleanOptionalAction, default=None,
-                   help="whole nodes (default: yes with GPUs, no in CPU mode)")
-    p.add_argument("--job-name", default=None, help="default: epscale-<config name>")
-    p.add_argument("--run-dir", default=None, help="default: runs/<job name>")
-    p.add_argument("--log-root", default=None,
-                   help="Slurm output and per-job log directories (default: RUN_DIR/slurm)")
-    p.add_argument("--python", default=sys.executable,
-                   help="Python of the environment epscale is installed in (default: this one)")
-    p.add_argument("--max-restarts", type=int, default=3,
-                   help="torchrun restarts after a rank fails, per job attempt (default 3)")
-    p.add_argument("--signal-before", type=int, default=300,
-                   help="seconds before the time limit to checkpoint and requeue (default 300)")
-    p.add_argument("--preflight", action=argparse.BooleanOptionalAction, default=True,
-                   help="timed all-reduce/all-to-all check of every rank before training "
-                        "(default: on)")
-    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                   help="extra environment variable for the job (repeatable)")
-    p.add_argument("-o", "--output", default=None,
-                   help="script path (default: RUN_DIR/<job name>.sbatch; '-' prints it)")
-
-
-def configure_parser(p) -> None:
-    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
-    _add_job_options(sub.add_parser("render", help="write the sbatch script"))
-    _add_job_options(sub.add_parser("submit", help="write the script, run sbatch, print the "
-                                                   "job id"))
-
-
-def _job_from_args(args) -> SlurmJob:
-    return SlurmJob(config=args.config, overrides=args.overrides, nodes=args.nodes,
-                    gpus_per_node=args.gpus_per_node, procs_per_node=args.procs_per_node,
-                    cpus_per_node=args.cpus_per_node, mem=args.mem, partition=args.partition,
-                    time=args.time, exclude=args.exclude, account=args.account, qos=args.qos,
-                    exclusive=args.exclusive, job_name=args.job_name, run_dir=args.run_dir,
-                    log_root=args.log_root, python=args.python, max_restarts=args.max_restarts,
-                    signal_before=args.signal_before, preflight=args.preflight, env=args.env)
-
-
-def run(args) -> int:
-    job = _job_from_args(args)
-    if args.output == "-":
-        if args.action == "submit":
-            raise _bad("--output", "-", "submit needs a file to pass to sbatch")
-        sys.stdout.write(render(job))
-        return 0
-    path = write_script(job, args.output or Path(job.run_dir) / f"{job.job_name}.sbatch")
-    if args.action == "render":
-        print(path)
-        return 0
-    try:
-        job_id = submit(path)
-    except (RuntimeError, FileNotFoundError) as e:
-        print(f"epscale slurm submit: {e}", file=sys.stderr)
-        return 1
-    print(job_id)
-    return 0

@@ -16,13 +16,14 @@ The trainer's side of the metrics.jsonl contract, in four calls::
 """
 
 from .flops import flops_per_token, mfu, peak_flops
-from .moe_stats import StepStatsCollector, find_moe_layers, max_vio, rank_loads
+from .balance import RunningMaxVio, max_vio, rank_idle, rank_loads
+from .moe_stats import StepStatsCollector
 from .sinks import JsonlSink, MetricsWriter, PrometheusSink, Sink, TensorBoardSink
 from .timers import COMM_SECTIONS, STANDARD_SECTIONS, StepTimers, comm_share
 
 __all__ = [
     "StepTimers", "STANDARD_SECTIONS", "COMM_SECTIONS", "comm_share",
-    "StepStatsCollector", "find_moe_layers", "max_vio", "rank_loads",
+    "StepStatsCollector", "RunningMaxVio", "max_vio", "rank_idle", "rank_loads",
     "MetricsWriter", "Sink", "JsonlSink", "TensorBoardSink", "PrometheusSink",
     "flops_per_token", "peak_flops", "mfu",
 ]

@@ -31,7 +31,6 @@ Legend: E experts, L MoE layers, P ranks (world), p EP ranks.
 from __future__ import annotations
 
 import os
-import re
 from typing import Any, Sequence
 
 import numpy as np
@@ -39,6 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..moe.layer import is_recomputing, named_moe_layers
+from .balance import max_vio, rank_loads
 from .flops import mfu as _mfu
 from .flops import peak_flops as _peak_flops
 from .timers import COMM_SECTIONS, STANDARD_SECTIONS
@@ -49,25 +50,6 @@ _RANK_FIELDS = ("step_time_s", "mem_mb", "sync_s", "num_tokens")
 _LAYER_DEV = ("entropy_sum", "nonfinite", "dropped")
 # Per-layer host counters, then these per-layer local-only values (averaged over ranks).
 _LAYER_HOST = ("num_tokens", "num_forwards", "bias_min", "bias_max")
-
-
-def find_moe_layers(model: nn.Module) -> list[tuple[int, str, nn.Module]]:
-    """Every epscale MoE module in ``model`` as (layer id, qualified name, module).
-
-    The layer id is the first integer in the qualified name (``layers.3.moe`` -> 3), the
-    block index of a usual transformer; where names carry no (or no unique) integers, the
-    MoE modules are numbered 0.. in registration order.
-    """
-    from ..moe.layer import MoE
-
-    found = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
-    ids = []
-    for name, _m in found:
-        match = re.search(r"(?:^|\.)(\d+)(?:\.|$)", name)
-        ids.append(int(match.group(1)) if match else None)
-    if None in ids or len(set(ids)) != len(ids):
-        ids = list(range(len(found)))
-    return [(i, name, m) for i, (name, m) in zip(ids, found)]
 
 
 def process_memory_mb(device: torch.device | None = None) -> float:
@@ -85,26 +67,10 @@ def process_memory_mb(device: torch.device | None = None) -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def max_vio(tokens_per_expert_E: Sequence[float]) -> float:
-    """MaxVio = max_e load / mean load - 1 (0 when balanced; E-1 when one expert takes all)."""
-    counts = np.asarray(tokens_per_expert_E, dtype=np.float64)
-    mean = counts.mean() if counts.size else 0.0
-    return float(counts.max() / mean - 1.0) if mean > 0 else 0.0
-
-
-def rank_loads(tokens_per_expert_E: Sequence[float], expert_to_rank_E: Sequence[int],
-               num_ranks: int) -> list[int]:
-    """Assignments each EP rank computes: the sum of its hosted experts' counts."""
-    out = np.zeros(num_ranks, dtype=np.float64)
-    np.add.at(out, np.asarray(expert_to_rank_E, dtype=np.int64),
-              np.asarray(tokens_per_expert_E, dtype=np.float64))
-    return [int(round(v)) for v in out]
-
-
 class StepStatsCollector:
     """Collects the MoE routing statistics and per-rank numbers of each training step.
 
-    model: any module holding epscale MoE layers (found by ``find_moe_layers``).
+    model: any module holding epscale MoE layers (found by ``epscale.moe.layer.named_moe_layers``).
     ep: expert-parallel degree p; experts are placed contiguously, E/p per EP rank, unless
         ``expert_to_rank`` ([E] ints in [0, p)) says otherwise (EPLB placements).
     group: the process group to reduce over (None: the default group, or a single process
@@ -122,7 +88,7 @@ class StepStatsCollector:
                  device: torch.device | str | None = None,
                  expert_to_rank: Sequence[int] | None = None, dead_after_steps: int = 50,
                  flops_per_token: float | None = None, peak_flops: float | None = None):
-        self.layers = find_moe_layers(model)
+        self.layers = named_moe_layers(model)
         if device is None:
             p = next(model.parameters(), None)
             device = p.device if p is not None else torch.device("cpu")
@@ -164,8 +130,6 @@ class StepStatsCollector:
     # ------------------------------------------------------------------ accumulation
     def _make_hook(self, idx: int):
         def hook(module: nn.Module, _inputs: Any, _output: Any) -> None:
-            from ..balancing import is_recomputing
-
             if not module.training or is_recomputing():  # recomputed forwards count once
                 return
             st = module.last_stats

@@ -1,6 +1,11 @@
 """Routed experts as stacked weights, and the dense FFN used for shared experts.
 
-Legend: R rows (received assignments), D model dim, F expert hidden dim, e local experts.
+The routed experts run one of two implementations (``moe.experts_impl``): plain autograd
+over grouped GEMMs (or a per-expert loop), the path for accelerators, here; or the CPU
+fast path, :mod:`epscale.kernels.cpu`. 'auto' picks by the device of each call.
+
+Legend: T tokens, R rows (received assignments), D model dim, F expert hidden dim,
+e local experts, K top-k.
 """
 
 from __future__ import annotations
@@ -9,11 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fused import HAS_GROUPED_MM, ExpertPlan, FusedExperts, default_chunk_bytes
-from .rows import (BATCH_PAD_WASTE, ROW_ALIGN, ROWS_BATCH_MIN_EXPERTS, ROWS_BATCH_MIN_SHARE,
-                   aligned_counts, pad_expert_rows, token_slots)
-from ..config import KERNEL_MODES, kernel_mode
-from ..workspace import Workspace
+from ..config import CpuKernelConfig
+from ..kernels.cpu import HAS_GROUPED_MM, CpuFusedExperts, Workspace, grouped_mm_fits
 
 
 def _grouped_linear(x_RD: torch.Tensor, w_eDF: torch.Tensor, offs_e: torch.Tensor | None,
@@ -55,51 +57,29 @@ class GroupedExperts(nn.Module):
     ``w1`` [e, D, F] (gate proj), ``w3`` [e, D, F] (up proj, SwiGLU only), ``w2`` [e, F, D].
     ``forward(x_RD, tokens_per_expert_e)``: rows grouped by expert in ascending order,
     ``tokens_per_expert_e`` int64 counts summing to R. Returns [R, D] in x's dtype.
-    ``forward_scatter`` is the no-EP fast path that also gathers and combines.
+    ``forward_scatter`` also gathers the rows from the tokens and combines them back (the
+    no-EP path, where the layer's dispatcher is local).
 
-    ``impl``: 'fused' (default; :mod:`epscale.moe.fused`, chunked with a hand-written
-    backward) or 'autograd' (plain autograd over grouped GEMMs; kept as a second,
-    independent implementation for tests and benchmarks).
+    ``impl`` (``moe.experts_impl``): 'grouped_mm', 'cpu_fused' or 'auto' (cpu_fused for
+    CPU tensors, grouped_mm elsewhere), decided per call from the input's device.
+    ``use_grouped_mm``: 'auto' uses torch's grouped GEMM where it exists and fits the
+    shapes, 'never' a per-expert loop. ``cpu``: the CPU kernel's knobs.
     """
 
     def __init__(self, num_experts: int, dim: int, hidden_dim: int, activation: str = "swiglu",
-                 use_grouped_mm: str = "auto", compile_kernels: str = "auto"):
+                 use_grouped_mm: str = "auto", impl: str = "auto",
+                 cpu: CpuKernelConfig | None = None):
         super().__init__()
         self.num_experts = num_experts
         self.dim, self.hidden_dim, self.activation = dim, hidden_dim, activation
         self.use_grouped_mm = HAS_GROUPED_MM and use_grouped_mm == "auto"
-        # Fused impl GEMMs: 'loop' (torch.mm per expert into preallocated slices) or
-        # 'grouped' (grouped_mm per chunk). 'auto' picks grouped_mm on accelerators and
-        # the loop on CPU, where grouped_mm is itself a loop of mm calls and measured
-        # slower (benchmarks/RESULTS.md); moe.use_grouped_mm='never' forces the loop.
-        self.gemm = "auto"
-        self.impl = "fused"
-        # Target size of one chunk's widest buffer (fused impl); None: the device's default
-        # (1 MB on CPU, cache-sized; 256 MB on accelerators, few launches).
-        self.chunk_bytes: int | None = None
-        # Fused impl on CPU: at most this many threads of torch's OpenMP team run its chunks
-        # side by side, one chunk per thread (epscale.moe.chunk_workers); None: torch's
-        # intra-op thread count where the layout allows; 1: one chunk after another, each
-        # op split over all threads.
-        self.chunk_workers: int | None = None
-        # Pad chunks of small experts to equal rows and run them as one bmm when that adds
-        # at most this fraction of rows (fused impl without EP); None: never.
-        self.batch_pad_waste: float | None = BATCH_PAD_WASTE
-        # Pad the rows of each expert with at least rows.ALIGN_MIN_ROWS of them to a multiple
-        # of this on CPU (fused impl without EP; rows.ROW_ALIGN: some row counts run the
-        # GEMMs slowly); 1: no padding.
-        self.row_align: int = ROW_ALIGN
-        # Weight-gradient and saved pre-activation buffers kept across steps on CPU (fused
-        # impl; see workspace.Workspace). None allocates fresh ones every step.
-        self.workspace: Workspace | None = Workspace()
-        # moe.compile_kernels (see MoEConfig): how the fused impl runs the element-wise
-        # work around its GEMMs: 'auto'/'native' (C kernels, epscale.moe.native_kernels),
-        # 'inductor' (torch.compile, epscale.moe.compiled_kernels) or 'off' (eager ops).
-        compile_kernels = kernel_mode(compile_kernels)
-        if compile_kernels not in KERNEL_MODES:
-            raise ValueError(f"GroupedExperts: compile_kernels={compile_kernels!r}; "
-                             f"allowed: {', '.join(map(repr, KERNEL_MODES))}")
-        self.compile_kernels = compile_kernels
+        if impl not in ("auto", "grouped_mm", "cpu_fused"):
+            raise ValueError(f"GroupedExperts: impl={impl!r}; allowed: 'auto', 'grouped_mm', "
+                             "'cpu_fused' (moe.experts_impl)")
+        self.impl = impl
+        # The CPU kernel and the buffers it keeps (None when it can never run).
+        self.cpu_kernel = (CpuFusedExperts(cpu or CpuKernelConfig(), use_grouped_mm == "auto")
+                           if impl != "grouped_mm" else None)
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim)) if activation == "swiglu" else None
@@ -111,15 +91,16 @@ class GroupedExperts(nn.Module):
         if self.w3 is not None:
             nn.init.normal_(self.w3, std=self.dim ** -0.5)
 
-    def _weights(self, dtype: torch.dtype):
-        w3 = self.w3.to(dtype) if self.w3 is not None else None
-        return self.w1.to(dtype), w3, self.w2.to(dtype)
+    def impl_for(self, x: torch.Tensor) -> str:
+        """'cpu_fused' or 'grouped_mm': what runs a call on ``x``'s device."""
+        if self.impl == "auto":
+            return "cpu_fused" if x.device.type == "cpu" else "grouped_mm"
+        return self.impl
 
-    def _grouped(self, x: torch.Tensor) -> bool:
-        if self.gemm == "loop" or not self.use_grouped_mm:
-            return False
-        ok = x.dtype in (torch.float32, torch.bfloat16) and _aligned_for_grouped_mm(x, self.hidden_dim)
-        return ok and (self.gemm == "grouped" or x.device.type != "cpu")
+    def row_buffers(self) -> Workspace | None:
+        """A buffer cache for the [R, D] rows of this layer's dispatcher when the CPU
+        kernel may run and keeps its buffers (``moe.cpu.keep_buffers``), else None."""
+        return self.cpu_kernel.new_row_buffers() if self.cpu_kernel is not None else None
 
     def _check_counts(self, tokens_per_expert_e: torch.Tensor | list[int], num_rows: int) -> list[int]:
         counts = (tokens_per_expert_e.tolist() if isinstance(tokens_per_expert_e, torch.Tensor)
@@ -131,9 +112,10 @@ class GroupedExperts(nn.Module):
         return counts
 
     def forward(self, x_RD: torch.Tensor, tokens_per_expert_e: torch.Tensor) -> torch.Tensor:
-        if self.impl == "autograd":
-            return self._forward_autograd(x_RD, tokens_per_expert_e)
-        return self._fused(x_RD, None, None, self._check_counts(tokens_per_expert_e, x_RD.shape[0]))
+        if self.impl_for(x_RD) == "grouped_mm":
+            return self._forward_grouped(x_RD, tokens_per_expert_e)
+        counts = self._check_counts(tokens_per_expert_e, x_RD.shape[0])
+        return self.cpu_kernel.forward_rows(x_RD, counts, self.w1, self.w3, self.w2)
 
     def forward_scatter(self, x_TD: torch.Tensor, src_R: torch.Tensor, weight_R: torch.Tensor,
                         tokens_per_expert_e: torch.Tensor | list[int],
@@ -144,75 +126,36 @@ class GroupedExperts(nn.Module):
         ascending order; weight_R: float [R] gate weights (differentiable);
         tokens_per_expert_e: int64 [e] group sizes (a tensor, or a host list when the
         caller already synced); pos_TK: int64 [T, K] the row of each assignment, R where
-        dropped (the dispatcher has it for free; derived from src_R with a sort when
-        None). Returns [T, D] in x's dtype.
+        dropped (the dispatcher has it for free; None: derived from src_R, which costs a
+        sort and a second host sync on the CPU path). Returns [T, D] in x's dtype.
         """
-        return self._fused(x_TD, src_R, weight_R,
-                           self._check_counts(tokens_per_expert_e, src_R.shape[0]), pos_TK)
+        counts = self._check_counts(tokens_per_expert_e, src_R.shape[0])
+        if self.impl_for(x_TD) == "cpu_fused":
+            return self.cpu_kernel.forward_scatter(x_TD, src_R, weight_R, counts, pos_TK,
+                                                   self.w1, self.w3, self.w2)
+        # rows -> experts -> each row weighted -> each token's rows summed, in fp32 with one
+        # rounding (through pos_TK, a zero row for dropped assignments)
+        y_RD = self._forward_grouped(x_TD.index_select(0, src_R), counts)
+        wy_RD = y_RD.float() * weight_R.float().unsqueeze(1)
+        if pos_TK is None:
+            y_TD = wy_RD.new_zeros((x_TD.shape[0], wy_RD.shape[1])).index_add(0, src_R, wy_RD)
+            return y_TD.to(x_TD.dtype)
+        rows_RD = torch.cat([wy_RD, wy_RD.new_zeros((1, wy_RD.shape[1]))])
+        return F.embedding_bag(pos_TK, rows_RD, mode="sum").to(x_TD.dtype)
 
-    def _fused(self, x: torch.Tensor, src_R: torch.Tensor | None, weight_R: torch.Tensor | None,
-               counts: list[int], pos_TK: torch.Tensor | None = None) -> torch.Tensor:
-        """The fused kernel over ``x`` ([R, D] rows, or [T, D] tokens gathered by src_R)."""
-        # A chunk's widest per-row buffer sets its size: [C, D] (inputs, outputs) or [C, F]
-        # (pre-activations, activation and their gradients), whichever is wider.
-        row_bytes = max(x.shape[-1], self.hidden_dim) * x.element_size()
-        chunk_bytes = self.chunk_bytes or default_chunk_bytes(x.device)
-        grouped = self._grouped(x)
-        plan, padded = self._plan(counts, row_bytes, chunk_bytes, grouped)
-        if src_R is None and self._batch_rows(x, plan, padded):
-            # Row mode over chunks of small experts: run it as gathered mode over the rows
-            # themselves (row r is "token" r with weight 1 and one slot), which may pad.
-            R = x.shape[0]
-            src_R = torch.arange(R, device=x.device)
-            weight_R = torch.ones(R, dtype=torch.float32, device=x.device)
-            pos_TK = src_R.unsqueeze(1)
-        # Gathered mode owns its row layout, so it may add pad rows (see pad_expert_rows).
-        layout = counts
-        if src_R is not None and not grouped and x.device.type == "cpu" and self.row_align > 1:
-            aligned = aligned_counts(counts, self.row_align)
-            if aligned != counts:  # an expert of rows.ALIGN_MIN_ROWS rows or more
-                layout = aligned
-                plan, padded = self._plan(layout, row_bytes, chunk_bytes, grouped)
-        w1, w3, w2 = self._weights(x.dtype)
-        if src_R is not None and pos_TK is None:
-            pos_TK = token_slots(src_R, x.shape[0])
-        if src_R is not None and padded is not None:
-            # chunks of small experts: one bmm each (rows.BATCH_PAD_WASTE)
-            layout = padded
-            plan = plan.with_counts(padded)
-        if layout != counts:
-            src_R, weight_R, pos_TK = pad_expert_rows(src_R, weight_R, pos_TK, counts, layout)
-        return FusedExperts.apply(x, weight_R, w1, w3, w2, src_R, pos_TK, plan, self.activation,
-                                  self.workspace, self.compile_kernels, self.chunk_workers)
-
-    def _plan(self, layout: list[int], row_bytes: int, chunk_bytes: int,
-              grouped: bool) -> tuple[ExpertPlan, list[int] | None]:
-        """The chunk plan of ``layout`` and the rows per expert that would batch its chunks
-        of small experts (None: no chunk qualifies, or batching is off or not possible)."""
-        plan = ExpertPlan.build(layout, row_bytes, chunk_bytes, grouped)
-        if grouped or self.batch_pad_waste is None:
-            return plan, None
-        return plan, plan.batched_padding(self.batch_pad_waste)
-
-    def _batch_rows(self, x: torch.Tensor, plan: ExpertPlan, padded: list[int] | None) -> bool:
-        """Row mode on CPU: whether padding (``padded``, from :meth:`_plan`) turns chunks of
-        ROWS_BATCH_MIN_EXPERTS or more small experts into one bmm each, for at least
-        ROWS_BATCH_MIN_SHARE of the rows. Only gathered mode can pad, and running row mode
-        through it copies each chunk's rows in and out once more (see rows.py)."""
-        if x.device.type != "cpu" or padded is None:
-            return False
-        batched_rows = sum(r1 - r0 for r0, r1, e0, e1 in plan.chunks
-                           if e1 - e0 >= ROWS_BATCH_MIN_EXPERTS and len(set(padded[e0:e1])) == 1)
-        return batched_rows >= ROWS_BATCH_MIN_SHARE * max(plan.num_rows, 1)
-
-    def _forward_autograd(self, x_RD: torch.Tensor, tokens_per_expert_e: torch.Tensor) -> torch.Tensor:
-        use_grouped = (self.use_grouped_mm and x_RD.dtype in (torch.float32, torch.bfloat16)
-                       and _aligned_for_grouped_mm(x_RD, self.hidden_dim))
-        if use_grouped:
-            offs_e, splits = torch.cumsum(tokens_per_expert_e, 0).to(torch.int32), None
+    def _forward_grouped(self, x_RD: torch.Tensor,
+                         tokens_per_expert_e: torch.Tensor | list[int]) -> torch.Tensor:
+        """Plain autograd: one grouped GEMM per weight (device-side offsets, no host sync)
+        where torch has it and the shapes fit, else a loop over experts."""
+        w3 = self.w3.to(x_RD.dtype) if self.w3 is not None else None
+        w1, w2 = self.w1.to(x_RD.dtype), self.w2.to(x_RD.dtype)
+        if self.use_grouped_mm and grouped_mm_fits(x_RD, self.hidden_dim):
+            counts = torch.as_tensor(tokens_per_expert_e, device=x_RD.device)
+            offs_e, splits = torch.cumsum(counts, 0).to(torch.int32), None
         else:
-            offs_e, splits = None, tokens_per_expert_e.tolist()  # one host sync per layer
-        w1, w3, w2 = self._weights(x_RD.dtype)
+            splits = (tokens_per_expert_e.tolist() if isinstance(tokens_per_expert_e, torch.Tensor)
+                      else list(tokens_per_expert_e))  # one host sync per layer
+            offs_e = None
         h_RF = _grouped_linear(x_RD, w1, offs_e, splits)
         if w3 is not None:
             h_RF = F.silu(h_RF) * _grouped_linear(x_RD, w3, offs_e, splits)
@@ -222,15 +165,7 @@ class GroupedExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, dim={self.dim}, hidden={self.hidden_dim}, "
-                f"act={self.activation}, impl={self.impl}, gemm={self.gemm}, "
-                f"kernels={self.compile_kernels}, "
-                f"grouped_mm={self.use_grouped_mm}")
-
-
-def _aligned_for_grouped_mm(x_RD: torch.Tensor, hidden_dim: int) -> bool:
-    """grouped_mm needs 16-byte aligned row strides for every operand (bf16: widths % 8)."""
-    per = 16 // x_RD.element_size()
-    return x_RD.shape[-1] % per == 0 and hidden_dim % per == 0
+                f"act={self.activation}, impl={self.impl}, grouped_mm={self.use_grouped_mm}")
 
 
 class FeedForward(nn.Module):

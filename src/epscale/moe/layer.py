@@ -1,10 +1,10 @@
-"""The MoE layer: router -> dispatcher.dispatch -> grouped experts -> dispatcher.combine
-(+ shared experts, overlapped with the combine where the backend can).
+"""The MoE layer: router -> dispatcher.dispatch_compute_combine(experts) (+ shared
+experts, overlapped with the combine where the backend can) -> losses and statistics;
+and finding the MoE layers of a model.
 
-Without expert parallelism (the ``local`` dispatcher, ``fuse=True``) the three middle
-steps run as one chunked kernel (moe/fused.py) that gathers, computes and combines
-chunk by chunk into buffers kept from step to step; any other dispatcher takes the
-generic path. Both are tested against moe/reference.py.
+The dispatcher moves each token's rows to its experts and back (``epscale.dispatch``;
+without expert parallelism the ``local`` one, which on CPU runs gather, experts and
+combine as one chunked kernel). Every path is tested against moe/reference.py.
 
 Legend: T tokens, D model dim, E experts, e local experts, K top-k, R received rows.
 """
@@ -12,6 +12,7 @@ Legend: T tokens, D model dim, E experts, e local experts, K top-k, R received r
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Callable, ContextManager
 
 import torch
@@ -20,10 +21,19 @@ from torch import nn
 from ..config import MoEConfig
 from ..dispatch.base import Dispatcher
 from ..dispatch.local import LocalDispatcher
-from .counts import count_ids
+from ..ops import count_ids
 from .experts import FeedForward, GroupedExperts
-from .losses import load_balance_loss, router_entropy, sequence_balance_loss, z_loss
+from .losses import (global_batch_balance_loss, load_balance_loss, router_entropy,
+                     sequence_balance_loss, z_loss)
 from .router import TopKRouter
+
+
+def is_recomputing() -> bool:
+    """True while a forward runs inside a backward pass, i.e. it is an activation
+    recomputation (``torch.utils.checkpoint``, reentrant or not). Counters that must see
+    each routed token once (``MoE.tokens_per_expert``, the step statistics) skip then."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and task_id() != -1
 
 
 def _nonfinite_rows(x_TD: torch.Tensor) -> torch.Tensor:
@@ -59,11 +69,13 @@ class MoE(nn.Module):
                             "build one with MoEConfig(...) or config.from_dict(MoEConfig, d)")
         self.cfg = cfg
         self.router = TopKRouter(cfg)
-        self.experts = GroupedExperts(cfg.num_experts, cfg.dim, cfg.hidden_dim,
-                                      cfg.activation, cfg.use_grouped_mm, cfg.compile_kernels)
+        self.experts = GroupedExperts(cfg.num_experts, cfg.dim, cfg.hidden_dim, cfg.activation,
+                                      cfg.use_grouped_mm, cfg.experts_impl, cfg.cpu)
         self.shared_experts = (FeedForward(cfg.dim, cfg.shared_width, cfg.activation)
                                if cfg.num_shared_experts > 0 else None)
-        self.dispatcher: Dispatcher = LocalDispatcher(cfg.num_experts)
+        # Replaced by epscale.parallelize with an expert-parallel backend.
+        self.dispatcher: Dispatcher = LocalDispatcher(cfg.num_experts,
+                                                      workspace=self.experts.row_buffers())
         self.register_buffer("tokens_per_expert", torch.zeros(cfg.num_experts), persistent=False)
         self.register_buffer("dropped_assignments", torch.zeros(()), persistent=False)
         self.aux_loss = torch.zeros(())
@@ -102,32 +114,11 @@ class MoE(nn.Module):
         with self.timer("router"):
             route = self.router(x_TD)
         shared = (lambda: self.shared_experts(x_TD)) if self.shared_experts is not None else None
-        fused = getattr(self.dispatcher, "dispatch_compute_combine", None)
-        if fused is not None and getattr(self.dispatcher, "fuse", False):
-            # One call for dispatch -> experts -> combine: without EP a chunked fused kernel
-            # (moe/fused.py); with EP (dedup/hierarchical, overlap_chunks > 1) a pipeline that
-            # keeps the next chunk's exchange in flight during expert compute. Backends that
-            # accept side_work run the shared experts while the last combines are in flight
-            # and add their output to y_TD themselves.
-            if shared is not None and getattr(self.dispatcher, "accepts_side_work", False):
-                y_TD, _ = fused(x_TD, route.topk_idx_TK, route.topk_weight_TK, self.experts,
-                                timer=self.timer, side_work=shared)
-                shared_y_TD = None
-            else:
-                y_TD, _ = fused(x_TD, route.topk_idx_TK, route.topk_weight_TK, self.experts,
-                                timer=self.timer)
-                with self.timer("combine"):
-                    shared_y_TD = shared() if shared is not None else None
-        else:
-            with self.timer("dispatch"):
-                recv_x_RD, tokens_per_local_expert_e, handle = self.dispatcher.dispatch(
-                    x_TD, route.topk_idx_TK, route.topk_weight_TK)
-            with self.timer("experts"):
-                recv_y_RD = self.experts(recv_x_RD, tokens_per_local_expert_e)
-            with self.timer("combine"):
-                y_TD, shared_y_TD = self.dispatcher.combine_overlapped(recv_y_RD, handle, shared)
-        if shared_y_TD is not None:
-            y_TD = y_TD + shared_y_TD
+        # dispatch -> experts -> combine; the shared experts run while the combine is in
+        # flight where the backend can overlap them, and their output is added to y_TD.
+        y_TD = self.dispatcher.dispatch_compute_combine(
+            x_TD, route.topk_idx_TK, route.topk_weight_TK, self.experts, timer=self.timer,
+            side_work=shared)
         self.aux_loss = self._aux_loss(route, num_sequences)
         self._record_stats(x_TD, route)
         return y_TD.to(x.dtype).view(shape)
@@ -137,8 +128,6 @@ class MoE(nn.Module):
         loss = route.scores_TE.new_zeros(())
         if cfg.aux_loss_coeff > 0:
             if cfg.aux_loss_scope == "global":
-                from ..balancing import global_batch_balance_loss
-
                 # f_e over every rank's batch (one all-reduce of E+1 numbers)
                 balance = global_batch_balance_loss(route.scores_TE, route.chosen_TK, E)
             else:
@@ -153,8 +142,6 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def _record_stats(self, x_TD: torch.Tensor, route) -> None:
-        from ..balancing import is_recomputing
-
         if is_recomputing():  # activation recomputation: these tokens were counted already
             return
         counts_E = count_ids(route.chosen_TK, self.cfg.num_experts)
@@ -181,3 +168,26 @@ class MoE(nn.Module):
 
     def extra_repr(self) -> str:
         return f"dispatcher={self.dispatcher!r}"
+
+
+def moe_layers(module: nn.Module) -> list[MoE]:
+    """The epscale MoE layers inside ``module`` (or ``module`` itself), in registration
+    (depth) order."""
+    return [m for m in module.modules() if isinstance(m, MoE)]
+
+
+def named_moe_layers(module: nn.Module) -> list[tuple[int, str, MoE]]:
+    """Every MoE layer of ``module`` as (layer id, qualified name, module).
+
+    The layer id is the first integer in the qualified name (``layers.3.ffn`` -> 3), the
+    block index of a usual transformer; where names carry no (or no unique) integers, the
+    MoE layers are numbered 0.. in registration order.
+    """
+    found = [(name, m) for name, m in module.named_modules() if isinstance(m, MoE)]
+    ids = []
+    for name, _m in found:
+        match = re.search(r"(?:^|\.)(\d+)(?:\.|$)", name)
+        ids.append(int(match.group(1)) if match else None)
+    if None in ids or len(set(ids)) != len(ids):
+        ids = list(range(len(found)))
+    return [(i, name, m) for i, (name, m) in zip(ids, found)]

@@ -1,5 +1,6 @@
-"""Router auxiliary losses: Switch/GShard balance loss, DeepSeek sequence-wise balance loss,
-ST-MoE z-loss, and routing statistics.
+"""Router auxiliary losses: Switch/GShard balance loss (over the micro-batch, or over the
+global batch of every rank), DeepSeek sequence-wise balance loss, ST-MoE z-loss, and
+routing statistics.
 
 Legend: T tokens, E experts, K top-k, B sequences, S tokens per sequence.
 """
@@ -8,7 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from .counts import count_ids
+import torch.distributed as dist
+
+from ..ops import count_ids
 
 
 def _normalized(scores_TE: torch.Tensor) -> torch.Tensor:
@@ -49,3 +52,28 @@ def router_entropy(scores_TE: torch.Tensor) -> torch.Tensor:
     """Mean over tokens of the entropy (nats) of the normalised router distribution."""
     p = _normalized(scores_TE.detach())
     return -(p * torch.log(p.clamp_min(1e-20))).sum(dim=-1).mean()
+
+
+def global_batch_balance_loss(scores_TE: torch.Tensor, chosen_TK: torch.Tensor,
+                              num_experts: int, group=None) -> torch.Tensor:
+    """Switch/GShard balance loss with the expert fractions f_e taken over the whole group's
+    batch (Qwen's global-batch balancing): ``E * sum_e f_e^group * P_e``.
+
+    scores_TE: fp32 router scores of this rank's tokens (differentiable).
+    chosen_TK: int64 chosen experts before capacity drops.
+    group: the process group whose batches form the global batch: every rank that trains
+        on different tokens (the world for dp x ep, the default). One all-reduce of E+1
+        numbers; differentiable through P_e only (f_e is a count).
+    Averaged over the group's ranks (as the gradient sync does), the loss equals the
+    Switch loss of the concatenated batch when every rank has the same number of tokens.
+    """
+    T, K = chosen_TK.shape
+    counts = count_ids(chosen_TK, num_experts).to(torch.float64)
+    buf = torch.cat([counts, counts.new_tensor([float(T * K)])])
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(buf, group=group)
+    f_E = (buf[:num_experts] / buf[num_experts].clamp_min(1.0)).to(scores_TE.dtype)
+    if T == 0:
+        return scores_TE.sum() * 0.0
+    p_E = _normalized(scores_TE).mean(dim=0)
+    return num_experts * (f_E * p_E).sum()

@@ -12,9 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..blocks import rows_per_block
 from ..config import MoEConfig
-from .counts import count_ids
+from ..ops import count_ids, rows_per_block
 
 
 @dataclass
@@ -76,7 +75,7 @@ class GateLinear(torch.autograd.Function):
     rounding); the backward runs in x's dtype, where the gradients end up anyway. In bf16
     that avoids two fp32 [T, D] GEMMs with a tiny inner dimension E, slow on CPU.
 
-    bf16 x is widened block by block of rows (:func:`epscale.blocks.rows_per_block`), not
+    bf16 x is widened block by block of rows (:func:`epscale.ops.rows_per_block`), not
     all at once: on CPU a fresh fp32 copy of x (tens of MB at pretraining batch sizes) is
     page-faulted in every step, which measured ~6 ms of a ~390 ms layer step on the
     coarse benchmark shape."""

@@ -37,11 +37,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..dispatch.base import Dispatcher
+from ..dispatch.base import Dispatcher, EPDispatcher
 from ..dispatch.comm import GroupInfo, all_to_all_bytes
-from ..moe.counts import count_ids
+from ..dispatch.registry import make_dispatcher
+from ..moe.layer import moe_layers
+from ..ops import count_experts
 from .llep import SpillPlan, plan_spill
-from .runtime import rank_within_expert
+from .replicas import rank_within_expert
 
 _BIG = torch.iinfo(torch.int64).max
 
@@ -256,9 +258,7 @@ class SpillDispatcher(Dispatcher):
 
     def _gather_counts(self, topk_idx_TK: torch.Tensor) -> np.ndarray:
         E, R = self.num_experts, self.info.size
-        flat = topk_idx_TK.reshape(-1)
-        key = torch.where(flat >= 0, flat, torch.full_like(flat, E))
-        counts_E = count_ids(key, E + 1)[:E].to(torch.int64)
+        counts_E = count_experts(topk_idx_TK, E)[1][:E]
         out = counts_E.new_empty(R * E)
         self.info.counter.add(self.info.ranks, self.info.my_rank, [E * 8] * R,
                               self.info.ranks_per_node)
@@ -312,24 +312,20 @@ class SpillDispatcher(Dispatcher):
 def apply_spill(module: nn.Module, dims, threshold: float = 1.3, min_rows: int = 32) -> nn.Module:
     """Give every MoE layer of an EP-parallelized ``module`` (``epscale.parallelize``)
     per-step spill-over, in place. Returns ``module``."""
-    from ..moe.layer import MoE
-    from ..parallel import make_dispatcher
-
     if dims.ep < 2:
         raise ValueError(f"apply_spill needs expert parallelism (ep >= 2), got ep={dims.ep}")
-    layers = [m for m in module.modules() if isinstance(m, MoE)]
-    for moe in layers:
+    for moe in moe_layers(module):
         plain = moe.dispatcher
         if isinstance(plain, SpillDispatcher):
             raise ValueError("apply_spill: this MoE layer already spills")
-        info = getattr(plain, "info", None)
-        if info is None or not hasattr(plain, "payload"):
+        if not isinstance(plain, EPDispatcher):
             raise ValueError(f"apply_spill: the layer's dispatcher {plain!r} is not an EP "
                              "backend; call epscale.parallelize(..., dispatcher='alltoall'|"
                              "'dedup'|'allgather'|'hierarchical') first")
 
-        def make_inner(n, name=plain.name, payload=plain.payload):
-            return make_dispatcher(name, n, dims, payload, 1)
+        def make_inner(n, name=plain.name, payload=plain.payload, ws=plain.workspace):
+            return make_dispatcher(name, n, dims, payload, 1, ws)
 
-        moe.dispatcher = SpillDispatcher(plain, moe.experts, make_inner, info, threshold, min_rows)
+        moe.dispatcher = SpillDispatcher(plain, moe.experts, make_inner, plain.info, threshold,
+                                         min_rows)
     return module

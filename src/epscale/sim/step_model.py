@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..config import ConfigError, RunConfig
-from ..sizing import expert_params_per_expert, model_size
+from .sizing import expert_params_per_expert, model_size
 from .balance import (BalanceParams, Strategy, contiguous_placement, parse_strategy,
                       redundant_placement, temper)
 from .cluster import ClusterSpec

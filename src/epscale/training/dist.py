@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 from dataclasses import dataclass
 from datetime import timedelta
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ConfigError, ParallelConfig
+from ..parallel import ParallelDims
 
 
 @dataclass(frozen=True)
@@ -83,12 +83,6 @@ def detect_env() -> LaunchEnv:
         return LaunchEnv("srun", _int_env("SLURM_PROCID", 0), ntasks, _int_env("SLURM_LOCALID", 0),
                          per_node, addr, port)
     return LaunchEnv("none")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pick_device(env: LaunchEnv) -> torch.device:
@@ -175,6 +169,4 @@ def make_dims(par: ParallelConfig, env: LaunchEnv, num_experts: int):
     dp, ep, note = resolve_layout(par, env.world_size, num_experts)
     if env.world_size == 1:
         return SingleProcessDims(), note
-    from ..parallel import ParallelDims
-
     return ParallelDims(dp=dp, ep=ep, ranks_per_node=par.ranks_per_node), note

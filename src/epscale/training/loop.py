@@ -27,15 +27,21 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import checkpoint as ckpt
 from ..config import RunConfig, dump_yaml, to_dict
-from ..data import DataLoader, byte_unigram_entropy, load_splits
+from ..kernels.cpu import describe_chunks, describe_elementwise
+from ..launch.preflight import run_preflight
+from ..launch.watchdog import Watchdog
 from ..metrics import MetricsWriter, StepStatsCollector, StepTimers, peak_flops
 from ..model import build_model
-from ..moe.chunk_workers import describe as describe_chunks
-from ..moe.native_kernels import describe as describe_kernels
-from ..sizing import model_size
+from ..moe.balance import update_expert_biases
+from ..parallel import parallelize, sync_gradients
+from ..placement import plan_placement
+from ..placement.replicas import Rebalancer, get_placement, placement_from_dict, placement_to_dict
+from ..placement.spill import apply_spill
+from ..sim.sizing import model_size
+from . import checkpoint as ckpt
 from .console import TrainConsole
+from .data import DataLoader, byte_unigram_entropy, load_splits
 from .dist import LaunchEnv, init_process_group, make_dims, pick_device, set_threads, shutdown
 from .guard import SpikeGuard
 from .optim import build_optimizer, ensure_optimizer_state, grad_norm_and_flags, lr_at, set_lr
@@ -91,15 +97,11 @@ class Trainer:
         self._log_file = open(self.run_dir / "logs" / f"rank{self.rank}.log", "a")
         self.watchdog = None
         if self.world > 1 and cfg.train.collective_timeout_s > 0:
-            from ..launch.watchdog import Watchdog
-
             # Records every collective; one blocked past the timeout ends the job with a
             # report naming the rank, the operation and the step.
             self.watchdog = Watchdog(self.run_dir, timeout_s=cfg.train.collective_timeout_s)
             self.watchdog.start().install()
         if self.world > 1 and cfg.train.preflight:
-            from ..launch.preflight import run_preflight
-
             report = run_preflight(timeout_s=60, device=self.device)
             self.console.print(report.format())
             self._log(report.format())
@@ -113,22 +115,16 @@ class Trainer:
         if self.world > 1 and cfg.parallel.redundant_experts:
             placement, placement_note = self._initial_placement()
         if self.world > 1:
-            from ..parallel import parallelize
-
             parallelize(self.model, self.dims, dispatcher=cfg.parallel.dispatcher,
                         overlap_chunks=cfg.parallel.overlap_chunks,
                         payload=cfg.parallel.payload, placement=placement)
             if cfg.parallel.spill_threshold is not None and self.dims.ep > 1:
-                from ..placement.spill import apply_spill
-
                 apply_spill(self.model, self.dims, cfg.parallel.spill_threshold,
                             cfg.parallel.spill_min_rows)
         self.moe_layers = self.model.moe_layers()
         self.opt = build_optimizer(self.model, cfg.train)
         ensure_optimizer_state(self.opt)
         if placement is not None and cfg.parallel.rebalance_every > 0:
-            from ..placement.runtime import Rebalancer
-
             self.rebalancer = Rebalancer(self.model, self.dims, every=cfg.parallel.rebalance_every,
                                          window=cfg.parallel.rebalance_window, optimizer=self.opt,
                                          num_groups=max(1, cfg.moe.num_groups))
@@ -172,9 +168,6 @@ class Trainer:
         """The redundant-expert placement to start from, and a line saying where it came
         from: the checkpoint's when it fits this layout; else planned from the checkpoint's
         load window when that fits; else from uniform loads (the first re-plan fixes it)."""
-        from ..placement import plan_placement
-        from ..placement.runtime import placement_from_dict
-
         cfg = self.cfg
         E = cfg.moe.num_experts
         P = E + cfg.parallel.redundant_experts
@@ -218,7 +211,7 @@ class Trainer:
             f"layout: {self.world} process(es), dp={self.dims.dp} x ep={self.dims.ep}, dispatcher "
             f"{cfg.parallel.dispatcher if self.dims.ep > 1 else 'local'}, {self.device.type}"
             f"{' bf16 autocast' if self.use_bf16 else ' fp32'}, {threads} thread(s) per process",
-            f"element-wise expert kernels: {describe_kernels(moe.compile_kernels, self.device)}",
+            f"element-wise expert kernels: {describe_elementwise(moe.cpu.elementwise, self.device)}",
             f"expert chunks: {describe_chunks(self.device)}",
             f"batch: {self.loader.samples_per_step} sequences x {m.seq_len} = "
             f"{self.loader.samples_per_step * m.seq_len:,} tokens per step, {cfg.train.steps} steps",
@@ -347,8 +340,6 @@ class Trainer:
         self.loader.end_step()
         with T.section("sync"):  # the gradient all-reduces: communication, and rank waits
             if self.world > 1:
-                from ..parallel import sync_gradients
-
                 sync_gradients(self.model, self.dims)
         with T.section("optimizer"):  # the norm and clipping are compute, not communication
             grad_norm, stop, skip = grad_norm_and_flags(
@@ -375,8 +366,6 @@ class Trainer:
                                     breakdown=breakdown, skipped=skip, extra=extra)
         counts = {lay["layer"]: lay["tokens_per_expert"] for lay in rec["layers"]}
         if not skip and cfg.moe.bias_update_speed > 0:
-            from ..balancing import update_expert_biases
-
             update_expert_biases(self.model, self.dims, cfg.moe.bias_update_speed, counts)
         if self.rebalancer is not None and not skip:
             self._rebalance(step, counts)
@@ -386,8 +375,6 @@ class Trainer:
     def _rebalance(self, step: int, counts: dict) -> None:
         """Feed the step's loads to the re-placement window; re-place when due (moves
         expert weights and AdamW state between ranks; the model's function is unchanged)."""
-        from ..placement.runtime import get_placement
-
         self.rebalancer.observe(counts)
         old = get_placement(self.model)
         t0 = time.perf_counter()
@@ -428,8 +415,6 @@ class Trainer:
                 "num_skipped": self.num_skipped, "num_rollbacks": self.num_rollbacks,
                 "config": to_dict(self.cfg)}
         extra = {}
-        from ..placement.runtime import get_placement, placement_to_dict
-
         placement = get_placement(self.model)
         if placement is not None:
             meta["placement"] = placement_to_dict(placement)

@@ -11,15 +11,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import TrainConfig
-
-
-def is_expert_param(param: torch.Tensor) -> bool:
-    """True for routed-expert weights sharded over the ep group (after ``parallelize``)."""
-    try:
-        from ..parallel import is_expert_param as _is_expert
-    except ImportError:
-        return False
-    return bool(_is_expert(param))
+from ..parallel import is_expert_param
+from ..placement.replicas import expert_grad_sq_norm
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -68,8 +61,6 @@ def grad_norm_and_flags(model: nn.Module, dims, max_norm: float, stop: bool,
         if not grads:
             return torch.zeros((), device=device, dtype=torch.float32)
         return torch.stack([n.float() ** 2 for n in torch._foreach_norm(grads)]).sum()
-
-    from ..placement.runtime import expert_grad_sq_norm
 
     # Under a redundant-expert placement each logical expert counts once (its copies hold
     # the same summed grad); without one this is the plain squared norm of ``expert``.

@@ -1,0 +1,160 @@
+"""``epscale simulate CONFIG --cluster NAME|FILE``: one training step of a recipe on a
+described cluster, for each balancing strategy and dispatcher, as a table and a plot."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from ..config import ConfigError, load_recipe
+from ..sim.balance import STRATEGIES, BalanceParams
+from ..sim.cluster import PRESETS, load_cluster
+from ..sim.routing import RoutingSpec
+from ..sim.step_model import DISPATCHERS, OVERLAPS, SimResult, simulate
+
+
+def configure_parser(p) -> None:
+    p.add_argument("config", help="recipe name (e.g. ref-1t-64e) or YAML path")
+    p.add_argument("--cluster", default="field-report",
+                   help=f"preset ({', '.join(PRESETS)}) or cluster YAML (from epscale calibrate)")
+    p.add_argument("--set", dest="cluster_overrides", action="append", default=[],
+                   metavar="KEY=VALUE", help="override a cluster field, e.g. --set nodes=16")
+    p.add_argument("--routing", action="append", default=None,
+                   help="uniform | zipf[:s] | trace:RUN_DIR (repeatable; default zipf:1.0)")
+    p.add_argument("--strategies", default=",".join(STRATEGIES),
+                   help="comma list of none, aux, loss_free, redundant, spill or '+' combos")
+    p.add_argument("--dispatchers", default=",".join(DISPATCHERS), help="comma list")
+    p.add_argument("--overlap", choices=OVERLAPS, default=None,
+                   help="none | chunks | full (default: chunks when parallel.overlap_chunks > 1)")
+    p.add_argument("--ep", type=int, default=None, help="EP group size (default: the recipe's)")
+    p.add_argument("--aux-residual", type=float, default=BalanceParams.aux_residual,
+                   help="exponent the aux loss leaves on the router weights (model assumption)")
+    p.add_argument("--loss-free-residual", type=float, default=BalanceParams.loss_free_residual)
+    p.add_argument("--redundant-per-rank", type=int, default=BalanceParams.redundant_per_rank)
+    p.add_argument("--layers", action="store_true",
+                   help="also print the per-MoE-layer breakdown of the fastest configuration")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", default=None, help="PNG path (default simulate-RECIPE-CLUSTER.png)")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--json", default=None, help="also write all results (with per-layer detail) here")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides")
+    # key=value overrides may follow options (CONFIG --opt X key=value): plain parse_args
+    # stops filling positionals after the first option.
+    p.parse_args = p.parse_intermixed_args
+
+
+def run(args) -> int:
+    from rich.console import Console
+
+
+    console = Console(width=max(Console().width, 150))
+    cfg = load_recipe(args.config, args.overrides)
+    cluster = load_cluster(args.cluster, args.cluster_overrides)
+    params = BalanceParams(aux_residual=args.aux_residual,
+                           loss_free_residual=args.loss_free_residual,
+                           redundant_per_rank=args.redundant_per_rank)
+    routings = [RoutingSpec.parse(r) for r in (args.routing or ["zipf:1.0"])]
+    strategies = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
+    dispatchers = tuple(d.strip() for d in args.dispatchers.split(",") if d.strip())
+    all_rows = []
+    t0 = time.perf_counter()
+    for routing in routings:
+        res = simulate(cfg, cluster, routing, strategies=strategies, dispatchers=dispatchers,
+                       overlap=args.overlap, ep=args.ep, params=params, seed=args.seed)
+        all_rows.append((routing, res))
+    elapsed = time.perf_counter() - t0
+    ep = args.ep or cfg.parallel.ep
+    console.print(f"[bold]{cfg.name}[/] on [bold]{cluster.name}[/]: {cluster.world} GPUs "
+                  f"({cluster.nodes} x {cluster.gpus_per_node}), ep={ep}, dp={cluster.world // ep}, "
+                  f"{cfg.moe.num_experts} experts top-{cfg.moe.top_k}, "
+                  f"{cfg.train.micro_batch_size * cfg.model.seq_len} tokens/GPU/micro-batch x "
+                  f"{cfg.train.grad_accum}; simulated in {elapsed:.2f} s")
+    for routing, res in all_rows:
+        console.print(results_table(res, f"routing {routing.label()}"))
+        best = max(res, key=lambda r: r.tokens_per_s_per_gpu)
+        console.print(f"fastest: [bold]{best.strategy} + {best.dispatcher}[/] "
+                      f"{best.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, worst-GPU idle "
+                      f"{best.worst_idle_share:.1%}, expert communication {best.comm_share:.1%}")
+        if args.layers:
+            console.print(layers_table(best))
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"recipe": cfg.name, "cluster": cluster.as_dict(),
+             "runs": [{"routing": r.label(), "results": [x.as_dict() for x in res]}
+                      for r, res in all_rows]}, indent=1))
+    if not args.no_plot:
+        path = args.plot or f"simulate-{cfg.name}-{cluster.name}.png"
+        plot_results(all_rows, path, f"{cfg.name} on {cluster.name}")
+        console.print(f"plot: {path}")
+    return 0
+
+
+def results_table(results: list[SimResult], title: str):
+    from rich.table import Table
+
+    t = Table(title=title)
+    for col in ("strategy", "dispatcher", "overlap", "step s", "tok/s/GPU", "expert comm",
+                "DP comm", "worst idle", "mean idle", "MaxVio", "IB GB/GPU", "NVL GB/GPU"):
+        t.add_column(col, justify="left" if col in ("strategy", "dispatcher", "overlap") else "right")
+    for r in results:
+        t.add_row(r.strategy, r.dispatcher, r.overlap, f"{r.step_time_s:.3f}",
+                  f"{r.tokens_per_s_per_gpu:,.0f}", f"{r.comm_share:.1%}", f"{r.dp_share:.1%}",
+                  f"{r.worst_idle_share:.1%}", f"{r.mean_idle_share:.1%}", f"{r.max_vio:.2f}",
+                  f"{r.inter_bytes_per_gpu / 1e9:.2f}", f"{r.intra_bytes_per_gpu / 1e9:.2f}")
+    return t
+
+
+def layers_table(r: SimResult):
+    """Per-MoE-layer times and bytes of one result (one row per distinct layer routing)."""
+    from rich.table import Table
+
+    t = Table(title=f"per MoE layer: {r.strategy} + {r.dispatcher} (one micro-batch, fwd+bwd)")
+    for col in ("routing #", "MoE layers", "experts slowest ms", "experts mean ms",
+                "one transfer ms", "layer ms", "IB MB/GPU", "NVLink MB/GPU"):
+        t.add_column(col, justify="right")
+    for lay in r.layers:
+        t.add_row(str(lay["dist"]), str(lay["num_layers"]), f"{lay['expert_compute_max_ms']:.2f}",
+                  f"{lay['expert_compute_mean_ms']:.2f}", f"{lay['transfer_ms']:.2f}",
+                  f"{lay['layer_time_ms']:.2f}", f"{lay['inter_bytes_per_gpu'] / 1e6:.1f}",
+                  f"{lay['intra_bytes_per_gpu'] / 1e6:.1f}")
+    return t
+
+
+def plot_results(all_rows, path: str, title: str) -> None:
+    """Tokens/s per GPU (bars) and where each step's time goes (stacked shares)."""
+    try:
+        import matplotlib
+    except ImportError as e:  # pragma: no cover - matplotlib is in the monitor extra
+        raise ConfigError("plotting needs matplotlib (pip install 'epscale[monitor]'); "
+                          "pass --no-plot to skip it") from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(all_rows), 2, figsize=(14, 4.2 * len(all_rows)), squeeze=False)
+    for row, (routing, res) in enumerate(all_rows):
+        labels = [f"{r.strategy}\n{r.dispatcher}" for r in res]
+        x = range(len(res))
+        ax = axes[row][0]
+        ax.bar(x, [r.tokens_per_s_per_gpu for r in res], color="tab:blue")
+        ax.set_xticks(list(x), labels, fontsize=7, rotation=90)
+        ax.set_ylabel("tokens/s per GPU")
+        ax.set_title(f"{title}: throughput, routing {routing.label()}")
+        ax = axes[row][1]
+        comp = [1 - r.comm_share - r.dp_share - r.worst_idle_share for r in res]
+        parts = [("compute (worst GPU busy)", comp, "tab:green"),
+                 ("worst-GPU idle", [r.worst_idle_share for r in res], "tab:red"),
+                 ("expert comm", [r.comm_share for r in res], "tab:orange"),
+                 ("DP grad comm", [r.dp_share for r in res], "tab:purple")]
+        bottom = [0.0] * len(res)
+        for name, vals, color in parts:
+            ax.bar(x, vals, bottom=bottom, label=name, color=color)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.set_xticks(list(x), labels, fontsize=7, rotation=90)
+        ax.set_ylabel("share of step time")
+        ax.set_ylim(0, 1)
+        ax.set_title("where the step goes")
+        ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

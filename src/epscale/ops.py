@@ -1,0 +1,60 @@
+"""Small device-generic tensor operations shared by the MoE layer, the dispatchers, the
+placement runtimes and the CPU kernels: counting ids without a host synchronisation,
+and the block size of memory-bound passes.
+
+``torch.bincount`` on CUDA reads its input's minimum and maximum back to the host to size
+its output: two synchronisations per call, each of which stalls the launch queue. The MoE
+layer counts ids several times per step (tokens per expert for the dispatch, the
+statistics, the balance losses), so :func:`count_ids` is given its output size and needs
+none.
+
+Memory-bound passes (gathers, combines, the router's fp32 widening) work block by block
+so that none builds one big temporary: on CPU a block is cache-sized (1 MB), since a
+fresh buffer of tens of MB is page-faulted in on every step and a small one stays in
+cache between the ops of a block; accelerators have caching allocators and pay per kernel
+launch instead, so their blocks are large (256 MB): few launches, yet bounded memory (a
+[T*K, D] gather of a 16k-token, top-8, D=7168 batch in bf16 would be 1.8 GB in one piece).
+"""
+
+from __future__ import annotations
+
+import torch
+
+CPU_BLOCK_BYTES = 1 << 20
+ACCELERATOR_BLOCK_BYTES = 256 << 20
+
+
+def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """int64 [n]: how often each of 0 .. n-1 occurs in ``ids`` (integer, any shape; every
+    value must lie in [0, n)). torch.bincount on CPU, where it is fast and syncs nothing;
+    an integer ``index_add_`` (exact, so deterministic) elsewhere."""
+    flat = ids.reshape(-1)
+    if flat.device.type == "cpu":
+        return torch.bincount(flat, minlength=n)
+    return index_add_counts(flat, n)
+
+
+def index_add_counts(flat: torch.Tensor, n: int) -> torch.Tensor:
+    """count_ids' accelerator form, on any device: ones added at each id."""
+    ones = torch.ones_like(flat, dtype=torch.int64)
+    return torch.zeros(n, dtype=torch.int64, device=flat.device).index_add_(0, flat, ones)
+
+
+def expert_keys(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The flattened expert ids with dropped assignments (id -1) mapped to
+    ``num_experts``, so that they sort last and count in a slot of their own."""
+    flat = topk_idx.reshape(-1)
+    return torch.where(flat < 0, torch.full_like(flat, num_experts), flat)
+
+
+def count_experts(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``expert_keys``, int64 [E + 1] counts of each key): kept assignments per expert,
+    then the number dropped. No host sync."""
+    keys = expert_keys(topk_idx, num_experts)
+    return keys, count_ids(keys, num_experts + 1)
+
+
+def rows_per_block(num_rows: int, row_bytes: int, device: torch.device) -> int:
+    """Rows of ``row_bytes`` each in one block on ``device`` (at least 1, at most num_rows)."""
+    budget = CPU_BLOCK_BYTES if device.type == "cpu" else ACCELERATOR_BLOCK_BYTES
+    return max(1, min(num_rows, budget // max(1, row_bytes)))

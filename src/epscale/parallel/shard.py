@@ -1,0 +1,112 @@
+"""Parallelizing MoE layers in place: each EP rank keeps its experts' rows of the stacked
+expert weights (a contiguous slice, or the slots of a redundant-expert placement) and a
+dispatcher that moves tokens to them; and the one test of which parameters are sharded
+expert weights.
+
+Legend: E logical experts, e = E/ep local experts, S physical slots (E plus the redundant
+ones) over the EP group, s = S/ep slots per rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ConfigError
+from ..dispatch.registry import check_choice, make_dispatcher
+from ..moe.layer import moe_layers
+from ..placement.eplb import Placement
+from ..placement.replicas import PlacedDispatcher, check_placement, set_placement
+
+_EXPERT_ATTR = "_epscale_expert"      # on each sharded expert weight
+_SHARD_ATTR = "_epscale_expert_shard"  # on the experts module: (first slot, slots) held here
+EXPERT_PARAMS = ("w1", "w2", "w3")
+
+
+def is_expert_param(param: torch.Tensor) -> bool:
+    """True for the sharded expert weights (w1/w2/w3 of a parallelized MoE layer): their
+    leading dim is this rank's share of the experts, and their gradients sync over the DP
+    group only (``epscale.parallel.sync_gradients``)."""
+    return bool(getattr(param, _EXPERT_ATTR, False))
+
+
+def is_parallelized(experts: nn.Module) -> bool:
+    return getattr(experts, _SHARD_ATTR, None) is not None
+
+
+def _keep_expert_rows(experts: nn.Module, rows: torch.Tensor, first: int) -> None:
+    """Replace the stacked expert weights by their ``rows`` (this rank's experts or
+    slots), marked as sharded expert parameters; names and requires_grad unchanged."""
+    for pname in EXPERT_PARAMS:
+        p = getattr(experts, pname, None)
+        if p is None:
+            continue
+        shard = nn.Parameter(p.detach().index_select(0, rows.to(p.device)).clone(),
+                             requires_grad=p.requires_grad)
+        setattr(shard, _EXPERT_ATTR, True)
+        setattr(experts, pname, shard)
+    experts.num_experts = rows.numel()
+    setattr(experts, _SHARD_ATTR, (first, rows.numel()))
+
+
+def parallelize(module: nn.Module, dims, dispatcher: str = "dedup", overlap_chunks: int = 1,
+                payload: str = "auto", placement: Placement | None = None) -> nn.Module:
+    """Shard every ``epscale.MoE`` inside ``module`` over the EP group, in place.
+
+    Expert parameters keep their names and their leading expert dim, sliced to this EP
+    rank's experts ``[ep_rank*E/ep, (ep_rank+1)*E/ep)``; the router and shared experts stay
+    replicated. ``dispatcher`` names the backend (``epscale.dispatch.DISPATCHERS``); with
+    ep=1 every choice except 'deepep' runs the local (communication-free) one.
+    ``overlap_chunks`` > 1 lets 'dedup'/'hierarchical' pipeline chunks of tokens.
+    ``payload``: 'auto' sends tokens in their dtype, 'bf16' casts them, 'fp8' sends e4m3
+    with per-128-channel scales (dedup/hierarchical). ``placement``: an
+    ``epscale.placement.plan_placement`` result; each rank then holds its s = S/ep
+    physical slots (copies of hot experts, in the placement's order) and a
+    :class:`~epscale.placement.PlacedDispatcher` spreads each expert's tokens over its
+    copies; layers are matched to placement rows in registration order.
+    Returns ``module``.
+    """
+    check_choice(dispatcher, payload, overlap_chunks)
+    layers = moe_layers(module)
+    if placement is not None:
+        check_placement(layers, dims, placement)
+    for i, moe in enumerate(layers):
+        cfg = moe.cfg
+        E, ep = cfg.num_experts, dims.ep
+        if is_parallelized(moe.experts):
+            raise ValueError("parallelize: this MoE layer is already parallelized; parallelize "
+                             "(or apply a placement to) the unparallelized module")
+        workspace = moe.experts.row_buffers()
+        if placement is None:
+            if E % ep:
+                raise ConfigError(f"moe.num_experts = {E} is not divisible by parallel.ep = {ep}: "
+                                  f"each EP rank must hold the same number of experts")
+            if cfg.num_groups > 0 and dims.ep_num_nodes > 1 and cfg.topk_groups > dims.ep_num_nodes:
+                raise ConfigError(
+                    f"moe.topk_groups = {cfg.topk_groups} is more than the {dims.ep_num_nodes} "
+                    f"nodes an EP group spans (ep={ep}, ranks_per_node={dims.ranks_per_node}); "
+                    "node-limited routing must keep topk_groups <= the number of nodes")
+            e = E // ep
+            lo = dims.ep_rank * e
+            _keep_expert_rows(moe.experts, torch.arange(lo, lo + e), lo)
+            moe.dispatcher = make_dispatcher(dispatcher, E, dims, payload, overlap_chunks,
+                                             workspace)
+        else:
+            S = placement.num_physical_experts
+            s = S // ep
+            lo = dims.ep_rank * s
+            _keep_expert_rows(moe.experts, placement.phy2log[i, lo:lo + s], lo)
+            inner = make_dispatcher(dispatcher, S, dims, payload, overlap_chunks, workspace)
+            moe.dispatcher = PlacedDispatcher(inner, placement.phy2log[i], E, rotate=dims.rank)
+    if placement is not None:
+        set_placement(module, placement)
+    return module
+
+
+def expert_param_ids(module: nn.Module) -> set[int]:
+    """ids of the expert weights of every parallelized MoE layer of ``module``."""
+    ids = set()
+    for moe in moe_layers(module):
+        if is_parallelized(moe.experts):
+            ids.update(id(p) for p in moe.experts.parameters())
+    return ids

@@ -1,0 +1,96 @@
+"""Where checkpoints live and whether one is sound.
+
+Layout of one checkpoint, ``RUN_DIR/checkpoints/step_00000100/``:
+
+* DCP files (``.metadata``, ``__{rank}_0.distcp``) holding ``{"model": ..., "optim": ...}``
+  (see :mod:`.state`);
+* ``rank_{r}.pt``: that rank's RNG states;
+* ``meta.json``, written last by rank 0: step, layout, data position, loop counters, the
+  config, and the size and SHA-256 of every file (a corrupt file is detected on load).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Callable
+
+from ...config import ConfigError
+
+FORMAT_VERSION = 1
+_STEP_RE = re.compile(r"^step_(\d{8})$")
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be used; the message names its path."""
+
+
+def checkpoints_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def step_dir(run_dir: str | Path, step: int) -> Path:
+    return checkpoints_root(run_dir) / f"step_{step:08d}"
+
+
+def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """(step, path) of every ``step_*`` directory, oldest first (complete or not)."""
+    root = checkpoints_root(run_dir)
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        m = _STEP_RE.match(p.name)
+        if m and p.is_dir():
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_meta(path: Path) -> dict:
+    try:
+        return json.loads((path / "meta.json").read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint '{path}' is incomplete: no meta.json") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint '{path}' has an unreadable meta.json: {e}") from None
+
+
+def validate(path: Path, verify_hashes: bool = True) -> dict:
+    """The checkpoint's meta if every listed file is present with the recorded size (and
+    hash); raises CheckpointError naming the path and the first problem otherwise."""
+    meta = read_meta(path)
+    files = meta.get("files")
+    if not isinstance(files, dict) or ".metadata" not in files:
+        raise CheckpointError(f"checkpoint '{path}' is incomplete: meta.json lists no DCP files")
+    for name, info in files.items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint '{path}' is incomplete: '{name}' is missing")
+        if f.stat().st_size != info["size"]:
+            raise CheckpointError(f"checkpoint '{path}' is corrupt: '{name}' has "
+                                  f"{f.stat().st_size} bytes, expected {info['size']}")
+        if verify_hashes and sha256(f) != info["sha256"]:
+            raise CheckpointError(f"checkpoint '{path}' is corrupt: '{name}' fails its SHA-256 check")
+    return meta
+
+
+def latest_valid(run_dir: str | Path, report: Callable[[str], None] = print
+                 ) -> tuple[Path, dict] | None:
+    """The newest checkpoint that validates, reporting (with its path) every newer one
+    that does not; None when there is none."""
+    for _step, path in reversed(list_checkpoints(run_dir)):
+        try:
+            return path, validate(path)
+        except CheckpointError as e:
+            report(f"{e}; trying the previous checkpoint")
+    return None

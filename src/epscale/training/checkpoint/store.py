@@ -1,0 +1,143 @@
+"""Saving and loading sharded checkpoints with ``torch.distributed.checkpoint`` (DCP),
+resharding on load to whatever layout the run has now.
+
+A save goes to ``checkpoints/.tmp_step_.../`` and is renamed when complete, so a crash
+mid-save never touches the latest good checkpoint; only the newest ``keep`` are kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from .paths import (FORMAT_VERSION, CheckpointError, checkpoints_root, list_checkpoints,
+                    read_meta, sha256, step_dir)
+from .state import PlacedExperts, build_state, check_compatible, copy_back, copy_local, saved_keys
+
+
+@contextlib.contextmanager
+def quiet():
+    """DCP warns that it 'assumes a single process' whenever no process group exists;
+    for a single-process run that is exactly the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to.*single process.*")
+        yield
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def rng_state() -> dict:
+    out = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save(run_dir: str | Path, step: int, model: nn.Module, opt, dims, meta: dict,
+         keep: int = 2, extra_files: dict[str, Any] | None = None) -> Path:
+    """Collective: every rank calls it. Writes ``step_{step:08d}`` atomically (temporary
+    directory, then rename) and deletes all but the newest ``keep`` checkpoints.
+    ``extra_files``: {file name: object} that rank 0 writes with ``torch.save`` beside the
+    shards (listed and hashed in meta.json like them; read back with :func:`load_extra`)."""
+    root = checkpoints_root(run_dir)
+    final = step_dir(run_dir, step)
+    tmp = root / f".tmp_{final.name}"
+    rank = _rank()
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    _barrier()
+    state = build_state(model, opt, dims, PlacedExperts(model, opt, dims).for_save())
+    with quiet():
+        dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+    torch.save(rng_state(), tmp / f"rank_{rank}.pt")
+    if rank == 0:
+        for name, obj in (extra_files or {}).items():
+            torch.save(obj, tmp / name)
+    _barrier()
+    if rank == 0:
+        files = {}
+        for f in sorted(tmp.iterdir()):
+            if f.is_file():
+                files[f.name] = {"size": f.stat().st_size, "sha256": sha256(f)}
+        full_meta = {"format": FORMAT_VERSION, "step": step, "time": time.time(),
+                     "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                     "dp": dims.dp, "ep": dims.ep, **meta, "files": files}
+        with open(tmp / "meta.json", "w") as f:
+            json.dump(full_meta, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        if final.exists():  # re-saving a step (after a rollback): replace it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for _s, old in list_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def load(path: Path, model: nn.Module, opt, dims, restore_rng: bool = True) -> dict:
+    """Collective. Loads model (and optimizer state when ``opt`` is given and the
+    checkpoint has it) into the live tensors, resharding as needed; returns meta.json."""
+    meta = read_meta(path)
+    placed = PlacedExperts(model, opt, dims).for_load()
+    state = build_state(model, opt, dims, placed)
+    check_compatible(path, state)
+    if opt is not None and not any(k.startswith("optim.") for k in saved_keys(path)):
+        del state["optim"]  # model-only checkpoint (epscale checkpoint import): fresh AdamW
+    try:
+        with quiet():
+            dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    except Exception as e:  # DCP wraps per-rank failures; name the checkpoint
+        raise CheckpointError(f"checkpoint '{path}' could not be loaded: {e}") from e
+    for name, entry in placed.views.items():  # the logical buffers DCP filled (or not)
+        copy_local(entry["param"], state["model"][name])
+        if "optim" in state and name in state["optim"]:
+            for k in ("exp_avg", "exp_avg_sq"):
+                copy_local(entry[k], state["optim"][name][k])
+    placed.scatter()
+    copy_back(model, opt, state, skip=set(placed.views))
+    if restore_rng:
+        saved_world = int(meta.get("world_size", 1))
+        f = path / f"rank_{_rank() % max(1, saved_world)}.pt"
+        if f.is_file():
+            set_rng_state(torch.load(f, weights_only=True))
+    return meta
+
+
+def load_extra(path: Path, name: str) -> Any:
+    """An ``extra_files`` entry of a checkpoint (None when it was not written)."""
+    f = Path(path) / name
+    if not f.is_file():
+        return None
+    try:
+        return torch.load(f, weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint '{path}': '{name}' could not be read: {e}") from e
