@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA machine (CI has none), in one short run:
-#   1. the single-process layer tests on the GPU (fast layer against the reference,
-#      forward and backward; tests/conftest.py's EPSCALE_TEST_DEVICE);
+#   1. the single-process layer tests on the GPU (the layer against the reference, forward
+#      and backward; tests/conftest.py's EPSCALE_TEST_DEVICE; the CPU kernels' tests under
+#      tests/kernels/ are CPU-only and not run);
 #   2. a short training run on the GPU, then a resume from its checkpoint;
-#   3. benchmarks/moe_layer.py and benchmarks/combine.py on the GPU (synchronised timing),
-#      benchmarks/profile_layer.py (launches, host syncs, top kernels per step), the layer
-#      against a carried base revision (benchmarks/ab_revisions.py, when .base exists) and
-#      with moe.compile_kernels=inductor (Triton);
+#   3. benchmarks/moe_layer.py on the GPU (synchronised timing; on CUDA the layer runs
+#      moe.experts_impl=grouped_mm), benchmarks/profile_layer.py (launches, host syncs, top
+#      kernels per step) and the layer against a carried base revision
+#      (benchmarks/ab_revisions.py, when .base exists);
 #   4. with >= 2 GPUs, benchmarks/dispatch.py over NCCL (EP needs one rank per GPU).
 #
 #   bash benchmarks/gpu_check.sh                 # every visible GPU
@@ -14,11 +15,11 @@
 #
 # Each stage has a time limit (seconds; TEST_S, TRAIN_S, BENCH_S set three); a stage that
 # fails or runs out is reported and the next one runs. ONLY="tests profile" runs some
-# (keys: tests train bench combine profile ab inductor dispatch). One log of every stage
+# (keys: tests train bench profile ab dispatch). One log of every stage
 # (gpu_check.log) and the JSON files land in $OUT (benchmarks/out by default). Works
 # without installing the package (PYTHONPATH=src) on an image whose torch is older than
-# the pin, and says so. The run of 2026-11-29 on one
-# H200 ran all stages in 151 s (benchmarks/RESULTS.md, GPU section).
+# the pin, and says so. The run of 2026-11-29 on one H200 (before the CPU kernel
+# moved off the GPU path) ran all stages in 151 s (benchmarks/RESULTS.md, GPU section).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
@@ -63,8 +64,7 @@ PY
 
 stage tests "layer tests on cuda" "$TEST_S" env EPSCALE_TEST_DEVICE=cuda \
     "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -rfs tests/test_moe_layer.py \
-    tests/test_router.py tests/test_fused_batched.py tests/test_fused_combine.py \
-    tests/test_fused_workspace.py tests/test_model.py
+    tests/test_router.py tests/test_model.py
 
 RUN_DIR=$(mktemp -d)/tiny
 stage train "train on cuda, then resume" "$TRAIN_S" bash -c "
@@ -75,7 +75,7 @@ stage train "train on cuda, then resume" "$TRAIN_S" bash -c "
 
 stage bench "benchmarks/moe_layer.py --device cuda" "$BENCH_S" \
     "$PY" benchmarks/moe_layer.py --device cuda --dtypes bfloat16 --rounds 3 --reps 5 \
-    --impls rows,grouped,eager,torchtitan,mixtral-grouped --json "$OUT/moe_layer_gpu.json"
+    --impls rows,torchtitan,mixtral-grouped --json "$OUT/moe_layer_gpu.json"
 # Shapes large enough for the GPU's work to outweigh the host's launches: 64 experts of
 # D=2048, F=1024 over 16k tokens, and Mixtral 8x7B's experts (D=4096, F=14336) over 8k.
 for shape in 64,8,2048,1024,16384 8,2,4096,14336,8192; do
@@ -83,8 +83,6 @@ for shape in 64,8,2048,1024,16384 8,2,4096,14336,8192; do
         "$PY" benchmarks/moe_layer.py --device cuda --dtypes bfloat16 --shape "$shape" \
         --rounds 2 --reps 3 --impls rows,torchtitan,mixtral-grouped
 done
-stage combine "benchmarks/combine.py --device cuda" 45 \
-    "$PY" benchmarks/combine.py --device cuda --json "$OUT/combine_gpu.json"
 # launches, host syncs and the top kernels per step, ours beside torchtitan's
 stage profile "benchmarks/profile_layer.py --device cuda" 90 \
     "$PY" benchmarks/profile_layer.py --device cuda --impls epscale,rows,torchtitan --tables \
@@ -102,11 +100,6 @@ if [ -f .base/src/epscale/__init__.py ]; then
             --path "$path" --configs coarse,fine,narrow --rounds 4 --reps 5
     done
 fi
-# moe.compile_kernels=inductor on CUDA (Triton kernels; their compile takes most of this)
-stage inductor "benchmarks/moe_layer.py --device cuda, inductor" 80 \
-    "$PY" benchmarks/moe_layer.py --device cuda --dtypes bfloat16 --configs coarse \
-    --rounds 2 --reps 5 --impls eager,inductor
-
 if [ "$NGPU" -lt 2 ] && { [ -z "$ONLY" ] || [[ " $ONLY " == *" dispatch "* ]]; }; then
     echo "gpu_check: $NGPU GPU(s): the EP dispatch benchmark needs >= 2; skipped" >&2
 elif [ "$NGPU" -ge 2 ]; then

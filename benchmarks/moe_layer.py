@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 import epscale
+from epscale.config import CpuKernelConfig
 from epscale.dispatch.local import LocalDispatcher
 
 CONFIGS = {
@@ -60,25 +61,28 @@ class Impl:
 # ------------------------------------------------------------------ implementations
 
 def build_epscale(shape, dtype, fuse: bool = True, gemm: str = "auto",
-                  kernels: str = "auto", workspace: bool = True, workers: int | None = None) -> Impl:
+                  kernels: str = "auto", workspace: bool = True, workers: int | None = None,
+                  impl: str = "auto") -> Impl:
+    cpu = CpuKernelConfig(gemm=gemm, elementwise=kernels, keep_buffers=workspace,
+                          chunk_workers=workers)
     cfg = epscale.MoEConfig(dim=shape["D"], hidden_dim=shape["F"], num_experts=shape["E"],
-                            top_k=shape["K"], score_func="softmax", route_norm=True)
+                            top_k=shape["K"], score_func="softmax", route_norm=True,
+                            experts_impl=impl, cpu=cpu)
     torch.manual_seed(0)
     moe = epscale.MoE(cfg).to(dtype).to(DEVICE)
-    moe.experts.gemm = gemm
-    moe.experts.compile_kernels = kernels
-    moe.experts.chunk_workers = workers
+    if impl == "grouped_mm":
+        return Impl("epscale (grouped_mm experts)", moe, moe,
+                    "moe.experts_impl=grouped_mm: plain autograd over grouped GEMMs, the "
+                    "accelerators' path")
     if workers == 1:
         return Impl("epscale (serial chunks)", moe, moe,
                     "one chunk after another, each op split over the intra-op threads")
-    if not workspace:
-        moe.experts.workspace = None
     if kernels == "inductor":
         return Impl("epscale (inductor element-wise)", moe, moe,
-                    "moe.compile_kernels=inductor: torch.compile kernels around the GEMMs")
+                    "moe.cpu.elementwise=inductor: torch.compile kernels around the GEMMs")
     if kernels == "off":
         return Impl("epscale (eager element-wise)", moe, moe,
-                    "moe.compile_kernels=off: eager torch ops around the GEMMs")
+                    "moe.cpu.elementwise=off: eager torch ops around the GEMMs")
     if not workspace:
         return Impl("epscale (no workspace)", moe, moe,
                     "fresh gradient/activation buffers every step")
@@ -86,7 +90,8 @@ def build_epscale(shape, dtype, fuse: bool = True, gemm: str = "auto",
         return Impl("epscale (grouped_mm GEMMs)", moe, moe,
                     "grouped_mm per chunk instead of the per-expert mm loop")
     if not fuse:
-        moe.dispatcher = LocalDispatcher(cfg.num_experts, fuse=False)
+        moe.dispatcher = LocalDispatcher(cfg.num_experts, fuse=False,
+                                         workspace=moe.experts.row_buffers())
         return Impl("epscale (rows path)", moe, moe,
                     "dispatch -> experts(x_RD) -> combine, the path EP dispatchers take")
     return Impl("epscale", moe, moe)
@@ -350,6 +355,8 @@ def bench_one(label: str, shape, dtype, args) -> dict:
         impls.append(build_epscale(shape, dtype, workspace=False))
     if "serial" in wanted:
         impls.append(build_epscale(shape, dtype, workers=1))
+    if "grouped_mm" in wanted:
+        impls.append(build_epscale(shape, dtype, impl="grouped_mm"))
     for key, build in (("torchtitan", lambda: build_torchtitan(ours.module, shape, dtype)),
                        ("mixtral", lambda: build_mixtral(ours.module, shape, dtype, None)),
                        ("mixtral-grouped", lambda: build_mixtral(ours.module, shape, dtype,
@@ -454,10 +461,11 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default=None, help="custom E,K,D,F,T instead of --configs")
     p.add_argument("--dtypes", default="bfloat16,float32")
     p.add_argument("--impls", default="rows,grouped,torchtitan,mixtral,mixtral-grouped",
-                   help="others beside epscale: rows, grouped, eager (moe.compile_kernels=off), "
-                        "inductor (moe.compile_kernels=inductor; 'compiled' is its old name), "
-                        "noworkspace (fresh buffers every step), serial (one chunk at a time, "
-                        "each op over all threads: GroupedExperts.chunk_workers=1), "
+                   help="others beside epscale: rows, grouped (moe.cpu.gemm=grouped), eager "
+                        "(moe.cpu.elementwise=off), inductor (moe.cpu.elementwise=inductor; "
+                        "'compiled' is its old name), noworkspace (moe.cpu.keep_buffers=false), "
+                        "serial (one chunk at a time, each op over all threads: "
+                        "moe.cpu.chunk_workers=1), grouped_mm (moe.experts_impl=grouped_mm), "
                         "torchtitan, mixtral, mixtral-grouped")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds over implementations")
     p.add_argument("--reps", type=int, default=2, help="timed steps per implementation per round")

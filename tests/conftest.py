@@ -6,8 +6,9 @@ by default; ``EPSCALE_TEST_THREADS`` overrides the count.
 
 ``EPSCALE_TEST_DEVICE=cuda`` makes that torch's default device, so that the single-process
 layer tests (the fast layer against the reference) run there; `benchmarks/gpu_check.sh`
-does this on a GPU machine. Tests of CPU-only mechanisms carry the ``cpu_only`` mark and
-are skipped then; the multi-process gloo tests are not meant for it.
+does this on a GPU machine. Tests of CPU-only mechanisms carry the ``cpu_only`` mark (or
+live in tests/kernels/, the CPU kernels' own) and are skipped then; the multi-process gloo
+tests are not meant for it.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ def pytest_collection_modifyitems(config, items):
     if TEST_DEVICE.type == "cpu":
         return
     skip = pytest.mark.skip(reason=f"CPU-only mechanism; EPSCALE_TEST_DEVICE={TEST_DEVICE}")
-    for item in items:
-        if item.get_closest_marker("cpu_only"):
+    for item in items:  # tests/kernels/ holds the CPU kernels' tests: all CPU-only
+        if item.get_closest_marker("cpu_only") or item.nodeid.startswith("tests/kernels/") \
+                or item.nodeid.startswith("kernels/"):
             item.add_marker(skip)
 
 

@@ -1,12 +1,11 @@
 """epscale calibrate: the fits recover known parameters, the CLI writes a cluster file the
-simulator reads, and the simulator, calibrated on this machine, predicts a real
-expert-parallel MoE layer (2 and 4 gloo processes, alltoall and dedup) within 20%.
+simulator reads, the simulator's layer time is the arithmetic of a given cluster
+description on a given routing, and the real EP layer that calibration is checked against
+runs and reports its routing as a trace.
 
-The prediction test times both the calibration and the real layer in per-process CPU time
-(``clock='cpu'``): the machine running the suite is shared with other jobs, and wall time
-would measure their load as much as ours. Both are measured in the same process group, one
-right after the other, the layer with the real router, dispatcher and experts; the
-simulator gets the layer's own routing as a trace (its metrics.jsonl form).
+How close the calibrated simulator comes to a measured layer depends on the machine and
+its load, so it is a benchmark, not a test: ``benchmarks/simulate.py --calibration``
+prints measured / predicted and the machine it ran on (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -16,15 +15,11 @@ import json
 import numpy as np
 import pytest
 
-from epscale.sim.calibrate import (bench_moe_layer, cluster_from, fit_alltoall, fit_gemm, measure,
-                               spawn_local)
+from epscale.sim.calibrate import bench_moe_layer, fit_alltoall, fit_gemm, spawn_local
 from epscale.cli import main as cli_main
 from epscale.config import ModelConfig, MoEConfig, ParallelConfig, RunConfig, TrainConfig
-from epscale.sim import load_cluster, simulate
-from epscale.sim.cluster import dump_cluster
+from epscale.sim import ClusterSpec, load_cluster, simulate
 from epscale.sim.routing import RoutingSpec
-
-DIM, HIDDEN, TOKENS = 512, 1024, 1024
 
 
 def test_fits_recover_known_parameters():
@@ -52,33 +47,72 @@ def test_calibrate_cli_writes_a_cluster_file(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
 
 
+def _trace(tmp_path, counts_E, steps=3):
+    path = tmp_path / "trace.jsonl"
+    rec = {"layers": [{"layer": 0, "tokens_per_expert": list(counts_E)}]}
+    path.write_text("\n".join(json.dumps({"step": s + 1, **rec}) for s in range(steps)))
+    return RoutingSpec.parse(f"trace:{path}")
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_layer_time_is_the_cluster_arithmetic(ep, tmp_path):
+    """One MoE layer, plain all-to-all, no overlap: expert compute of the busiest rank (rows
+    plus the per-GEMM allowance, at the cluster's rate, plus the per-layer overhead) and
+    four transfers of the slowest rank (rows out or in, whichever is more, over the link,
+    plus its latency), by hand from the cluster description and the routing trace."""
+    E, K, D, F, T = 8, 2, 64, 96, 128
+    counts_E = [40, 0, 10, 30, 25, 5, 50, 40]          # one expert gets no rows
+    cluster = ClusterSpec(name="given", nodes=1, gpus_per_node=ep, intra_bw_GBps=2.0,
+                          intra_latency_us=30.0, inter_bw_GBps=2.0, inter_latency_us=30.0,
+                          gemm_tflops=0.05, gemm_efficiency=0.8, gemm_half_rows=16.0,
+                          layer_overhead_us=200.0)
+    moe_cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=K)
+    run_cfg = RunConfig(model=ModelConfig(vocab_size=256, dim=D, num_layers=1, num_heads=4,
+                                          seq_len=T),
+                        moe=moe_cfg, parallel=ParallelConfig(ep=ep),
+                        train=TrainConfig(micro_batch_size=1, dtype="float32"))
+    res = simulate(run_cfg, cluster, _trace(tmp_path, counts_E), strategies=("none",),
+                   dispatchers=("alltoall",), overlap="none")[0]
+
+    share = np.array(counts_E, dtype=np.float64) / sum(counts_E)
+    rows_E = share * T * ep * K                        # the EP group's rows per expert
+    e = E // ep
+    rows_R = rows_E.reshape(ep, e).sum(1)
+    gemms_R = (rows_E.reshape(ep, e) > 0).sum(1)
+    rate = 0.05e12 * 0.8
+    row_flops = 6 * 3 * D * F                          # SwiGLU: 3 matrices, fwd + bwd
+    compute_R = (rows_R + 16.0 * gemms_R) * row_flops / rate + 3 * 200e-6
+    to_each_R = rows_R / ep                             # what each source sends each rank
+    out_R = to_each_R.sum() - to_each_R                 # to the other ranks
+    in_R = (ep - 1) * to_each_R
+    transfer_R = np.maximum(out_R, in_R) * D * 4 / 2e9 + 30e-6
+    want_ms = (compute_R.max() + 4 * transfer_R.max()) * 1e3
+    layer = res.layers[0]
+    assert layer["layer_time_ms"] == pytest.approx(want_ms, rel=1e-9)
+    assert layer["expert_compute_max_ms"] == pytest.approx(compute_R.max() * 1e3, rel=1e-9)
+    assert layer["transfer_ms"] == pytest.approx(transfer_R.max() * 1e3, rel=1e-9)
+    # dedup sends a token once per destination rank: never more than alltoall
+    dedup = simulate(run_cfg, cluster, _trace(tmp_path, counts_E), strategies=("none",),
+                     dispatchers=("dedup",), overlap="none")[0].layers[0]
+    assert dedup["transfer_ms"] <= layer["transfer_ms"]
+    assert dedup["expert_compute_max_ms"] == pytest.approx(layer["expert_compute_max_ms"])
+
+
 def _session(rank, nproc, moe_cfg, tokens):
-    meas = measure(DIM, HIDDEN, "swiglu", quick=False, clock="cpu")
-    runs = {d: bench_moe_layer(moe_cfg, d, tokens, iters=3, warmup=1, clock="cpu")
+    return {d: bench_moe_layer(moe_cfg, d, tokens, iters=2, warmup=1, clock="cpu")
             for d in ("alltoall", "dedup")}
-    return meas, runs
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
-def test_simulator_predicts_a_local_ep_run(nproc, tmp_path):
-    moe_cfg = MoEConfig(dim=DIM, hidden_dim=HIDDEN, num_experts=8, top_k=2)
-    meas, runs = spawn_local(_session, nproc, (moe_cfg, TOKENS), threads=1)[0]
-    cluster_file = tmp_path / "cluster.yaml"
-    dump_cluster(cluster_from(meas, nproc, DIM, HIDDEN, "swiglu"), cluster_file)
-    cluster = load_cluster(cluster_file)
-    run_cfg = RunConfig(model=ModelConfig(vocab_size=256, dim=DIM, num_layers=1, num_heads=4,
-                                          seq_len=TOKENS),
-                        moe=moe_cfg, parallel=ParallelConfig(ep=nproc),
-                        train=TrainConfig(micro_batch_size=1))
-    report = []
-    for disp, run in runs.items():
-        trace = tmp_path / f"{disp}.jsonl"
-        trace.write_text("\n".join(json.dumps(rec) for rec in run["trace"]))
-        res = simulate(run_cfg, cluster, RoutingSpec.parse(f"trace:{trace}"),
-                       strategies=("none",), dispatchers=(disp,), overlap="none")[0]
-        predicted = res.layers[0]["layer_time_ms"] / 1e3
-        report.append((disp, run["median_s"], predicted))
-    print(report)
-    for disp, measured, predicted in report:
-        assert measured == pytest.approx(predicted, rel=0.2), (disp, measured, predicted, report)
-    assert np.isfinite([m for _, m, _ in report]).all()
+def test_real_layer_bench_reports_its_routing():
+    """What --calibration compares the simulator with: the real EP layer's step times and
+    its global tokens per expert as a metrics.jsonl-like trace (2 gloo processes)."""
+    moe_cfg = MoEConfig(dim=32, hidden_dim=48, num_experts=4, top_k=2)
+    runs = spawn_local(_session, 2, (moe_cfg, 64), threads=1)
+    assert runs[0].keys() == {"alltoall", "dedup"}
+    for disp, run in runs[0].items():
+        assert len(run["times"]) == 2 and run["median_s"] > 0 and run["bytes_sent"] > 0, disp
+        for rec in run["trace"]:
+            (layer,) = rec["layers"]
+            assert sum(layer["tokens_per_expert"]) == 2 * 64 * 2  # every rank's tokens x top-k
+    # every rank reduced the same step times and counts
+    assert runs[0]["dedup"]["trace"] == runs[1]["dedup"]["trace"]

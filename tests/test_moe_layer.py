@@ -203,6 +203,7 @@ def test_expert_plan_chunks_whole_experts():
     assert ExpertPlan.build([0, 0], 10).chunks == ()
 
 
+@pytest.mark.cpu_only
 def test_chunks_are_cache_sized_and_the_cpu_kernel_stays_on_cpu(monkeypatch):
     """1 MB chunks by default (moe.cpu.chunk_bytes overrides it); the chunked kernel is
     the CPU path only: 'auto' runs grouped GEMMs on other devices (meta stands in for an

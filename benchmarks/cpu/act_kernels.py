@@ -12,7 +12,7 @@ Competitors (each timed forward and backward, SwiGLU and GELU, bf16 and fp32):
             loops, what other CPUs and fp32 run
   eager     epscale.kernels.cpu.inductor.act_forward_eager / act_backward_eager: torch
             ops, fp32 inside, fresh result tensors every call (page faults included;
-            the layer's own eager mode, moe.compile_kernels=off, writes into buffers)
+            the layer's own eager mode, moe.cpu.elementwise=off, writes into buffers)
 
 Shapes [C, F]: two chunk-sized ones (the planner's ~1 MB chunks: wide 372 x 1408, coarse
 1024 x 1024) and one out of cache (4096 x 1408). Every competitor's bf16 output is
