@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import ConfigError, RunConfig, load_config
+from ..config import ConfigError, RunConfig, load_config, recipe_path
 from ..training.data import check_source
 from ..training.dist import detect_env, resolve_layout
 from ..training.loop import STOP_FILE, train
@@ -34,7 +34,8 @@ from ..training.loop import STOP_FILE, train
 
 
 def configure_parser(p) -> None:
-    p.add_argument("--config", help="recipe YAML (default: RUN_DIR/config.yaml when resuming, "
+    p.add_argument("--config", help="recipe YAML or recipe name, e.g. tiny (default: "
+                   "RUN_DIR/config.yaml when resuming, "
                    "else the built-in defaults)")
     p.add_argument("--nproc", type=int, default=None,
                    help="local processes to start with torchrun (default parallel.dp x "
@@ -52,7 +53,7 @@ def resolve_config(args) -> RunConfig:
     path = args.config
     if path is None and args.run_dir and (Path(args.run_dir) / "config.yaml").is_file():
         path = Path(args.run_dir) / "config.yaml"
-    return load_config(path, args.overrides)
+    return load_config(recipe_path(path) if path is not None else None, args.overrides)
 
 
 def default_run_dir(cfg: RunConfig) -> Path:

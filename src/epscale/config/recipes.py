@@ -81,7 +81,7 @@ def recipe_path(name_or_path: str | Path) -> Path:
     if cand.is_file():
         return cand
     known = sorted(f.stem for f in RECIPE_DIR.glob("*.yaml")) if RECIPE_DIR.is_dir() else []
-    raise ConfigError(f"config '{name_or_path}' is neither a file nor a recipe name; "
+    raise ConfigError(f"config file '{name_or_path}' does not exist and is not a recipe name; "
                       f"recipes: {', '.join(known) or '(none found in ' + str(RECIPE_DIR) + ')'}")
 
 

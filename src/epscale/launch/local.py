@@ -9,13 +9,10 @@ checkpoint in the run directory.
 
 from __future__ import annotations
 
-import os
-import shlex
 import socket
 import sys
-from pathlib import Path
 
-from ..config import ConfigError
+from ..config import ConfigError, recipe_path
 
 
 def _positive(key: str, value: int, allow_zero: bool = False) -> None:
@@ -67,8 +64,7 @@ def launch_command(config: str, *, nproc: int, max_restarts: int = 0,
                    run_dir: str | None = None, overrides: list[str] | None = None,
                    log_dir: str | None = None, python: str | None = None) -> list[str]:
     """The full command ``epscale launch`` runs (a list for ``subprocess``)."""
-    if not Path(config).is_file():
-        raise ConfigError(f"config file '{config}' does not exist")
+    config = str(recipe_path(config))
     return [python or sys.executable, "-m", "epscale.launch.agent",
             *torchrun_args(nproc_per_node=nproc, max_restarts=max_restarts, log_dir=log_dir),
             "-m", "epscale", *train_args(config, run_dir, overrides)]

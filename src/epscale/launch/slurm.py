@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import ConfigError, load_config
+from ..config import ConfigError, load_config, recipe_path
 from .local import train_args
 from .watchdog import NCCL_FLIGHT_RECORDER_ENV
 
@@ -119,8 +119,7 @@ class SlurmJob:
     overrides: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if not Path(self.config).is_file():
-            raise bad_option("CONFIG", self.config, "the recipe file does not exist")
+        self.config = str(recipe_path(self.config))
         cfg = load_config(self.config, self.overrides)  # fail at render time, not in the queue
         for opt, v, low in (("--nodes", self.nodes, 1), ("--gpus-per-node", self.gpus_per_node, 0),
                             ("--max-restarts", self.max_restarts, 0),

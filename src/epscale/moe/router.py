@@ -76,9 +76,8 @@ class GateLinear(torch.autograd.Function):
     that avoids two fp32 [T, D] GEMMs with a tiny inner dimension E, slow on CPU.
 
     bf16 x is widened block by block of rows (:func:`epscale.ops.rows_per_block`), not
-    all at once: on CPU a fresh fp32 copy of x (tens of MB at pretraining batch sizes) is
-    page-faulted in every step, which measured ~6 ms of a ~390 ms layer step on the
-    coarse benchmark shape."""
+    all at once: on CPU a fresh fp32 copy of x (tens of MB at pretraining batch sizes)
+    would be page-faulted in every step."""
 
     @staticmethod
     def forward(ctx, x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,6 @@ import queue
 import statistics
 import time
 import traceback
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np

@@ -85,9 +85,8 @@ class Compiled:
             self.fail(why)
             return
         # The generated code runs on as many threads as torch's own ops at the time of
-        # the call (one build per thread count): more would oversubscribe the cores
-        # (1.5x slower with 2 threads on a 1-thread budget), fewer leaves cores idle
-        # beside eager ops that use them all (benchmarks/RESULTS.md).
+        # the call (one build per thread count): more would oversubscribe the cores,
+        # fewer leaves cores idle beside eager ops that use them all.
         opts = {"cpp.threads": threads}
         self.fns[threads] = (torch.compile(act_backward_eager, dynamic=True, options=opts),
                              torch.compile(act_forward_eager, dynamic=True, options=opts))

@@ -3,12 +3,11 @@ the default on CPU, or ``'native'``): ``csrc/act_kernels.c``, built with the sys
 compiler on first use (well under a second) and loaded with ctypes.
 
 Why not torch.compile: it fuses the same work as well (``moe.cpu.elementwise='inductor'``)
-but takes ~16 s to compile in a fresh process (4 s with a warm cache), too much for a
-default. The C file needs no torch headers, so it builds in a fraction of a second, and
-the built library is cached (``$EPSCALE_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/epscale/
-kernels`` or ``~/.cache/epscale/kernels``) under a key of the source, the compiler, the
-flags and the CPU, so a cache shared between unlike machines holds one build per machine
-kind. Processes that build at once (ranks of one job) each write a private file and
+but takes many seconds to compile in a fresh process, too much for a default. The C file
+needs no torch headers, so it builds in a fraction of a second, and the built library is
+cached (``$EPSCALE_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/epscale/kernels`` or
+``~/.cache/epscale/kernels``) under a key of the source, the compiler, the flags and the
+CPU, so a cache shared between unlike machines holds one build per machine kind. Processes that build at once (ranks of one job) each write a private file and
 rename it into place.
 
 Without a C compiler, or when the build or the load fails, ``get()`` returns None and the
@@ -286,7 +285,7 @@ _warned: set[str] = set()  # modes already told that the build failed
 def build_generic(where: Path) -> NativeKernels:
     """A second build of the kernels with ``-DEPSCALE_GENERIC_LOOPS``, into ``where``
     (not the cache): the compiler-vectorised loops for bf16 too, which CPUs without
-    AVX-512 BF16 run. For the tests and benchmarks/act_kernels.py, which compare it with
+    AVX-512 BF16 run. For the tests and benchmarks/cpu/act_kernels.py, which compare it with
     the default build."""
     cc = find_compiler()
     if cc is None:

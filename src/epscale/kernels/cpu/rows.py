@@ -20,9 +20,9 @@ def gather_combine(rows_RD: torch.Tensor, pos_TK: torch.Tensor) -> torch.Tensor:
     ``rows_RD`` has one extra last row of zeros that dropped assignments point at.
 
     One ``embedding_bag`` (mode 'sum', bags of K): it reads each row once and writes each
-    token once, with no [T*K, D] gather buffer, and parallelises over tokens (what it
-    replaced and measured against: benchmarks/cpu/combine.py). fp32 and fp16 results are bitwise those of the
-    sequential sum in order k (fp16 summed in fp32, rounded once). bf16 is summed in fp32
+    token once, with no [T*K, D] gather buffer, and parallelises over tokens
+    (benchmarks/cpu/combine.py). fp32 and fp16 results are bitwise those of the sequential
+    sum in order k (fp16 summed in fp32, rounded once). bf16 is summed in fp32
     and rounded once too, but PyTorch's CPU kernel (fbgemm) rounds halfway cases away
     from zero instead of to even: the error stays within half a bf16 ulp, with a mean
     bias of about +6e-4 relative in magnitude for K=2, where halfway cases are common."""
