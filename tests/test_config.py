@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
+from epscale.cli import main as cli_main
 from epscale.config import (ConfigError, MoEConfig, RunConfig, apply_overrides, dump_yaml,
-                            from_dict, load_config, load_yaml, parse_override)
+                            from_dict, load_config, load_recipe, load_yaml, parse_override,
+                            recipe_path)
 
 
 def moe(**kw) -> MoEConfig:
@@ -206,3 +210,81 @@ def test_redundant_expert_keys_are_validated():
     with pytest.raises(ConfigError, match=r"redundant_experts' = 2 is invalid with ep=1"):
         resolve_layout(ParallelConfig(ep=1, redundant_experts=2), 1, 8)
     assert resolve_layout(ParallelConfig(ep=2, redundant_experts=4), 2, 8)[:2] == (1, 2)
+
+
+# ----------------------------------------------------------------- issue #24: bad input
+
+
+@pytest.mark.parametrize("text, what", [("", "is empty"), ("\n  \n", "is empty"),
+                                        ("# nothing set yet\n\n# moe:\n", "is empty (only comments)")])
+def test_empty_config_file_is_an_error_naming_it(tmp_path, text, what):
+    path = tmp_path / "x.yaml"
+    path.write_text(text)
+    msg = (rf"config file '.*x\.yaml' {re.escape(what)}: it sets nothing; to train on the "
+           r"built-in defaults leave out --config")
+    with pytest.raises(ConfigError, match=msg):
+        load_config(path)
+    with pytest.raises(ConfigError, match=msg):
+        load_recipe(path, ["train.steps=5"])
+    assert load_yaml(path) == {}  # cluster and alert-rule files: nothing set means the defaults
+    (tmp_path / "braces.yaml").write_text("{}\n")  # an explicit empty mapping is deliberate
+    assert load_config(tmp_path / "braces.yaml") == load_config(None)
+
+
+def test_directory_as_config_file_says_so(tmp_path, capsys):
+    run = tmp_path / "run1"
+    run.mkdir()
+    with pytest.raises(ConfigError, match=r"'.*run1' is a directory, not a YAML file; give the "
+                                          r"path of a YAML file$"):
+        load_yaml(run)
+    (run / "alerts.yaml").write_text("imbalance_steps: 3\n")
+    (run / "config.yaml").write_text("name: r\n")
+    with pytest.raises(ConfigError, match=r"is a directory.*\(e\.g\. '.*run1/config\.yaml'\)"):
+        load_config(run)
+    with pytest.raises(ConfigError, match=r"is a directory.*config\.yaml'\), or a recipe name; "
+                                          r"recipes: .*deepseek-v3"):
+        recipe_path(run)
+    assert cli_main(["describe", str(run)]) == 2
+    assert "is a directory, not a YAML file" in capsys.readouterr().err
+
+
+def test_override_errors_name_the_override_not_the_file(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("moe:\n  num_experts: 8\n  top_k: 2\n")
+    from_override = r"\(from the command-line override 'moe.top_k=99'\)$"
+    with pytest.raises(ConfigError, match=r"'moe.top_k' = 99 .*" + from_override):
+        load_config(path, ["moe.top_k=99"])
+    with pytest.raises(ConfigError, match=from_override):
+        load_config(None, ["moe.top_k=99"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'moe.num_expert'.*"
+                                          r"\(from the command-line override 'moe.num_expert=4'\)$"):
+        load_config(path, ["moe.num_expert=4"])
+    # a key from the file keeps '(in PATH)'; a clash with an override names both
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("moe:\n  num_experts: 4\n  top_k: 8\n")
+    with pytest.raises(ConfigError, match=r"'moe.top_k' = 8 .*\(in [^,]*bad\.yaml\)$"):
+        load_config(bad, ["train.steps=3"])
+    with pytest.raises(ConfigError, match=r"'moe.top_k' = 8 .*\(in .*bad\.yaml, with the "
+                                          r"command-line override 'moe.num_experts=2'\)$"):
+        load_config(bad, ["moe.num_experts=2"])
+    # with scale=tiny the overrides apply after shrinking: still named
+    with pytest.raises(ConfigError, match=from_override):
+        load_recipe("mixtral-8x7b", ["scale=tiny", "moe.top_k=99"])
+
+
+def test_renamed_keys_in_overrides_are_named_and_work_with_scale_tiny(tmp_path):
+    with pytest.warns(FutureWarning, match=r"has moved to 'moe.cpu.elementwise' \(from the "
+                                           r"command-line override 'moe.compile_kernels=on'\)"):
+        cfg = load_recipe("mixtral-8x7b", ["scale=tiny", "moe.compile_kernels=on"])
+    assert cfg.moe.cpu.elementwise == "inductor" and cfg.model.dim == 64
+    with pytest.warns(FutureWarning), pytest.raises(
+            ConfigError, match=r"'moe.cpu.elementwise' = 'bogus' .*\(from the command-line "
+                               r"override 'moe.compile_kernels=bogus'\)$"):
+        load_config(None, ["moe.compile_kernels=bogus"])
+    old = tmp_path / "old.yaml"
+    old.write_text("moe:\n  compile_kernels: on\n")
+    with pytest.warns(FutureWarning, match=r"has moved to 'moe.cpu.elementwise' \(in .*old\.yaml\)"):
+        assert load_config(old).moe.cpu.elementwise == "inductor"
+    with pytest.raises(ConfigError, match=r"both set \(in .*old\.yaml, with the command-line "
+                                          r"override 'moe.cpu.elementwise=auto'\)"):
+        load_config(old, ["moe.cpu.elementwise=auto"])

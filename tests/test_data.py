@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from epscale.config import DataConfig
-from epscale.training.data import (DataError, DataLoader, Splits, WindowSampler, _is_val, list_text_files,
-                          load_splits, stdlib_root)
+from epscale.training.data import (TEXT_PROBE_BYTES, DataError, DataLoader, Splits, WindowSampler, _is_val,
+                                   binary_reason, list_text_files, load_splits, stdlib_root)
 
 
 def test_stdlib_split_is_deterministic_and_by_file():
@@ -155,3 +155,60 @@ def test_validation_batches_are_fixed_and_disjoint():
     assert all(torch.equal(a[0], b[0]) for a, b in zip(r0, again))
     rows = [tuple(x.tolist()) for xb, _ in r0 + r1 for x in xb]
     assert len(set(rows)) == len(rows)
+
+
+# --------------------------------------------------------------------------------------
+# Files that are not text (issue #24): skipped in a folder with a note, an error when
+# nothing is left or when the one file given is binary.
+# --------------------------------------------------------------------------------------
+
+PNG_HEAD = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)) * 4
+
+
+def test_binary_reason_is_a_nul_in_the_first_8_kib():
+    assert binary_reason(b"plain text\n") is None
+    assert binary_reason("caf\xe9 latin-1".encode("latin-1")) is None  # text, just not UTF-8
+    assert binary_reason(PNG_HEAD) == "NUL bytes in its first 8 KiB"
+    assert binary_reason("utf-16 text".encode("utf-16")) is not None
+    assert binary_reason(b"x" * TEXT_PROBE_BYTES + b"\0") is None  # only the start is read
+
+
+def test_folder_skips_files_that_are_not_text_with_a_note(tmp_path):
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    for i in range(10):
+        (folder / f"f{i}.txt").write_text(f"text {i} " * 40)
+    (folder / "a_logo.png").write_bytes(PNG_HEAD)
+    (np.arange(500) % 256).astype(np.uint16).tofile(folder / "ids.bin")
+    s = load_splits(DataConfig(source=str(folder), val_fraction=0.2), 256)
+    assert s.train.size + s.val.size == sum(len(f"text {i} " * 40) for i in range(10))
+    assert b"\0" not in bytes(s.train) + bytes(s.val)
+    assert "10 under" in s.description
+    assert "skipped 2 that are not text, e.g. a_logo.png (NUL bytes" in s.description
+
+
+def test_folder_without_text_is_an_error_naming_it(tmp_path):
+    folder = tmp_path / "tokens"
+    folder.mkdir()
+    for i in range(12):
+        (np.arange(300) % 256).astype(np.uint16).tofile(folder / f"a{i:02d}.bin")
+    with pytest.raises(DataError, match=r"holds 12 files, none of them text \(e\.g\. a00\.bin: "
+                                        r"NUL bytes.*\.bin file of data\.dtype ids") as info:
+        load_splits(DataConfig(source=str(folder)), 256)
+    assert str(folder) in str(info.value)
+    (folder / "empty.txt").write_bytes(b"")
+    with pytest.raises(DataError, match=r"holds 13 files, none of them non-empty text "
+                                        r"\(12 not text, e\.g\. a00\.bin.*; 1 empty\)"):
+        load_splits(DataConfig(source=str(folder)), 256)
+
+
+def test_single_binary_file_is_an_error(tmp_path):
+    path = tmp_path / "weights.npy"
+    path.write_bytes(b"\x93NUMPY\x01\x00v\x00" + bytes(4096))
+    with pytest.raises(DataError, match=r"data file '.*weights\.npy' is not text \(NUL bytes"
+                                        r".*\.bin file of data\.dtype ids"):
+        load_splits(DataConfig(source=str(path)), 256)
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("d\xe9j\xe0 vu ".encode("latin-1") * 100)
+    s = load_splits(DataConfig(source=str(latin)), 256)  # text that is not UTF-8 still loads
+    assert s.train.size + s.val.size == 800

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from epscale.cli import main as cli_main
+from epscale.commands.describe import describe
 from epscale.config import ConfigError
 from epscale.model import Transformer
 from epscale.config import PUBLISHED, RECIPES, load_recipe, recipe_path, shrink
@@ -134,3 +135,16 @@ def test_describe_rows_per_expert(capsys):
     assert cli_main(["describe", "tiny", "moe.num_experts=64"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "rows per micro-batch and layer: 32" in out and "Below ~256" in out
+
+
+def test_describe_reports_the_scale_asked_for(tmp_path, capsys):
+    """The shrunk config says 'full' (so a run's config.yaml re-loads stably); the report
+    says the scale that was asked for, by an override or by the recipe file."""
+    assert cli_main(["describe", "--json", "deepseek-v3", "scale=tiny"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["scale"] == "tiny" and info["name"] == "deepseek-v3-tiny"
+    assert describe("deepseek-v3")["scale"] == "full"
+    assert describe("deepseek-v3", ["scale=tiny", "scale=full"])["scale"] == "full"
+    recipe = tmp_path / "small.yaml"
+    recipe.write_text("name: small\nscale: tiny\nmoe:\n  num_experts: 16\n  top_k: 2\n")
+    assert describe(str(recipe))["scale"] == "tiny"

@@ -1,9 +1,13 @@
 """Real Slurm: a rendered sbatch script trains the tiny recipe with 2 processes on a one-node
 cluster started by the ``slurm_cluster`` fixture; a pre-emption signal makes it checkpoint and
-requeue, and the requeued job resumes and finishes."""
+requeue, and the requeued job resumes and finishes. Before any of that, ``slurm render`` and
+``submit`` refuse an allocation the recipe cannot start (a world its layout cannot use, a
+rank that does not fit the GPU) without writing a script (no cluster needed for those)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -13,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from epscale.cli import main as cli_main
+from epscale.commands.describe import describe
 from slurm_cluster import slurm_cluster  # noqa: F401  (the session fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,8 +143,9 @@ def test_sbatch_trains_checkpoints_and_resumes_after_preemption(slurm_cluster, t
 
 def test_slurm_submit_reports_sbatch_errors(slurm_cluster, tmp_path):
     """A request the cluster cannot satisfy fails with sbatch's reason, not a job id."""
+    # 2 processes: tiny's ep=2 needs an even world (1 rank is refused before sbatch runs)
     r = subprocess.run([sys.executable, "-m", "epscale", "slurm", "submit", TINY,
-                        "--partition", "nosuch", "--gpus-per-node", "0",
+                        "--partition", "nosuch", "--gpus-per-node", "0", "--procs-per-node", "2",
                         "--run-dir", str(tmp_path / "r"),
                         "-o", str(tmp_path / "x.sbatch")],
                        env=slurm_cluster.env, capture_output=True, text=True, timeout=60,
@@ -147,6 +154,57 @@ def test_slurm_submit_reports_sbatch_errors(slurm_cluster, tmp_path):
         slurm_cluster.run("scancel", r.stdout.strip(), check=False)
     assert r.returncode == 1 and not r.stdout.strip(), r.stdout
     assert "sbatch failed" in r.stderr and "partition" in r.stderr.lower(), r.stderr
+
+
+def slurm_cli(*args: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli_main(["slurm", *args])
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("action", ["render", "submit"])
+def test_a_world_the_layout_cannot_use_is_refused_before_queueing(tmp_path, action, monkeypatch):
+    # an sbatch first on PATH that records being run: the refusal must come before it
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "sbatch").write_text(f"#!/bin/sh\necho ran > {tmp_path}/sbatch-ran\n"
+                                             "exit 1\n")
+    (tmp_path / "bin" / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    script = tmp_path / "job.sbatch"
+    code, out, err = slurm_cli(action, "ref-1t-64e", "--nodes", "3", "--gpus-per-node", "8",
+                               "--run-dir", str(tmp_path / "run"), "-o", str(script))
+    assert code == 2 and not out, out
+    assert ("--nodes 3 x --gpus-per-node 8 = 24 ranks cannot start ref-1t-64e: config key "
+            "'parallel.ep' = 64 is invalid: the number of processes (24) must be a multiple "
+            "of it") in err, err
+    assert "Use --nodes 8 or a multiple of it (8 x 8 = 64 ranks" in err
+    assert not script.exists() and not (tmp_path / "sbatch-ran").exists()
+    code, _, err = slurm_cli("render", TINY, "--nodes", "3", "--gpus-per-node", "0",
+                             "--procs-per-node", "3", "-o", str(script))
+    assert code == 2 and "--nodes 3 x --procs-per-node 3 = 9 ranks cannot start tiny" in err
+
+
+def test_a_rank_that_does_not_fit_the_gpu_is_refused_unless_told(tmp_path):
+    script = tmp_path / "job.sbatch"
+    base = ["render", "ref-1t-64e", "--nodes", "8", "--gpus-per-node", "8",
+            "--run-dir", str(tmp_path / "run"), "-o", str(script)]
+    code, _, err = slurm_cli(*base)
+    total = describe("ref-1t-64e", dp=1, ep=64)["memory"]["total"]  # what describe prints
+    assert code == 2 and not script.exists(), err
+    assert "note: parallel.dp=16 x parallel.ep=64 != 64 processes: using dp=1" in err
+    assert (f"ref-1t-64e needs about {total / 2 ** 30:,.1f} GiB per rank at dp=1 x ep=64"
+            in err and "more than --gpu-mem 80GiB" in err), err
+    assert "no FSDP sharding yet" in err and "add --no-memory-check" in err
+    code, out, err = slurm_cli(*base, "--no-memory-check")
+    assert code == 0 and out.strip() == str(script) and script.is_file(), err
+    assert slurm_cli(*base, "--gpu-mem", "600GiB")[0] == 0
+    code, _, err = slurm_cli(*base, "--gpu-mem", "80")
+    assert code == 2 and "--gpu-mem = '80' is invalid: give a positive size with a unit" in err
+    # a recipe that fits: switch-base-128 (a few GiB per rank) on 16 nodes of 8 GPUs
+    code, _, err = slurm_cli("render", "switch-base-128", "--nodes", "16", "--gpus-per-node",
+                             "8", "--run-dir", str(tmp_path / "sw"), "-o", str(tmp_path / "s"))
+    assert code == 0, err
 
 
 pytestmark = pytest.mark.timeout(900)

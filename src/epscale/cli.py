@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(module.run(args) or 0)
     except ConfigError as e:
-        print(f"epscale {name}: error: {e}", file=sys.stderr)
+        if not getattr(e, "quiet", False):  # quiet: reported by another rank already
+            print(f"epscale {name}: error: {e}", file=sys.stderr)
         return 2
 
 

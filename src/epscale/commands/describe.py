@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from ..config import PUBLISHED, load_recipe, recipe_path
+from ..config.recipes import requested_scale
 from ..sim.sizing import model_size
 
 
@@ -39,10 +40,12 @@ def _fmt_bytes(n: float) -> str:
 
 
 def describe(config: str, overrides: list[str] | None = None, **layout) -> dict:
-    """The describe report as a plain dict (what ``--json`` prints)."""
+    """The describe report as a plain dict (what ``--json`` prints). ``scale`` is the scale
+    asked for (by the recipe or a ``scale=`` override): the shrunk config itself says 'full'."""
     cfg = load_recipe(config, overrides)
     size = model_size(cfg, **layout)
-    out = {"name": cfg.name, "config": str(recipe_path(config)), "scale": cfg.scale,
+    out = {"name": cfg.name, "config": str(recipe_path(config)),
+           "scale": requested_scale(config, overrides),
            **size.as_dict()}
     out["layout"] = {"dp": layout.get("dp") or cfg.parallel.dp,
                      "ep": layout.get("ep") or cfg.parallel.ep,

@@ -4,6 +4,8 @@
     epscale monitor RUN_DIR --check         evaluate the alert rules: one line per alert and
                                             exit 1, or a one-line all-clear and exit 0
     epscale monitor RUN_DIR --follow        live terminal dashboard while the job runs
+    epscale monitor RUN_DIR --check --ended after the job (a Slurm epilog): the job is over,
+                                            so a run without an 'end' event crashed
 
 Alert thresholds: ``--rule key=value`` (repeatable), ``--rules FILE.yaml``, and
 RUN_DIR/alerts.yaml when present (file first, then the --rule overrides); see
@@ -50,7 +52,12 @@ def configure_parser(p) -> None:
     p.add_argument("--max-points", type=int, default=1000,
                    help="report: most columns per plot; longer runs are bucketed (default 1000)")
     p.add_argument("--exit-on-end", action="store_true",
-                   help="--follow: stop when the run writes its 'end' event")
+                   help="--follow: stop when the run writes its 'end' event (or its "
+                        "processes on this host have all exited)")
+    p.add_argument("--ended", action="store_true",
+                   help="--check/report: the job is over (e.g. in a Slurm epilog), so a run "
+                        "without an 'end' event crashed: flag it now, not after "
+                        "heartbeat_timeout_s")
 
 
 def _wrap(text: str, width: int) -> list[str]:
@@ -78,7 +85,9 @@ def run(args) -> int:
     if args.max_points < 10:
         raise ConfigError(f"--max-points {args.max_points!r} is invalid: must be >= 10")
     if args.follow:
-
+        if args.ended:
+            raise ConfigError("--ended is invalid with --follow: it says the job is over; use "
+                              "it with --check or the report")
         if not Path(args.run_dir).is_dir():
             print(f"epscale monitor: error: run directory '{args.run_dir}' does not exist",
                   file=sys.stderr)
@@ -93,7 +102,7 @@ def run(args) -> int:
         return 2
     _warn(run_log.warnings)
     now = time.time()
-    alerts = evaluate(run_log, rules, now=now)
+    alerts = evaluate(run_log, rules, now=now, job_over=args.ended)
     if args.check:
         for a in alerts:
             print(a.line())

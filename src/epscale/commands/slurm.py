@@ -1,14 +1,30 @@
 """``epscale slurm render|submit CONFIG --nodes N --gpus-per-node G``: an sbatch script that
-runs ``srun torchrun`` (see :mod:`epscale.launch.slurm` and docs/slurm.md)."""
+runs ``srun torchrun`` (see :mod:`epscale.launch.slurm` and docs/slurm.md).
+
+Before a script is written, the allocation is checked against the recipe, so a job that
+cannot start fails here and not after it has waited in the queue: nodes x procs-per-node
+must be a world the layout can use (``resolve_layout``: ep divides it, and moe.num_experts),
+and with GPUs the estimated memory per rank (``epscale describe``) must fit ``--gpu-mem``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
+import re
 import sys
 from pathlib import Path
 
+from ..config import ConfigError, RunConfig
 from ..launch.slurm import SlurmJob, bad_option, render, submit, write_script
+from ..sim.sizing import memory_per_rank
+from ..training.dist import resolve_layout
 from .args import allow_intermixed
+
+DEFAULT_GPU_MEM = "80GiB"  # an H100/A100-80GB
+_UNITS = {"": None, "b": 1, "k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30, "t": 2 ** 40,
+          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40,
+          "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12}
 
 
 def _add_job_options(p) -> None:
@@ -44,6 +60,13 @@ def _add_job_options(p) -> None:
     p.add_argument("--preflight", action=argparse.BooleanOptionalAction, default=True,
                    help="timed all-reduce/all-to-all check of every rank before training "
                         "(default: on)")
+    p.add_argument("--gpu-mem", default=DEFAULT_GPU_MEM, metavar="SIZE",
+                   help="memory of one GPU, e.g. 80GiB or 141GB (default 80GiB); the "
+                        "estimated memory per rank must fit it (checked with GPUs only)")
+    p.add_argument("--memory-check", action=argparse.BooleanOptionalAction, default=True,
+                   help="refuse a job whose estimated memory per rank exceeds --gpu-mem "
+                        "(default: on; the estimate shards only the experts, so the large "
+                        "recipes need --no-memory-check)")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="extra environment variable for the job (repeatable)")
     p.add_argument("-o", "--output", default=None,
@@ -67,8 +90,92 @@ def _job_from_args(args) -> SlurmJob:
                     signal_before=args.signal_before, preflight=args.preflight, env=args.env)
 
 
+def parse_size(option: str, text: str) -> int:
+    """Bytes in a size such as '80GiB', '141GB' or '80G' (K/M/G/T alone are binary, as in
+    Slurm's --mem)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = _UNITS.get(m.group(2).lower(), 0) if m else 0
+    if not m or not unit or float(m.group(1)) <= 0:
+        raise bad_option(option, text, "give a positive size with a unit, e.g. 80GiB, 141GB "
+                                       "or 96G")
+    return int(float(m.group(1)) * unit)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2 ** 30:,.1f} GiB"
+
+
+def _ranks_text(args, job: SlurmJob) -> str:
+    """'--nodes 3 x --gpus-per-node 8 = 24 ranks', naming the option the count came from."""
+    if args.procs_per_node is not None:
+        per = f"--procs-per-node {job.procs_per_node}"
+    elif job.gpus_per_node:
+        per = f"--gpus-per-node {job.gpus_per_node}"
+    else:
+        per = "1 process per node (the CPU-mode default of --procs-per-node)"
+    return f"--nodes {job.nodes} x {per} = {job.world_size} ranks"
+
+
+def _layout_hint(job: SlurmJob, cfg: RunConfig) -> str:
+    """What would work when the world is no multiple of parallel.ep: node counts for this
+    --procs-per-node, the recipe's own world, and an ep that fits this world."""
+    ep, ppn, world = cfg.parallel.ep, job.procs_per_node, job.world_size
+    step = ep // math.gcd(ep, ppn)
+    own = cfg.parallel.dp * ep
+    own_txt = (f"; the recipe's parallel.dp={cfg.parallel.dp} x parallel.ep={ep} is {own} "
+               f"ranks" + (f" = --nodes {own // ppn}" if own % ppn == 0 else ""))
+    fit = math.gcd(world, cfg.moe.num_experts)
+    ep_txt = (f", or override parallel.ep={fit} (divides {world} and moe.num_experts="
+              f"{cfg.moe.num_experts})" if fit > 1 and not cfg.parallel.redundant_experts else "")
+    return (f"Use --nodes {step} or a multiple of it ({step} x {ppn} = {step * ppn} ranks"
+            f"{own_txt}){ep_txt}.")
+
+
+def check_layout(args, job: SlurmJob, cfg: RunConfig) -> tuple[int, int, str | None]:
+    """(dp, ep, note) of the job's world, or ConfigError naming the options and keys: the
+    trainer would refuse this world at start-up, after the job has waited in the queue."""
+    try:
+        return resolve_layout(cfg.parallel, job.world_size, cfg.moe.num_experts)
+    except ConfigError as e:
+        hint = _layout_hint(job, cfg) if job.world_size % cfg.parallel.ep else ""
+        raise ConfigError(f"{_ranks_text(args, job)} cannot start {cfg.name}: {e}. "
+                          f"{hint}".rstrip()) from None
+
+
+def check_memory(cfg: RunConfig, dp: int, ep: int, gpu_mem: str) -> None:
+    """ConfigError when the estimated training memory of one rank at dp x ep (what
+    ``epscale describe --dp --ep`` prints) exceeds one GPU's ``gpu_mem``."""
+    limit = parse_size("--gpu-mem", gpu_mem)
+    mem = memory_per_rank(cfg, dp=dp, ep=ep)
+    if mem.total <= limit:
+        return
+    parts = ", ".join(f"{k} {_gib(getattr(mem, k))}"
+                      for k in ("params", "grads", "optimizer", "activations"))
+    more_ep = "raise parallel.ep (with more nodes), " if ep < cfg.moe.num_experts else ""
+    raise ConfigError(
+        f"{cfg.name} needs about {_gib(mem.total)} per rank at dp={dp} x ep={ep} ({parts}; "
+        f"see epscale describe {cfg.name} --dp {dp} --ep {ep}), more than --gpu-mem {gpu_mem}. "
+        "The estimate shards only the routed experts (over parallel.ep) and counts every other "
+        "weight, gradient and optimizer state whole on each rank (no FSDP sharding yet), so "
+        f"the large recipes do not fit by it yet. To fit: {more_ep}lower "
+        "train.micro_batch_size, or give the real GPU size with --gpu-mem; to submit anyway "
+        "(you know it fits), add --no-memory-check.")
+
+
+def check_job(args, job: SlurmJob) -> None:
+    """The checks a job must pass before its script is written (see the module docstring);
+    prints the layout note (dp derived from the world) to stderr."""
+    cfg = job.run_config
+    dp, ep, note = check_layout(args, job, cfg)
+    if note:
+        print(f"epscale slurm: note: {note}", file=sys.stderr)
+    if job.gpus_per_node and args.memory_check:
+        check_memory(cfg, dp, ep, args.gpu_mem)
+
+
 def run(args) -> int:
     job = _job_from_args(args)
+    check_job(args, job)
     if args.output == "-":
         if args.action == "submit":
             raise bad_option("--output", "-", "submit needs a file to pass to sbatch")

@@ -13,6 +13,7 @@ The training loop itself is :mod:`epscale.training.loop`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -23,9 +24,10 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, RunConfig, load_config, recipe_path
-from ..training.data import check_source
-from ..training.dist import detect_env, resolve_layout
+from ..launch.agent import kill_tree, parent_death_preexec
+from ..training.dist import detect_env
 from ..training.loop import STOP_FILE, train
+from ..training.prelaunch import CHECKED_ENV, check_run
 
 
 # --------------------------------------------------------------------------------------
@@ -56,43 +58,50 @@ def resolve_config(args) -> RunConfig:
     return load_config(recipe_path(path) if path is not None else None, args.overrides)
 
 
+@contextlib.contextmanager
+def _environ(name: str, value: str):
+    """``os.environ[name] = value`` for the duration (what child processes inherit)."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
 def default_run_dir(cfg: RunConfig) -> Path:
     return Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def run(args) -> int:
     cfg = resolve_config(args)
-    check_source(cfg.data)
     env = detect_env()
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
     if env.launcher == "none":
         nproc = args.nproc if args.nproc is not None else cfg.parallel.dp * cfg.parallel.ep
         if nproc < 1:
             raise ConfigError(f"--nproc {nproc} is invalid: must be >= 1")
-        resolve_layout(cfg.parallel, nproc, cfg.moe.num_experts)  # fail before launching
-        run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
+        # Before any process starts or any file is written: one message, exit status 2.
+        check_run(cfg, run_dir, nproc)
         if nproc > 1:
-            return launch_local(args, nproc, run_dir)
-    else:
-        run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
+            with _environ(CHECKED_ENV, "1"):  # the workers need not check again
+                return launch_local(args, nproc, run_dir)
+        return 0 if train(cfg, run_dir, env, stop_at=args.stop_at, checked=True) else 1
     result = train(cfg, run_dir, env, stop_at=args.stop_at)
     return 0 if result is not None else 1
 
 
-def _die_with_parent() -> None:
-    """In the torchrun child (Linux): get SIGTERM when this launcher dies, so its workers
-    never outlive it."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def launch_local(args, nproc: int, run_dir: Path) -> int:
-    """Run this same command as ``nproc`` torchrun workers. SIGINT/SIGTERM/SIGUSR1 here
-    become a graceful stop there (the RUN_DIR/STOP file); a second one kills them."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    """Run this same command as ``nproc`` torchrun workers (through
+    :mod:`epscale.launch.agent`: torchrun whose workers die with it). The first
+    SIGINT/SIGTERM/SIGUSR1 here becomes a graceful stop there (the RUN_DIR/STOP file); a
+    second SIGINT/SIGTERM kills torchrun and every worker, and the exit status is then
+    128 + the signal (130, 143). If this launcher is killed outright, torchrun gets SIGTERM
+    (its parent-death signal) and stops the workers itself."""
+    cmd = [sys.executable, "-m", "epscale.launch.agent", "--standalone",
            f"--nproc-per-node={nproc}", "-m", "epscale", "train", "--run-dir", str(run_dir)]
     if args.config:
         cmd += ["--config", str(args.config)]
@@ -105,24 +114,41 @@ def launch_local(args, nproc: int, run_dir: Path) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / STOP_FILE).unlink(missing_ok=True)  # a stale one would stop the new run
     # Own session: a terminal's Ctrl-C reaches only us (and becomes a graceful stop).
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
-    signals = {"count": 0}
-
-    def forward(signum, _frame):
-        signals["count"] += 1
-        if signals["count"] == 1:
-            (run_dir / STOP_FILE).touch()
-            print(f"\nepscale train: stopping after the current step (signal {signum}); "
-                  "send it again to kill the workers", file=sys.stderr)
-        else:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True,
+                            preexec_fn=parent_death_preexec(signal.SIGTERM))
+    handler = _StopThenKill(proc.pid, run_dir)
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     try:
-        return proc.wait()
+        code = proc.wait()
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+    return 128 + handler.killed_by if handler.killed_by else code
+
+
+class _StopThenKill:
+    """The launcher's signal handler: the first signal asks the workers to stop after the
+    current step (touches RUN_DIR/STOP); a second SIGINT/SIGTERM (or SIGUSR1) kills the
+    whole tree under torchrun (pid ``root``), whose workers sit in sessions of their own, so
+    a process-group kill would miss them. ``killed_by`` is the signal that killed, or 0."""
+
+    def __init__(self, root: int, run_dir: Path):
+        self.root, self.run_dir = root, run_dir
+        self.count, self.killed_by = 0, 0
+
+    def __call__(self, signum, _frame) -> None:
+        self.count += 1
+        name = signal.Signals(signum).name
+        if self.count == 1:
+            (self.run_dir / STOP_FILE).touch()
+            print(f"\nepscale train: got {name}; stopping after the current step (a checkpoint "
+                  "is written); send it again to kill the workers", file=sys.stderr, flush=True)
+        elif not self.killed_by:
+            self.killed_by = signum
+            print(f"epscale train: got {name} again; killing torchrun and every worker (to "
+                  f"resume from the latest checkpoint: --run-dir {self.run_dir})",
+                  file=sys.stderr, flush=True)
+            left = kill_tree(self.root)
+            if left:
+                print(f"epscale train: processes {left} did not die within 10 s of SIGKILL "
+                      "(stuck in the kernel?); check them with ps", file=sys.stderr, flush=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import re
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,9 +72,26 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return out
 
 
-def migrate_renamed_keys(data: dict[str, Any], where: str = "") -> dict[str, Any]:
+def renamed_override(text: str) -> str:
+    """The override ``text`` with its key under its current name (:data:`RENAMED_KEYS`),
+    without a warning: for re-applying overrides already migrated (and warned about) once."""
+    path, _ = parse_override(text)
+    key = ".".join(path)
+    if key not in RENAMED_KEYS:
+        return text
+    return f"{RENAMED_KEYS[key]}={text.split('=', 1)[1]}"
+
+
+def migrate_renamed_keys(data: dict[str, Any],
+                         where: str | Callable[..., str] = "") -> dict[str, Any]:
     """``data`` (a copy) with every key of :data:`RENAMED_KEYS` moved to its new place,
-    with one warning per key naming the new one. Both set at once is an error."""
+    with one warning per key naming the new one. Both set at once is an error.
+
+    ``where`` ends the messages with where the keys came from: a fixed suffix
+    (``' (in FILE)'``), or a function of the dotted keys concerned that returns it (the
+    file for some keys, a command-line override for others).
+    """
+    place = where if callable(where) else (lambda *keys: where)
     out = copy.deepcopy(data)
     for old, new in RENAMED_KEYS.items():
         *old_sec, old_leaf = old.split(".")
@@ -89,25 +107,47 @@ def migrate_renamed_keys(data: dict[str, Any], where: str = "") -> dict[str, Any
             dest = dest.setdefault(part, {})
             if not isinstance(dest, dict):
                 raise ConfigError(f"config key '{old}' moved to '{new}', but "
-                                  f"'{part}' is not a section{where}")
+                                  f"'{part}' is not a section{place(old, new)}")
         if new_leaf in dest:
-            raise ConfigError(f"config keys '{old}' and '{new}' are both set{where}; '{old}' is "
-                              f"the old name of '{new}': keep only '{new}'")
+            raise ConfigError(f"config keys '{old}' and '{new}' are both set{place(old, new)}; "
+                              f"'{old}' is the old name of '{new}': keep only '{new}'")
         dest[new_leaf] = value
-        warnings.warn(f"config key '{old}' has moved to '{new}'{where}; read as '{new}' (rename it)",
-                      FutureWarning, stacklevel=3)
+        warnings.warn(f"config key '{old}' has moved to '{new}'{place(old)}; read as '{new}' "
+                      "(rename it)", FutureWarning, stacklevel=3)
     return out
 
 
-def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML mapping, with errors that name the file."""
+def directory_message(path: Path) -> str:
+    """The start of the error for a directory given where a YAML file belongs, naming a
+    YAML file inside it when there is one (a run directory holds config.yaml)."""
+    inside = sorted(path.glob("*.yaml"), key=lambda f: (f.name != "config.yaml", f.name))
+    example = f" (e.g. '{inside[0]}')" if inside else ""
+    return f"config file '{path}' is a directory, not a YAML file; give the path of a YAML file{example}"
+
+
+def load_yaml(path: str | Path, empty_hint: str | None = None) -> dict[str, Any]:
+    """Read a YAML mapping, with errors that name the file.
+
+    A file that sets nothing (empty, or only comments) reads as ``{}``, unless
+    ``empty_hint`` (what to do instead) is given: then it is an error, for files where
+    setting nothing is a mistake (a run's config, which would train on the defaults
+    without a word). An explicit ``{}`` is a deliberate empty mapping and reads as ``{}``.
+    """
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(directory_message(p))
     if not p.is_file():
         raise ConfigError(f"config file '{p}' does not exist")
+    text = p.read_text()
     try:
-        data = yaml_load(p.read_text())
+        data = yaml_load(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"config file '{p}' is not valid YAML: {e}") from e
+    if data is None and empty_hint is not None:
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        only_comments = lines and all(line.startswith("#") for line in lines)
+        what = "is empty (only comments)" if only_comments else "is empty"
+        raise ConfigError(f"config file '{p}' {what}: it sets nothing; {empty_hint}")
     if data is None:
         data = {}
     if not isinstance(data, dict):

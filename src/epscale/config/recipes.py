@@ -15,14 +15,19 @@ and makes every width CPU sized.
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any
 
-from .io import apply_overrides, load_yaml, migrate_renamed_keys, parse_override
+from .io import (RENAMED_KEYS, apply_overrides, directory_message, load_yaml, migrate_renamed_keys,
+                 parse_override, renamed_override)
 from .schema import ModelConfig, RunConfig
 from .validate import ConfigError, from_dict, to_dict
 
 RECIPE_DIR = Path(__file__).resolve().parent / "recipes"
+
+# What to do instead of giving a config file that sets nothing.
+EMPTY_CONFIG_HINT = "to train on the built-in defaults leave out --config"
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
@@ -30,23 +35,92 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Load a recipe (``RunConfig`` by default) from YAML with dotted overrides.
 
     The ``moe.dim`` key follows ``model.dim`` unless set explicitly. Keys that were
-    renamed (:data:`epscale.config.io.RENAMED_KEYS`) are read under their new name.
+    renamed (:data:`epscale.config.io.RENAMED_KEYS`) are read under their new name. An
+    error ends with where its key came from: ``(in PATH)`` for the file, ``(from the
+    command-line override 'k=v')`` for an override (:class:`_Origins`). A file that sets
+    nothing is an error (use no file for the defaults).
     """
-    data = load_yaml(path) if path is not None else {}
-    data = apply_overrides(data, overrides or [])
-    data = migrate_renamed_keys(data, f" (in {path})" if path is not None else "")
+    overrides = list(overrides or [])
+    origins = _Origins(path, overrides)
+    data = load_yaml(path, empty_hint=EMPTY_CONFIG_HINT) if path is not None else {}
+    data = apply_overrides(data, overrides)
+    data = migrate_renamed_keys(data, lambda *keys: origins.where(*keys, renamed=False))
     if cls is RunConfig:
         model_dim = (data.get("model") or {}).get("dim", ModelConfig.dim)
         if isinstance(data.get("moe", {}), dict):
             data.setdefault("moe", {}).setdefault("dim", model_dim)
     try:
         cfg = from_dict(cls, data)
+        if cls is RunConfig and cfg.scale == "tiny":
+            cfg = apply_scale(cfg, overrides)
     except ConfigError as e:
-        where = f" (in {path})" if path is not None else ""
-        raise ConfigError(f"{e}{where}") from None
-    if cls is RunConfig and cfg.scale == "tiny":
-        cfg = apply_scale(cfg, overrides or [])
+        raise ConfigError(f"{e}{origins.where(*_keys_named(str(e), origins))}") from None
     return cfg
+
+
+class _Origins:
+    """Where the keys of a config being loaded came from: the last command-line override
+    that set a key (or a section above or below it), else the file (else the defaults).
+
+    ``renamed=True`` looks keys up under their current names (an override of an old name
+    set the new key); ``renamed=False`` under the names written (for the migration itself).
+    """
+
+    def __init__(self, path: str | Path | None, overrides: list[str]):
+        self.path = path
+        self.written = [(".".join(parse_override(t)[0]), t) for t in overrides]
+        self.current = [(RENAMED_KEYS.get(key, key), t) for key, t in self.written]
+
+    def override_for(self, key: str, renamed: bool = True) -> str | None:
+        """The last override that set ``key``, a section holding it or a key inside it."""
+        hit = None
+        for k, text in self.current if renamed else self.written:
+            if k == key or key.startswith(k + ".") or k.startswith(key + "."):
+                hit = text
+        return hit
+
+    def override_keys(self) -> list[str]:
+        return [k for k, _ in self.current]
+
+    def where(self, *keys: str, renamed: bool = True) -> str:
+        """The suffix naming where ``keys`` came from: ``' (in PATH)'``, ``' (from the
+        command-line override 'k=v')'``, both, or '' (defaults, no file). No keys: the file."""
+        texts, from_file = [], not keys
+        for key in keys:
+            text = self.override_for(key, renamed)
+            if text is None:
+                from_file = True
+            elif text not in texts:
+                texts.append(text)
+        over = ""
+        if texts:
+            s = "s" if len(texts) > 1 else ""
+            over = f"the command-line override{s} " + " and ".join(f"'{t}'" for t in texts)
+        in_file = from_file and self.path is not None
+        if over and in_file:
+            return f" (in {self.path}, with {over})"
+        if over:
+            return f" (from {over})"
+        return f" (in {self.path})" if in_file else ""
+
+
+_SUBJECT_RX = re.compile(r"config (?:key|keys|section) '([^']+)'")
+
+
+def _keys_named(message: str, origins: _Origins) -> list[str]:
+    """The dotted keys a ConfigError is about: its subject (the first quoted key, as
+    :func:`~epscale.config.validate.fail` and ``from_dict`` write it; 'moe.a/b' names
+    moe.a and moe.b) and the overridden keys its text names (the other side of a clash)."""
+    m = _SUBJECT_RX.search(message)
+    keys = []
+    if m:
+        first, *rest = m.group(1).split("/")
+        section = first.rsplit(".", 1)[0] + "." if "." in first else ""
+        keys = [first] + [section + r for r in rest]
+    for key in origins.override_keys():
+        if "." in key and key not in keys and re.search(rf"(?<![\w.]){re.escape(key)}(?!\w)", message):
+            keys.append(key)
+    return keys
 
 # Published total / active parameters (without MTP modules or vision towers), and where
 # they come from. ``None`` where the family's release gives no figure.
@@ -73,7 +147,8 @@ RECIPES: tuple[str, ...] = tuple(PUBLISHED)
 
 
 def recipe_path(name_or_path: str | Path) -> Path:
-    """A recipe name ('mixtral-8x7b') or a path to a YAML file -> the file's path."""
+    """A recipe name ('mixtral-8x7b') or a path to a YAML file -> the file's path. A
+    directory that is not also a recipe name is an error saying so."""
     p = Path(name_or_path)
     if p.is_file():
         return p
@@ -81,8 +156,23 @@ def recipe_path(name_or_path: str | Path) -> Path:
     if cand.is_file():
         return cand
     known = sorted(f.stem for f in RECIPE_DIR.glob("*.yaml")) if RECIPE_DIR.is_dir() else []
+    recipes = ', '.join(known) or '(none found in ' + str(RECIPE_DIR) + ')'
+    if p.is_dir():
+        raise ConfigError(f"{directory_message(p)}, or a recipe name; recipes: {recipes}")
     raise ConfigError(f"config file '{name_or_path}' does not exist and is not a recipe name; "
-                      f"recipes: {', '.join(known) or '(none found in ' + str(RECIPE_DIR) + ')'}")
+                      f"recipes: {recipes}")
+
+
+def requested_scale(name_or_path: str | Path, overrides: list[str] | None = None) -> str:
+    """The scale a recipe and its overrides ask for: the last ``scale=`` override, else the
+    file's ``scale`` key, else 'full'. A loaded config says 'full' once shrunk (so that a
+    run's config.yaml re-loads unchanged); this says what was asked, e.g. 'tiny'."""
+    scale = load_yaml(recipe_path(name_or_path), empty_hint=EMPTY_CONFIG_HINT).get("scale", "full")
+    for text in overrides or []:
+        path, value = parse_override(text)
+        if path == ["scale"]:
+            scale = value
+    return scale
 
 
 def load_recipe(name_or_path: str | Path, overrides: list[str] | None = None) -> RunConfig:
@@ -158,7 +248,8 @@ def apply_scale(cfg: RunConfig, overrides: list[str]) -> RunConfig:
     """``scale=tiny``: shrink, then apply the command line's other overrides on top, so
     ``scale=tiny parallel.ep=2 train.steps=5`` keeps the ep and steps asked for."""
     tiny = shrink(cfg)
-    rest = [o for o in overrides if parse_override(o)[0] != ["scale"]]
+    # Renamed keys were migrated (with their warning) when the config was first loaded.
+    rest = [renamed_override(o) for o in overrides if parse_override(o)[0] != ["scale"]]
     if not rest:
         return tiny
     data = apply_overrides(to_dict(tiny), rest)

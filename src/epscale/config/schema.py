@@ -320,7 +320,12 @@ class TrainConfig:
     eval_batches: int = 8
     log_every: int = 1
     ckpt_every: int = 100
+    # The newest this many checkpoints that verify are kept (corrupt ones are moved to
+    # checkpoints/corrupt/ and do not count).
     ckpt_keep: int = 2
+    # A save that fails (disk full, no permission) is logged and training goes on from the
+    # intact previous checkpoint; this many failures in a row stop the run.
+    ckpt_fail_limit: int = 3
     spike_factor: float = 0.0
     spike_window: int = 50
     spike_patience: int = 3
@@ -336,7 +341,7 @@ class TrainConfig:
             fail("train.collective_timeout_s", self.collective_timeout_s,
                   "must be >= 0 seconds (0 disables the watchdog)")
         for name in ("steps", "micro_batch_size", "grad_accum", "eval_batches", "log_every",
-                     "ckpt_keep", "spike_window", "spike_patience"):
+                     "ckpt_keep", "ckpt_fail_limit", "spike_window", "spike_patience"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 fail(f"train.{name}", v, "must be a positive integer")
@@ -356,12 +361,15 @@ class MetricsConfig:
 
     tensorboard: also write TensorBoard events to RUN_DIR/tensorboard (the 'monitor'
     extra). prometheus_port: rank 0 serves /metrics there for a cluster's Prometheus
-    (null: off; 0: any free port). dead_after_steps: an expert with no tokens for this many
-    steps counts as dead in the metrics and alerts.
+    (null: off; 0: any free port). prometheus_addr: the address it binds (127.0.0.1: this
+    machine only; 0.0.0.0 to let a scraper on another host reach it).
+    dead_after_steps: an expert with no tokens for this many steps counts as dead in the
+    metrics and alerts.
     """
 
     tensorboard: bool = False
     prometheus_port: int | None = None
+    prometheus_addr: str = "127.0.0.1"
     dead_after_steps: int = 50
 
     def __post_init__(self) -> None:

@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import ConfigError, load_config, recipe_path
+from ..config import ConfigError, RunConfig, load_config, recipe_path
 from .local import train_args
 from .watchdog import NCCL_FLIGHT_RECORDER_ENV
 
@@ -117,10 +117,14 @@ class SlurmJob:
     preflight: bool = True
     env: list[str] = field(default_factory=list)
     overrides: list[str] = field(default_factory=list)
+    # The loaded recipe (with the overrides), for the checks that need the model and layout
+    # (``epscale slurm`` checks the node count against them before anything is queued).
+    run_config: RunConfig | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.config = str(recipe_path(self.config))
         cfg = load_config(self.config, self.overrides)  # fail at render time, not in the queue
+        self.run_config = cfg
         for opt, v, low in (("--nodes", self.nodes, 1), ("--gpus-per-node", self.gpus_per_node, 0),
                             ("--max-restarts", self.max_restarts, 0),
                             ("--signal-before", self.signal_before, 1)):

@@ -13,14 +13,21 @@ Every sink takes the same plain dicts: ``write(record)`` for a step record and
 TensorBoard needs the ``tensorboard`` package and Prometheus ``prometheus_client``, both in
 the ``monitor`` extra (``pip install 'epscale[monitor]'``). Environment variables switch
 them on without a config change: ``EPSCALE_TENSORBOARD=1``, ``EPSCALE_PROMETHEUS_PORT=9400``.
+
+metrics.jsonl is the source of truth: failing to open or write it stops the run. TensorBoard
+and Prometheus are optional: when one cannot start (a busy port, a missing package, an
+unwritable directory) the run goes on without it and ``writer.notes`` says so, for the
+trainer's start-up header.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+import errno
 import json
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any, Iterable
@@ -143,7 +150,7 @@ class PrometheusSink(Sink):
     RENAME = {"tokens_per_s": "tokens_per_second", "tokens_per_s_per_proc":
               "tokens_per_second_per_proc", "step_time_s": "step_time_seconds"}
 
-    def __init__(self, port: int, addr: str = "0.0.0.0", run: str = "run"):
+    def __init__(self, port: int, addr: str = "127.0.0.1", run: str = "run"):
         try:
             import prometheus_client as pc
         except ImportError as e:
@@ -174,7 +181,19 @@ class PrometheusSink(Sink):
                           registry=reg)
         self._events = C("epscale_events", "non-step events", ["run", "event"], registry=reg)
         self._server, self._thread = pc.start_http_server(port, addr=addr, registry=reg)
+        self.addr = addr
         self.port = int(self._server.server_port)
+
+    @property
+    def url(self) -> str:
+        """Where a scraper finds the endpoint. A wildcard bind (0.0.0.0, ::) is named by this
+        host's name, since the wildcard address itself is no place to connect to."""
+        host = self.addr
+        if host in ("", "0.0.0.0", "::"):
+            host = socket.gethostname()
+        elif ":" in host:
+            host = f"[{host}]"  # an IPv6 literal
+        return f"http://{host}:{self.port}/metrics"
 
     def write(self, record: dict[str, Any]) -> None:
         r = self.run
@@ -213,22 +232,65 @@ class PrometheusSink(Sink):
         self._server.server_close()
 
 
+def open_prometheus(port: int, addr: str, run: str) -> tuple[PrometheusSink | None, str]:
+    """Start the Prometheus endpoint, or explain why not: (sink, note) on success, (None,
+    warning) when it cannot start. An optional sink must never stop a run, so a busy port,
+    an address this host does not have or a missing ``prometheus_client`` is a warning for
+    the start-up header, and training goes on with metrics.jsonl (which holds every number
+    the endpoint would have served). An invalid port number still raises ValueError: that is
+    a config mistake, caught by the config check before launch."""
+    where = f"metrics.prometheus_port {port} on {addr}"
+    try:
+        sink = PrometheusSink(port, addr, run=run)
+    except ImportError as e:
+        return None, f"warning: {where}: {e}; no Prometheus endpoint this run"
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            fix = ("is in use ({}: {}): no Prometheus endpoint this run; pick another port "
+                   "(metrics.prometheus_port=0 picks a free one)")
+        else:
+            fix = ("cannot be served ({}: {}): no Prometheus endpoint this run; check "
+                   "metrics.prometheus_addr (an address of this host, 127.0.0.1 or 0.0.0.0)")
+        return None, f"warning: {where} " + fix.format(type(e).__name__, e)
+    where = "" if addr not in ("", "0.0.0.0", "::") else f" (all interfaces, {addr or '0.0.0.0'})"
+    return sink, f"metrics: Prometheus endpoint at {sink.url}{where}"
+
+
+def open_tensorboard(log_dir: Path) -> tuple[TensorBoardSink | None, str]:
+    """Open the TensorBoard event file, or explain why not: (sink, note) or (None, warning).
+    Optional like Prometheus: a missing ``tensorboard`` package or a directory that cannot
+    be created (permissions, a full disk) leaves the run going with metrics.jsonl."""
+    try:
+        sink = TensorBoardSink(log_dir)
+    except (ImportError, OSError) as e:
+        return None, (f"warning: metrics.tensorboard: cannot write {log_dir} "
+                      f"({type(e).__name__}: {e}): no TensorBoard events this run")
+    return sink, f"metrics: TensorBoard events in {log_dir}"
+
+
 class MetricsWriter:
     """Fans step records and events out to sinks; a writer without sinks does nothing
     (what ranks other than 0 get). Sinks that raise are reported once and dropped, so a
     full disk under TensorBoard does not stop training."""
 
-    def __init__(self, sinks: Iterable[Sink] = ()):
+    def __init__(self, sinks: Iterable[Sink] = (), notes: Iterable[str] = ()):
         self.sinks: list[Sink] = list(sinks)
+        # Lines for the run's start-up header: where the metrics go, what could not open.
+        self.notes: list[str] = list(notes)
 
     @classmethod
     def open(cls, run_dir: str | Path, *, rank: int = 0, tensorboard: bool | None = None,
-             prometheus_port: int | None = None, prometheus_addr: str = "0.0.0.0",
+             prometheus_port: int | None = None, prometheus_addr: str = "127.0.0.1",
              run_name: str | None = None) -> "MetricsWriter":
         """The standard sinks of a run directory, on rank 0 only: RUN_DIR/metrics.jsonl,
         TensorBoard events in RUN_DIR/tensorboard when ``tensorboard`` (None reads
-        ``EPSCALE_TENSORBOARD``), Prometheus on ``prometheus_port`` (None reads
-        ``EPSCALE_PROMETHEUS_PORT``; unset means off)."""
+        ``EPSCALE_TENSORBOARD``), Prometheus on ``prometheus_addr``:``prometheus_port``
+        (None reads ``EPSCALE_PROMETHEUS_PORT``; unset means off; 127.0.0.1 serves this
+        host only, 0.0.0.0 every interface, for a scraper on another machine).
+
+        ``.notes`` of the writer says where the optional sinks went, or, as a line starting
+        with "warning:", why one could not start: the run goes on without it (see
+        :func:`open_prometheus`). Failing to open metrics.jsonl raises."""
         if rank != 0:
             return cls([])
         run_dir = Path(run_dir)
@@ -241,12 +303,14 @@ class MetricsWriter:
             except ValueError:
                 raise ValueError(f"EPSCALE_PROMETHEUS_PORT={raw!r} must be a port number")
         sinks: list[Sink] = [JsonlSink(run_dir / "metrics.jsonl")]
+        opened: list[tuple[Sink | None, str]] = []
         if tensorboard:
-            sinks.append(TensorBoardSink(run_dir / "tensorboard"))
+            opened.append(open_tensorboard(run_dir / "tensorboard"))
         if prometheus_port is not None:
-            sinks.append(PrometheusSink(prometheus_port, prometheus_addr,
-                                        run=run_name or run_dir.name))
-        return cls(sinks)
+            opened.append(open_prometheus(prometheus_port, prometheus_addr,
+                                          run_name or run_dir.name))
+        sinks += [sink for sink, _ in opened if sink is not None]
+        return cls(sinks, notes=[note for _, note in opened])
 
     def _each(self, method: str, record: dict[str, Any]) -> None:
         for sink in list(self.sinks):

@@ -6,6 +6,10 @@
 saturation, silent ranks) look at the condition's current streak: it must hold in the
 latest records, for at least the configured number of records. "Event" rules (loss
 spikes, non-finite values) report occurrences within the last ``recent_records`` records.
+"Run" rules look at the run as a whole: it never trained a step (no_steps), it is over
+without an 'end' event (crashed: known from ``evaluate(..., job_over=True)``, what
+``--check --ended`` passes in a Slurm epilog, or from heartbeats whose processes have all
+exited on this host), or its latest checkpoint save failed (checkpoint_failed).
 
 Thresholds are fields of :class:`AlertRules` (defaults documented there); set them with
 ``epscale monitor RUN --check --rule imbalance_max_vio=2.0`` or a YAML file of the same
@@ -22,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..config import ConfigError, apply_overrides, from_dict, load_yaml
-from .runlog import RunLog, finite, layers_of, num
+from .runlog import RunLog, finite, layers_of, num, processes_gone
 
 
 @dataclass
@@ -50,7 +54,9 @@ class AlertRules:
     bias_saturation (1.0): an expert-bias range (max - min) at or above 1.0, the scale of
         the router scores, so the bias rather than the token decides the routing.
     heartbeat_timeout_s (300): a rank of a run that has not ended whose heartbeat is older
-        than this (or missing) is silent.
+        than this (or missing) is silent. A run known to be over (``--ended``, or every
+        rank's process gone on this host) is judged at once instead: without an 'end'
+        event it crashed.
     recent_records (200): how far back the event rules (spikes, non-finite) look.
     """
 
@@ -370,8 +376,11 @@ def rule_bias_saturation(run: RunLog, r: AlertRules) -> list[Alert]:
     return out
 
 
-def rule_silent_rank(run: RunLog, r: AlertRules, now: float) -> list[Alert]:
-    if run.ended or not run.has_heartbeat_dir:
+def rule_silent_rank(run: RunLog, r: AlertRules, now: float,
+                     over: str | None = None) -> list[Alert]:
+    """Ranks of a run still believed to be running whose heartbeat went stale (``over``:
+    the run is known to be over, so rule_crashed speaks for it instead)."""
+    if run.ended or over is not None or not run.has_heartbeat_dir:
         return []
     world = run.world_size or (max(run.heartbeats) + 1 if run.heartbeats else 0)
     out = []
@@ -392,17 +401,91 @@ def rule_silent_rank(run: RunLog, r: AlertRules, now: float) -> list[Alert]:
     return out
 
 
+def rule_no_steps(run: RunLog, over: str | None) -> list[Alert]:
+    """A run with no step record at all: it never trained a step (it failed while setting
+    up: data, layout, memory, a rank that never joined), or it is still starting up."""
+    if run.steps:
+        return []
+    if over is not None or run.ended:
+        when = "the run is over without training a step"
+    else:
+        when = "the run has not trained a step (it failed while starting, or is still starting)"
+    return [Alert("no_steps", "run", None,
+                  f"metrics.jsonl holds no step records: {when}; see {run.run_dir}/logs/ "
+                  "and the job's output for why")]
+
+
+def rule_crashed(run: RunLog, over: str | None) -> list[Alert]:
+    """A run known to be over (``over`` says how we know) whose metrics.jsonl has no 'end'
+    event after its last start: the trainer did not get to write it, so it crashed or was
+    killed. Flagged at once: no heartbeat timeout to wait for."""
+    if over is None or run.ended:
+        return []
+    last = run.last_step
+    ckpt = run.last_checkpoint_step
+    resume = (f"run again with the same --run-dir to resume from the checkpoint of step {ckpt}"
+              if ckpt is not None else "no checkpoint was saved, so a rerun starts over")
+    at = f"after step {last}" if last is not None else "before the first step"
+    return [Alert("crashed", "run", last,
+                  f"no 'end' event {at} and {over}: the run crashed or was killed; see "
+                  f"{run.run_dir}/logs/ and the job's output for why, then {resume}")]
+
+
+def rule_checkpoint_failed(run: RunLog) -> list[Alert]:
+    """The latest checkpoint attempt failed (a 'checkpoint_failed' event after the last
+    'checkpoint'): training goes on, but a crash now loses every step since the last save."""
+    failures: list[dict[str, Any]] = []
+    for ev in run.events:
+        if ev.get("event") == "checkpoint":
+            failures = []
+        elif ev.get("event") == "checkpoint_failed":
+            failures.append(ev)
+    if not failures:
+        return []
+    last, first = failures[-1], failures[0]
+    step = last.get("step") if isinstance(last.get("step"), int) else None
+    in_row = last.get("failures_in_a_row", len(failures))
+    limit = (f" of at most {last['limit']}, then the run stops"
+             if isinstance(last.get("limit"), int) else "")
+    saved = run.last_checkpoint_step
+    saved_txt = (f"the newest saved checkpoint is step {saved}" if saved is not None
+                 else "no checkpoint has been saved")
+    return [Alert("checkpoint_failed", "run",
+                  first.get("step") if isinstance(first.get("step"), int) else step,
+                  f"checkpoint at step {step} failed: {last.get('error', '(no error given)')} "
+                  f"({in_row} failure{'s' if in_row != 1 else ''} in a row{limit}); "
+                  f"{saved_txt}, so a crash now loses every step since: fix the cause (free "
+                  f"disk space, the permissions of {run.run_dir}/checkpoints)")]
+
+
 RULES = ("imbalance", "dead_experts", "drop_rate", "loss_spike", "nonfinite", "throughput",
-         "straggler", "comm_share", "bias_saturation", "silent_rank")
+         "straggler", "comm_share", "bias_saturation", "silent_rank", "no_steps", "crashed",
+         "checkpoint_failed")
 
 
-def evaluate(run: RunLog, rules: AlertRules | None = None, now: float | None = None) -> list[Alert]:
+def run_over(run: RunLog, job_over: bool = False) -> str | None:
+    """How we know the run's processes are over, or None when they may still be running:
+    the caller says the job is over (``--ended``, e.g. in a Slurm epilog), or every
+    heartbeat names a process of this host that has exited."""
+    if job_over:
+        return "the job is over (--ended)"
+    return processes_gone(run)
+
+
+def evaluate(run: RunLog, rules: AlertRules | None = None, now: float | None = None,
+             job_over: bool = False) -> list[Alert]:
     """All alerts of ``run`` under ``rules`` (defaults when None). ``now``: the time the
-    heartbeats are judged against (default: the current time)."""
+    heartbeats are judged against (default: the current time). ``job_over``: the caller
+    knows the job has finished (a Slurm epilog, ``--check --ended``), so a missing 'end'
+    event means it crashed, without waiting for the heartbeat timeout."""
     r = rules or AlertRules()
     now = time.time() if now is None else now
+    over = run_over(run, job_over)
     hosts = {k: str(v["host"]) for k, v in run.heartbeats.items() if v.get("host")}
     alerts: list[Alert] = []
+    alerts += rule_crashed(run, over)
+    alerts += rule_no_steps(run, over)
+    alerts += rule_checkpoint_failed(run)
     alerts += rule_nonfinite(run, r)
     alerts += rule_loss_spike(run, r)
     alerts += rule_imbalance(run, r)
@@ -412,5 +495,5 @@ def evaluate(run: RunLog, rules: AlertRules | None = None, now: float | None = N
     alerts += rule_throughput(run, r)
     alerts += rule_straggler(run, r, hosts)
     alerts += rule_comm_share(run, r)
-    alerts += rule_silent_rank(run, r, now)
+    alerts += rule_silent_rank(run, r, now, over)
     return alerts

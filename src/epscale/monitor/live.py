@@ -20,7 +20,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from .alerts import Alert, AlertRules, evaluate
+from .alerts import Alert, AlertRules, evaluate, run_over
 from .runlog import JsonlTail, RunLog, fmt_value as _f, layers_of, num, read_config, refresh_heartbeats
 
 BARS = "▁▂▃▄▅▆▇█"
@@ -73,7 +73,8 @@ def render(run: RunLog, alerts: list[Alert], now: float | None = None,
     recs = run.steps
     last = recs[-1] if recs else {}
     age = now - num(last["time"]) if num(last.get("time")) is not None else None
-    state = "ended" if run.ended else "running"
+    crashed = any(a.rule == "crashed" for a in alerts)
+    state = "ended" if run.ended else ("crashed (no end event)" if crashed else "running")
     head = Text(f"epscale · {run.name} · step {last.get('step', '—')} · {state}", style="bold")
     if age is not None:
         head.append(f" · last record {age:,.0f}s ago", style="dim")
@@ -201,8 +202,9 @@ class Follower:
 
 def follow(run_dir: Path, rules: AlertRules, interval: float = 2.0, exit_on_end: bool = False,
            console: Console | None = None, max_seconds: float | None = None) -> int:
-    """Run the dashboard until Ctrl-C (exit 0), the run's end event when ``exit_on_end``,
-    or ``max_seconds``. Waits for metrics.jsonl to appear."""
+    """Run the dashboard until Ctrl-C (exit 0), the run's end event when ``exit_on_end``
+    (or, since a crashed run writes none, its processes all gone: see ``run_over``), or
+    ``max_seconds``. Waits for metrics.jsonl to appear."""
     console = console or Console()
     fol = Follower(run_dir)
     start = time.monotonic()
@@ -213,7 +215,7 @@ def follow(run_dir: Path, rules: AlertRules, interval: float = 2.0, exit_on_end:
                 fol.poll()
                 if fol.run.steps or fol.run.events:
                     live.update(render(fol.run, evaluate(fol.run, rules)))
-                if exit_on_end and fol.run.ended:
+                if exit_on_end and (fol.run.ended or run_over(fol.run) is not None):
                     break
                 if max_seconds is not None and time.monotonic() - start > max_seconds:
                     break

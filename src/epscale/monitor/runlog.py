@@ -7,12 +7,18 @@ that is not JSON, a half-written heartbeat file. When step numbers go back (a ro
 a resume from an older checkpoint), the records from the abandoned timeline are dropped so
 the plots and rules see the trajectory the run actually kept (the events stay); a second
 line for the same step is merged into the first (e.g. a separate ``val_loss`` line).
+
+Whether a run is over is read from its own files where it can be: ``processes_gone`` says
+so when every heartbeat was written on this host, by this attempt, by a process that no
+longer exists (the monitor must see the trainer's processes: same host and pid namespace).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -71,6 +77,22 @@ class RunLog:
             elif ev.get("event") in ("start", "resume"):
                 state = False
         return state
+
+    @property
+    def last_start_time(self) -> float | None:
+        """Time of the last 'start'/'resume' event (when the current attempt began)."""
+        for ev in reversed(self.events):
+            if ev.get("event") in ("start", "resume"):
+                return num(ev.get("time"))
+        return None
+
+    @property
+    def last_checkpoint_step(self) -> int | None:
+        """Step of the newest checkpoint saved (a 'checkpoint' event), None when none was."""
+        for ev in reversed(self.events):
+            if ev.get("event") == "checkpoint" and isinstance(ev.get("step"), int):
+                return ev["step"]
+        return None
 
     @property
     def last_step(self) -> int | None:
@@ -219,6 +241,50 @@ def read_heartbeats(run_dir: Path) -> tuple[dict[int, dict[str, Any]], list[str]
     return beats, warns
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host and is not a zombie (exited, not yet
+    reaped by its parent: it trains no more). A process of another user counts as alive."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True  # no /proc (not Linux): kill() said it exists
+    return "\nState:\tZ" not in status
+
+
+def processes_gone(log: RunLog, host: str | None = None) -> str | None:
+    """Why the run's processes are known to be over, or None when that cannot be told.
+
+    It can be told when there are heartbeat files, each names ``host`` (default: this
+    machine) and an integer pid, each was written by the current attempt (not before its
+    'start'/'resume' event: a resumed run's old heartbeats name the previous attempt's
+    pids) and none of those processes is alive. A heartbeat from another node, or without
+    a pid, leaves it unknown (the heartbeat-timeout rule covers those runs)."""
+    host = host or socket.gethostname()
+    beats = log.heartbeats
+    started = log.last_start_time
+    if not beats:
+        return None
+    pids = []
+    for hb in beats.values():
+        pid, t = hb.get("pid"), num(hb.get("time"))
+        if hb.get("host") != host or isinstance(pid, bool) or not isinstance(pid, int):
+            return None
+        if started is not None and (t is None or t < started):
+            return None
+        if pid_alive(pid):
+            return None
+        pids.append(pid)
+    shown = ",".join(str(p) for p in sorted(pids)[:8]) + (",..." if len(pids) > 8 else "")
+    return (f"every rank's process has exited (host {host}, pid{'s' if len(pids) > 1 else ''} "
+            f"{shown} from heartbeats/)")
+
+
 def read_config(run_dir: Path) -> tuple[dict[str, Any] | None, list[str]]:
     p = run_dir / "config.yaml"
     if not p.is_file():
@@ -235,7 +301,9 @@ def load_run(run_dir: str | Path) -> RunLog:
     run_dir = Path(run_dir)
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
-        what = "does not exist" if not run_dir.exists() else "has no metrics.jsonl"
+        what = ("does not exist" if not run_dir.exists() else "has no metrics.jsonl (the "
+                f"trainer never got as far as opening it: see {run_dir}/logs/ and the job's "
+                "output)")
         raise FileNotFoundError(f"run directory '{run_dir}' {what}")
     log = RunLog(run_dir)
     log.config, warns = read_config(run_dir)

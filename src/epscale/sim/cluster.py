@@ -95,7 +95,7 @@ def load_cluster(spec: str | Path, overrides: list[str] | None = None) -> Cluste
     if str(spec) in PRESETS:
         data = asdict(PRESETS[str(spec)])
     elif Path(spec).is_file():
-        data = load_yaml(spec)
+        data = load_yaml(spec, empty_hint="name a preset or fill in the cluster keys")
         data.setdefault("name", Path(spec).stem)
     else:
         raise ConfigError(f"cluster '{spec}' is neither a preset nor a file; presets: "

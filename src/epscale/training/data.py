@@ -9,7 +9,10 @@ Sources (``data.source``):
   excluded), sorted by relative path; a file goes to validation when the hash of its
   relative path falls below ``val_fraction``.
 * a text file or a folder of text files - bytes (vocab 256); a folder is split by path hash
-  like stdlib, a single file by position (the last ``val_fraction`` of its bytes).
+  like stdlib, a single file by position (the last ``val_fraction`` of its bytes). A file is
+  text unless a NUL byte sits in its first 8 KiB (:func:`binary_reason`); a folder's other
+  files are skipped with a note in the data description, and a folder with no text file, or
+  a single file that is not text, is an error.
 * a ``.bin`` file of ``data.dtype`` token ids (nanoGPT convention), split by position, or a
   folder holding ``train.bin`` (and ``val.bin``).
 
@@ -36,6 +39,12 @@ from ..config import ConfigError, DataConfig
 BYTE_VOCAB = 256
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
+# How much of a file's start decides whether it is text (the window git and GNU grep use).
+TEXT_PROBE_BYTES = 8192
+# What to use instead when the files are token ids, not text.
+_TOKEN_HINT = ("for token ids give a raw .bin file of data.dtype ids as data.source, or a "
+               "folder holding train.bin (and val.bin); see the epscale.training.data docstring")
+
 
 class DataError(ConfigError):
     """A data source that cannot be used; the message names the path and why."""
@@ -56,7 +65,9 @@ def _is_val(rel_path: str, val_fraction: float) -> bool:
 
 
 def list_text_files(root: Path, pattern: str = "*") -> list[Path]:
-    """Regular, non-hidden files under ``root`` in sorted relative-path order."""
+    """Regular, non-hidden files under ``root`` in sorted relative-path order: the
+    candidates; whether each is text is decided when it is read (:func:`binary_reason`),
+    so that every file is read once."""
     files = []
     for p in root.rglob(pattern):
         rel = p.relative_to(root).parts
@@ -67,21 +78,90 @@ def list_text_files(root: Path, pattern: str = "*") -> list[Path]:
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
-def _read_bytes(path: Path) -> bytes:
+def _read_text(path: Path) -> tuple[bytes, str | None]:
+    """``(the file's bytes, None)`` for a text file, ``(b"", why not)`` for one that is not
+    text (:func:`binary_reason`). Only the first :data:`TEXT_PROBE_BYTES` of a binary file
+    are read, so skipping a folder's large binaries costs neither time nor memory."""
     try:
-        return path.read_bytes()
+        with path.open("rb") as f:
+            reason = binary_reason(f.read(TEXT_PROBE_BYTES))
+            if reason is not None:
+                return b"", reason
+            f.seek(0)
+            return f.read(), None
     except OSError as e:
         raise DataError(f"data file '{path}' cannot be read: {e.strerror or e}") from e
 
 
-def _split_files(root: Path, files: list[Path], val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    train, val = [], []
+def binary_reason(data: bytes) -> str | None:
+    """Why ``data`` (a file's bytes, or its first bytes) is not text, or None when it is text.
+
+    The rule: a NUL byte in the first :data:`TEXT_PROBE_BYTES` bytes means binary (as in
+    git and GNU grep). It is cheap (8 KiB per file) and robust:
+    images, archives, executables, pickles and token arrays carry NULs in their headers or
+    small ids, and compressed or random bytes miss a NUL in 8 KiB with probability
+    (255/256)**8192, about 1e-14. UTF-16 text has NULs too and is skipped (re-encode it as
+    UTF-8). UTF-8 is not required: a byte-level model reads latin-1 or koi8-r text as well
+    as UTF-8, and the standard library ships such sources.
+    """
+    if data.find(b"\0", 0, TEXT_PROBE_BYTES) >= 0:
+        return f"NUL bytes in its first {TEXT_PROBE_BYTES // 1024} KiB"
+    return None
+
+
+@dataclass
+class _TextFiles:
+    """What reading a folder's candidate files found: the text of each non-empty text file
+    by relative path, the files skipped as not text (relative path, reason), the empty ones."""
+
+    texts: list[tuple[str, bytes]]
+    skipped: list[tuple[str, str]]
+    empty: int
+
+
+def _read_text_files(root: Path, files: list[Path]) -> _TextFiles:
+    """Read every text file once, keeping the non-empty ones (see :func:`_read_text`)."""
+    found = _TextFiles([], [], 0)
     for p in files:
-        data = _read_bytes(p)
-        if data:
-            (val if _is_val(p.relative_to(root).as_posix(), val_fraction) else train).append(data)
-    if not train and not val:
-        raise DataError(f"data source '{root}' holds no readable non-empty files")
+        data, reason = _read_text(p)
+        rel = p.relative_to(root).as_posix()
+        if reason is not None:
+            found.skipped.append((rel, reason))
+        elif data:
+            found.texts.append((rel, data))
+        else:
+            found.empty += 1
+    if not found.texts:
+        raise _no_text_error(root, len(files), found)
+    return found
+
+
+def _no_text_error(root: Path, num_files: int, found: _TextFiles) -> DataError:
+    """The error for a folder whose files hold no text: how many of each kind, one example."""
+    if not found.skipped:
+        return DataError(f"data source '{root}' holds no readable non-empty files")
+    rel, reason = found.skipped[0]
+    example = f"e.g. {rel}: {reason}"
+    if found.empty:
+        what = (f"none of them non-empty text ({len(found.skipped)} not text, {example}; "
+                f"{found.empty} empty)")
+    else:
+        what = f"none of them text ({example})"
+    return DataError(f"data.source '{root}' holds {num_files} files, {what}; {_TOKEN_HINT}")
+
+
+def _skipped_note(found: _TextFiles) -> str:
+    """'' or the description's note on the files skipped as not text (count, one example)."""
+    if not found.skipped:
+        return ""
+    rel, reason = found.skipped[0]
+    return f"; skipped {len(found.skipped)} that are not text, e.g. {rel} ({reason})"
+
+
+def _split_files(root: Path, found: _TextFiles, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    train, val = [], []
+    for rel, data in found.texts:
+        (val if _is_val(rel, val_fraction) else train).append(data)
     if not train or not val:
         # Too few files for a hash split: fall back to a positional split of everything.
         return _split_tail(np.frombuffer(b"".join(train + val), dtype=np.uint8), val_fraction, root)
@@ -140,8 +220,9 @@ class Splits:
 def load_splits(cfg: DataConfig, vocab_size: int) -> Splits:
     """Read ``cfg.source`` into train/validation token arrays (see the module docstring).
 
-    Raises DataError naming the path for a missing, empty or unreadable source, and for
-    token ids at or beyond ``vocab_size``.
+    Raises DataError naming the path for a missing, empty or unreadable source, for a
+    folder with no text file or a single file that is not text, and for token ids at or
+    beyond ``vocab_size``.
     """
     src = cfg.source
     if src == "stdlib":
@@ -150,8 +231,11 @@ def load_splits(cfg: DataConfig, vocab_size: int) -> Splits:
         if not files:
             raise DataError(f"data.source 'stdlib': no *.py files under '{root}'")
         _need_bytes(vocab_size, "stdlib")
-        train, val = _split_files(root, files, cfg.val_fraction)
-        return Splits(train, val, f"Python stdlib sources ({len(files)} files under {root})")
+        found = _read_text_files(root, files)
+        train, val = _split_files(root, found, cfg.val_fraction)
+        used = len(files) - len(found.skipped)
+        return Splits(train, val, f"Python stdlib sources ({used} files under {root}"
+                                  f"{_skipped_note(found)})")
     path = Path(src).expanduser()
     if not path.exists():
         raise DataError(f"data.source '{path}' does not exist (use 'stdlib', a text file or "
@@ -168,14 +252,18 @@ def load_splits(cfg: DataConfig, vocab_size: int) -> Splits:
         if not files:
             raise DataError(f"data.source '{path}' is a folder with no files")
         _need_bytes(vocab_size, str(path))
-        train, val = _split_files(path, files, cfg.val_fraction)
-        return Splits(train, val, f"text files ({len(files)} under {path})")
+        found = _read_text_files(path, files)
+        train, val = _split_files(path, found, cfg.val_fraction)
+        used = len(files) - len(found.skipped)
+        return Splits(train, val, f"text files ({used} under {path}{_skipped_note(found)})")
     if path.suffix == ".bin":
         tokens = _open_bin(path, cfg.dtype, vocab_size)
         train, val = _split_tail(tokens, cfg.val_fraction, path)
         return Splits(train, val, f"token file {path} ({cfg.dtype})")
     _need_bytes(vocab_size, str(path))
-    data = _read_bytes(path)
+    data, reason = _read_text(path)
+    if reason is not None:
+        raise DataError(f"data file '{path}' is not text ({reason}); {_TOKEN_HINT}")
     if not data:
         raise DataError(f"data file '{path}' is empty")
     train, val = _split_tail(np.frombuffer(data, dtype=np.uint8), cfg.val_fraction, path)
@@ -186,18 +274,6 @@ def _need_bytes(vocab_size: int, source: str) -> None:
     if vocab_size < BYTE_VOCAB:
         raise DataError(f"data.source '{source}' is byte-level text and needs model.vocab_size "
                         f">= {BYTE_VOCAB}, got {vocab_size}")
-
-
-def check_source(cfg: DataConfig) -> None:
-    """Cheap pre-flight check (before launching processes): the path exists and is not empty."""
-    if cfg.source == "stdlib":
-        return
-    path = Path(cfg.source).expanduser()
-    if not path.exists():
-        raise DataError(f"data.source '{path}' does not exist (use 'stdlib', a text file or "
-                        "folder, or a .bin token file)")
-    if path.is_file() and path.stat().st_size == 0:
-        raise DataError(f"data file '{path}' is empty")
 
 
 # --------------------------------------------------------------------------------------

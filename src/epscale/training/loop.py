@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..config import RunConfig, dump_yaml, to_dict
+from ..config import ConfigError, RunConfig, dump_yaml, to_dict
 from ..kernels.cpu import describe_chunks, describe_elementwise
 from ..launch.preflight import run_preflight
 from ..launch.watchdog import Watchdog
@@ -45,6 +45,13 @@ from .data import DataLoader, byte_unigram_entropy, load_splits
 from .dist import LaunchEnv, init_process_group, make_dims, pick_device, set_threads, shutdown
 from .guard import SpikeGuard
 from .optim import build_optimizer, ensure_optimizer_state, grad_norm_and_flags, lr_at, set_lr
+from .prelaunch import CHECKED_ENV, check_run
+
+class ReportedByRankZero(ConfigError):
+    """A configuration error that rank 0 reports; the other ranks stop with it quietly."""
+
+    quiet = True
+
 
 REBALANCER_FILE = "rebalancer.pt"  # the re-placement load window, beside a checkpoint's shards
 STOP_FILE = "STOP"  # touch RUN_DIR/STOP to stop gracefully (what `--nproc` forwards signals as)
@@ -70,11 +77,14 @@ class Trainer:
     """
 
     def __init__(self, cfg: RunConfig, run_dir: str | Path, env: LaunchEnv,
-                 stop_at: int | None = None):
+                 stop_at: int | None = None, checked: bool = False):
         self.cfg, self.env, self.stop_at = cfg, env, stop_at
+        self.checked = checked  # the caller ran the pre-launch checks
         self.run_dir = Path(run_dir)
         self._signalled = False
         self._old_handlers: dict[int, Any] = {}
+        self._verified: set[Path] = set()  # checkpoints hashed by this process
+        self._save_failures = 0            # failed saves in a row
 
     # ================================================================== set-up
     def setup(self) -> None:
@@ -89,6 +99,7 @@ class Trainer:
             dist.broadcast_object_list(box, src=0)
             self.run_dir = Path(box[0])
         self.console = TrainConsole(self.rank == 0, cfg.train.steps)
+        self._check_before_writing()
         if self.rank == 0:
             for sub in ("checkpoints", "logs", "heartbeats"):
                 (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
@@ -146,7 +157,8 @@ class Trainer:
         self.writer = MetricsWriter.open(
             self.run_dir, rank=self.rank, run_name=cfg.name,
             tensorboard=cfg.metrics.tensorboard or None,  # None: the environment decides
-            prometheus_port=cfg.metrics.prometheus_port)
+            prometheus_port=cfg.metrics.prometheus_port,
+            prometheus_addr=cfg.metrics.prometheus_addr)
         self.guard = SpikeGuard(cfg.train.spike_factor, cfg.train.spike_window,
                                 cfg.train.spike_patience)
         self.step, self.num_skipped, self.num_rollbacks = 0, 0, 0
@@ -154,13 +166,38 @@ class Trainer:
         self._print_start(layout_note, placement_note)
         self._resume()
 
+    def _check_before_writing(self) -> None:
+        """The pre-launch checks (layout, data, run directory, checkpoint against the
+        model) on rank 0, unless the launcher ran them; nothing is written before they
+        pass. Rank 0 reports an error; the other ranks stop quietly with exit status 2."""
+        error = None
+        if self.rank == 0 and not (self.checked or os.environ.get(CHECKED_ENV)):
+            try:
+                check_run(self.cfg, self.run_dir, self.world)
+            except ConfigError as e:
+                error = str(e)
+        error = self._broadcast(error)
+        if error is not None:
+            if self.rank == 0:
+                raise ConfigError(error)
+            raise ReportedByRankZero("rank 0 reported a configuration error")
+
     def _find_checkpoint(self) -> tuple[Path, dict] | None:
-        """The newest complete checkpoint of the run directory (rank 0 looks, every rank
-        gets the answer), or None for a fresh run."""
+        """The newest complete checkpoint of the run directory (rank 0 looks, moving the
+        ones that fail their checks to checkpoints/corrupt/; every rank gets the answer),
+        or None for a fresh run."""
         found = None
         if self.rank == 0:
-            hit = ckpt.latest_valid(self.run_dir, report=self._warn)
+            before = ckpt.list_checkpoints(self.run_dir)
+            hit = ckpt.latest_valid(self.run_dir, report=self._warn, move_corrupt=True)
             found = (str(hit[0]), hit[1]) if hit else None
+            if hit is None and before:
+                where = ckpt.corrupt_root(self.run_dir)
+                self.console.print(
+                    f"[bold red]error:[/] all {len(before)} checkpoint(s) of {self.run_dir} "
+                    f"failed their checks and were moved to {where} for inspection; "
+                    "STARTING FROM STEP 0. Stop now (Ctrl-C) if that is not what you want.")
+                self._log(f"error: every checkpoint corrupt, moved to {where}; starting fresh")
         found = self._broadcast(found)
         return (Path(found[0]), found[1]) if found else None
 
@@ -225,6 +262,7 @@ class Trainer:
                          f"({slots // self.dims.ep} per EP rank), {every}; {placement_note}")
         if layout_note:
             lines.append(f"note: {layout_note}")
+        lines += list(self.writer.notes)  # where the metrics go (e.g. the Prometheus URL)
         for line in lines:
             self.console.print(line)
         self._log(f"start: world={self.world} dp={self.dims.dp} ep={self.dims.ep} "
@@ -410,7 +448,8 @@ class Trainer:
         return float(total)
 
     # ================================================================== checkpoints
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self) -> Path | None:
+        """Save (collective); None when the save failed and training goes on."""
         meta = {"data": self.loader.state_dict(), "guard": self.guard.state_dict(),
                 "num_skipped": self.num_skipped, "num_rollbacks": self.num_rollbacks,
                 "config": to_dict(self.cfg)}
@@ -421,8 +460,23 @@ class Trainer:
         if self.rebalancer is not None:
             extra[REBALANCER_FILE] = self.rebalancer.state_dict()
         t0 = time.perf_counter()
-        path = ckpt.save(self.run_dir, self.step, self.model, self.opt, self.dims, meta,
-                         keep=self.cfg.train.ckpt_keep, extra_files=extra)
+        try:
+            path = ckpt.save(self.run_dir, self.step, self.model, self.opt, self.dims, meta,
+                             keep=self.cfg.train.ckpt_keep, extra_files=extra,
+                             verified=self._verified, report=self._warn)
+        except ckpt.CheckpointSaveError as e:
+            self._save_failures += 1
+            limit = self.cfg.train.ckpt_fail_limit
+            self.writer.event("checkpoint_failed", step=self.step, error=str(e),
+                              failures_in_a_row=self._save_failures, limit=limit)
+            self._warn(f"{e} (failure {self._save_failures} of at most {limit} in a row; "
+                       "training goes on)")
+            if self._save_failures >= limit:
+                raise ckpt.CheckpointSaveError(
+                    f"{self._save_failures} checkpoint saves failed in a row "
+                    f"(train.ckpt_fail_limit = {limit}); stopping. Last: {e}") from None
+            return None
+        self._save_failures = 0
         dt = time.perf_counter() - t0
         self.writer.event("checkpoint", step=self.step, path=str(path), seconds=dt)
         self._log(f"checkpoint: {path} ({dt:.2f}s)")
@@ -481,13 +535,17 @@ class Trainer:
                     self._rollback(rec)
                     continue
                 due = cfg.train.ckpt_every > 0 and self.step % cfg.train.ckpt_every == 0
+                path = None
                 if due or self.step == cfg.train.steps or self._stop_flag:
                     path = self.save_checkpoint()
-                    self.console.note(f"checkpoint {path.name} saved")
+                    if path is not None:
+                        self.console.note(f"checkpoint {path.name} saved")
                 if self._stop_flag and self.step < cfg.train.steps:
                     stopped = True
-                    self.console.note(f"stopping at step {self.step} (checkpoint saved; run "
-                                      "again with the same --run-dir to continue)")
+                    saved = ("checkpoint saved" if path is not None else
+                             "this step's checkpoint failed: the run continues from the last one")
+                    self.console.note(f"stopping at step {self.step} ({saved}; run again with "
+                                      "the same --run-dir to continue)")
                     break
             self.console.close()
             summary = self.console.summary(records, last_val, self.num_skipped,
@@ -500,21 +558,21 @@ class Trainer:
             self._restore_signals()
 
     def close(self, clean: bool = True) -> None:
-        if getattr(self, "watchdog", None) is not None:
-            self.watchdog.stop()
-        self.collector.close()
-        self.writer.close()
-        if getattr(self, "_log_file", None) is not None:
-            self._log_file.close()
-        if self.rank == 0:
+        """Tear down whatever setup got to (it may have failed half-way)."""
+        for part in ("watchdog", "collector", "writer", "_log_file"):
+            obj = getattr(self, part, None)
+            if obj is not None:
+                (obj.stop if part == "watchdog" else obj.close)()
+        if getattr(self, "rank", None) == 0:
             (self.run_dir / STOP_FILE).unlink(missing_ok=True)
         shutdown(clean)
 
 
 def train(cfg: RunConfig, run_dir: str | Path, env: LaunchEnv | None = None,
-          stop_at: int | None = None) -> RunResult:
-    """Set up, train, tear down. ``env`` None means a single process."""
-    trainer = Trainer(cfg, run_dir, env or LaunchEnv("none"), stop_at=stop_at)
+          stop_at: int | None = None, checked: bool = False) -> RunResult:
+    """Set up, train, tear down. ``env`` None means a single process. ``checked``: the
+    caller ran :func:`epscale.training.prelaunch.check_run` already."""
+    trainer = Trainer(cfg, run_dir, env or LaunchEnv("none"), stop_at=stop_at, checked=checked)
     clean = False
     try:
         trainer.setup()
@@ -524,7 +582,4 @@ def train(cfg: RunConfig, run_dir: str | Path, env: LaunchEnv | None = None,
     finally:
         # After an error, no barrier: the other ranks may be stuck in a collective, and
         # the launcher tears them down once this process exits non-zero.
-        if hasattr(trainer, "collector"):
-            trainer.close(clean)
-        else:
-            shutdown(clean)
+        trainer.close(clean)

@@ -3,12 +3,14 @@ live and whether one is sound (``paths``), what they hold (``state``), saving an
 (``store``), and one full state dict to and from a checkpoint (``convert``)."""
 
 from .convert import export_full, import_full, resolve
-from .paths import (FORMAT_VERSION, CheckpointError, checkpoints_root, latest_valid,
-                    list_checkpoints, read_meta, step_dir, validate)
+from .paths import (FORMAT_VERSION, CheckpointError, checkpoints_root, corrupt_root,
+                    latest_valid, list_checkpoints, prune, read_meta, set_aside, step_dir,
+                    validate)
 from .state import build_state, check_compatible
-from .store import load, load_extra, rng_state, save, set_rng_state
+from .store import CheckpointSaveError, load, load_extra, rng_state, save, set_rng_state
 
-__all__ = ["CheckpointError", "FORMAT_VERSION", "build_state", "check_compatible",
+__all__ = ["CheckpointError", "CheckpointSaveError", "FORMAT_VERSION", "corrupt_root", "prune",
+           "set_aside", "build_state", "check_compatible",
            "checkpoints_root", "export_full", "import_full", "latest_valid", "list_checkpoints",
            "load", "load_extra", "read_meta", "resolve", "rng_state", "save", "set_rng_state",
            "step_dir", "validate"]

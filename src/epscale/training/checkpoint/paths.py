@@ -7,13 +7,18 @@ Layout of one checkpoint, ``RUN_DIR/checkpoints/step_00000100/``:
 * ``rank_{r}.pt``: that rank's RNG states;
 * ``meta.json``, written last by rank 0: step, layout, data position, loop counters, the
   config, and the size and SHA-256 of every file (a corrupt file is detected on load).
+
+A checkpoint that fails these checks is moved to ``checkpoints/corrupt/`` (kept for
+inspection, never counted toward ``train.ckpt_keep``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -84,13 +89,60 @@ def validate(path: Path, verify_hashes: bool = True) -> dict:
     return meta
 
 
-def latest_valid(run_dir: str | Path, report: Callable[[str], None] = print
-                 ) -> tuple[Path, dict] | None:
+def corrupt_root(run_dir: str | Path) -> Path:
+    """Where checkpoints that fail their checks are moved, kept for inspection."""
+    return checkpoints_root(run_dir) / "corrupt"
+
+
+def set_aside(path: Path, reason: str) -> Path:
+    """Move the checkpoint ``path`` to ``checkpoints/corrupt/`` (never deleted, and no
+    longer counted as a checkpoint), with ``REASON.txt`` saying why. Returns where it went."""
+    dest_root = path.parent / "corrupt"
+    dest_root.mkdir(exist_ok=True)
+    dest, n = dest_root / path.name, 1
+    while dest.exists():
+        n += 1
+        dest = dest_root / f"{path.name}.{n}"
+    os.replace(path, dest)
+    (dest / "REASON.txt").write_text(reason + "\n")
+    return dest
+
+
+def latest_valid(run_dir: str | Path, report: Callable[[str], None] = print,
+                 move_corrupt: bool = False) -> tuple[Path, dict] | None:
     """The newest checkpoint that validates, reporting (with its path) every newer one
-    that does not; None when there is none."""
+    that does not; None when there is none. ``move_corrupt``: also move those to
+    ``checkpoints/corrupt/`` (the trainer does, on rank 0; read-only callers do not)."""
     for _step, path in reversed(list_checkpoints(run_dir)):
         try:
             return path, validate(path)
         except CheckpointError as e:
-            report(f"{e}; trying the previous checkpoint")
+            if move_corrupt:
+                dest = set_aside(path, str(e))
+                report(f"{e}; moved it to {dest} and trying the previous checkpoint")
+            else:
+                report(f"{e}; trying the previous checkpoint")
     return None
+
+
+def prune(run_dir: str | Path, keep: int, verified: set[Path] | None = None,
+          report: Callable[[str], None] = print) -> list[Path]:
+    """Keep the newest ``keep`` checkpoints that verify (size and SHA-256 of every file;
+    one verification per checkpoint per ``verified`` set), move the ones that fail to
+    ``checkpoints/corrupt/``, delete the older verified ones. Returns the kept ones."""
+    verified = verified if verified is not None else set()
+    kept: list[Path] = []
+    for _step, path in reversed(list_checkpoints(run_dir)):
+        if len(kept) >= keep:
+            shutil.rmtree(path, ignore_errors=True)
+            continue
+        if path not in verified:
+            try:
+                validate(path)
+            except CheckpointError as e:
+                dest = set_aside(path, str(e))
+                report(f"{e}; moved it to {dest} (it does not count toward train.ckpt_keep)")
+                continue
+            verified.add(path)
+        kept.append(path)
+    return kept

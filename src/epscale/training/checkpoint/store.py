@@ -22,8 +22,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from .paths import (FORMAT_VERSION, CheckpointError, checkpoints_root, list_checkpoints,
-                    read_meta, sha256, step_dir)
+from .paths import (FORMAT_VERSION, CheckpointError, checkpoints_root, prune, read_meta,
+                    sha256, step_dir)
 from .state import PlacedExperts, build_state, check_compatible, copy_back, copy_local, saved_keys
 
 
@@ -59,46 +59,133 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class CheckpointSaveError(CheckpointError):
+    """A save that failed on some rank (disk full, no permission): its partial directory
+    is gone, the previous checkpoints are untouched; the message names the path and the
+    cause. Raised on every rank alike."""
+
+
+def _os_cause(e: BaseException, where: Path | None = None) -> str:
+    """Why a write failed: the first OSError inside ``e`` (DCP wraps per-rank failures) as
+    'strerror (file)'; else, when the file system of ``where`` is (nearly) full, that (the
+    zip writer of torch.save reports a full disk as a RuntimeError); else ``e`` itself."""
+    full = _disk_full(where)
+    seen, todo = set(), [e]
+    while todo:
+        x = todo.pop()
+        if id(x) in seen or x is None:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError):
+            where = f" ({x.filename})" if getattr(x, "filename", None) else ""
+            return f"{x.strerror or x}{where}"
+        todo += [x.__cause__, x.__context__] + [v for v in getattr(x, "args", ())
+                                                 if isinstance(v, BaseException)]
+        failures = getattr(x, "failures", None)  # DCP's CheckpointException: {rank: error}
+        if isinstance(failures, dict):
+            todo += [v[0] if isinstance(v, tuple) else v for v in failures.values()]
+    if full:
+        return full
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def _disk_full(where: Path | None) -> str | None:
+    """'No space left on device (N bytes free on PATH)' when the file system holding
+    ``where`` has under 1 MiB or 0.1% free, else None."""
+    if where is None:
+        return None
+    probe = Path(where)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        usage = shutil.disk_usage(probe)
+    except OSError:
+        return None
+    if usage.free < max(1 << 20, usage.total // 1000):
+        return f"No space left on device ({usage.free:,} bytes free on {probe})"
+    return None
+
+
+def _agree(failed: str | None) -> str | None:
+    """Every rank's failure message, or None when no rank failed (one collective)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return failed
+    msgs: list = [None] * dist.get_world_size()
+    dist.all_gather_object(msgs, failed)
+    bad = [(r, m) for r, m in enumerate(msgs) if m is not None]
+    return "; ".join(f"rank {r}: {m}" for r, m in bad) if bad else None
+
+
 def save(run_dir: str | Path, step: int, model: nn.Module, opt, dims, meta: dict,
-         keep: int = 2, extra_files: dict[str, Any] | None = None) -> Path:
+         keep: int = 2, extra_files: dict[str, Any] | None = None,
+         verified: set[Path] | None = None, report=print) -> Path:
     """Collective: every rank calls it. Writes ``step_{step:08d}`` atomically (temporary
-    directory, then rename) and deletes all but the newest ``keep`` checkpoints.
-    ``extra_files``: {file name: object} that rank 0 writes with ``torch.save`` beside the
-    shards (listed and hashed in meta.json like them; read back with :func:`load_extra`)."""
+    directory, then rename) and keeps the newest ``keep`` checkpoints that verify
+    (:func:`~epscale.training.checkpoint.paths.prune`; ``verified`` remembers which were
+    checked already). ``extra_files``: {file name: object} that rank 0 writes with
+    ``torch.save`` beside the shards (listed and hashed in meta.json like them; read back
+    with :func:`load_extra`).
+
+    A failure to write (disk full, no permission, a missing directory) on any rank removes
+    the partial directory and raises :class:`CheckpointSaveError` on every rank; the
+    previous checkpoints stay as they were."""
     root = checkpoints_root(run_dir)
     final = step_dir(run_dir, step)
     tmp = root / f".tmp_{final.name}"
     rank = _rank()
+    failed = None
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    _barrier()
-    state = build_state(model, opt, dims, PlacedExperts(model, opt, dims).for_save())
-    with quiet():
-        dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
-    torch.save(rng_state(), tmp / f"rank_{rank}.pt")
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        except OSError as e:
+            failed = _os_cause(e, root)
+    failed = _agree(failed)
+    if failed is None:
+        state = build_state(model, opt, dims, PlacedExperts(model, opt, dims).for_save())
+        try:
+            with quiet():
+                dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+            torch.save(rng_state(), tmp / f"rank_{rank}.pt")
+            if rank == 0:
+                for name, obj in (extra_files or {}).items():
+                    torch.save(obj, tmp / name)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            failed = _os_cause(e, tmp)
+        failed = _agree(failed)
+    if failed is None and rank == 0:
+        try:
+            files = {}
+            for f in sorted(tmp.iterdir()):
+                if f.is_file():
+                    files[f.name] = {"size": f.stat().st_size, "sha256": sha256(f)}
+            full_meta = {"format": FORMAT_VERSION, "step": step, "time": time.time(),
+                         "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                         "dp": dims.dp, "ep": dims.ep, **meta, "files": files}
+            with open(tmp / "meta.json", "w") as f:
+                json.dump(full_meta, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            if final.exists():  # re-saving a step (after a rollback): replace it
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        except OSError as e:
+            failed = _os_cause(e, tmp)
+    failed = _agree(failed)
+    if failed is not None:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _barrier()
+        raise CheckpointSaveError(f"checkpoint '{final}' could not be saved: {failed}; its "
+                                  "partial files were removed, the previous checkpoints are "
+                                  "intact")
     if rank == 0:
-        for name, obj in (extra_files or {}).items():
-            torch.save(obj, tmp / name)
-    _barrier()
-    if rank == 0:
-        files = {}
-        for f in sorted(tmp.iterdir()):
-            if f.is_file():
-                files[f.name] = {"size": f.stat().st_size, "sha256": sha256(f)}
-        full_meta = {"format": FORMAT_VERSION, "step": step, "time": time.time(),
-                     "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                     "dp": dims.dp, "ep": dims.ep, **meta, "files": files}
-        with open(tmp / "meta.json", "w") as f:
-            json.dump(full_meta, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        if final.exists():  # re-saving a step (after a rollback): replace it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        for _s, old in list_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        if verified is not None:
+            verified.add(final)  # hashed just now
+        prune(run_dir, keep, verified, report)
     _barrier()
     return final
 

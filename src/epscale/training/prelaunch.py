@@ -1,0 +1,110 @@
+"""Everything about a run that can be checked before a process starts or a file is
+written: the layout, the dispatcher, the data, the run directory and, when resuming, the
+checkpoint against the model. ``epscale train`` and ``epscale launch`` run these checks
+before torchrun (one message, exit status 2, the run directory as it was); the trainer
+runs them again on rank 0 before its first write when an outside launcher started it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import ConfigError, RunConfig
+from ..dispatch.registry import check_choice
+from ..model import Transformer
+from . import checkpoint as ckpt
+from .data import DataLoader, load_splits
+from .dist import resolve_layout
+
+# Set by a launcher that ran the checks, so its workers need not repeat them.
+CHECKED_ENV = "EPSCALE_PRELAUNCH_CHECKED"
+
+
+@dataclass
+class Checked:
+    """What the checks found: the layout note (or None) and the checkpoint a run resumes
+    from (None for a fresh run)."""
+
+    layout_note: str | None
+    resume_from: Path | None
+
+
+def check_run(cfg: RunConfig, run_dir: str | Path | None, world_size: int) -> Checked:
+    """Raise :class:`ConfigError` (a :class:`~epscale.training.checkpoint.CheckpointError`
+    for a checkpoint) naming the key, file or directory when ``cfg`` cannot train at
+    ``world_size`` processes in ``run_dir``; writes nothing."""
+    _, ep, note = resolve_layout(cfg.parallel, world_size, cfg.moe.num_experts)
+    if ep > 1:
+        check_choice(cfg.parallel.dispatcher, cfg.parallel.payload, cfg.parallel.overlap_chunks)
+    check_data(cfg, world_size)
+    resume_from = None
+    if run_dir is not None:
+        check_run_dir(Path(run_dir))
+        resume_from = check_checkpoint(cfg, Path(run_dir))
+    return Checked(note, resume_from)
+
+
+def check_data(cfg: RunConfig, world_size: int) -> None:
+    """The data source loads, its token ids fit model.vocab_size, and both splits hold at
+    least one window of model.seq_len + 1 tokens (the loader's own checks)."""
+    splits = load_splits(cfg.data, cfg.model.vocab_size)
+    t = cfg.train
+    DataLoader(splits, cfg.model.seq_len, t.micro_batch_size, t.grad_accum, 0, world_size,
+               cfg.data.seed)
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """``run_dir`` is a directory (or can become one) that this process can write: checked
+    in its nearest existing ancestor, so nothing is created in the run directory itself."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"--run-dir '{run_dir}' is a file, not a directory; name a directory "
+                          "(it is created when missing)")
+    probe = run_dir
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"--run-dir '{run_dir}': '{probe}' is a file, so the run directory "
+                          "cannot be created under it")
+    _probe_write(run_dir, probe)
+    for sub in ("checkpoints", "logs", "heartbeats"):
+        path = run_dir / sub
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"--run-dir '{run_dir}': '{path}' is a file; the run needs it as a "
+                              "directory")
+        if path.is_dir():
+            _probe_write(run_dir, path)
+
+
+def _probe_write(run_dir: Path, where: Path) -> None:
+    """Create and remove an empty directory in ``where``: ``os.access`` says yes to root
+    everywhere; a real create says what the file system does (read-only, immutable,
+    full, /proc)."""
+    try:
+        tempfile.TemporaryDirectory(dir=where, prefix=".epscale-probe-").cleanup()
+    except OSError as e:
+        why = os.strerror(e.errno) if e.errno else str(e)
+        hint = ("the disk is full" if e.errno == errno.ENOSPC
+                else "choose a directory you can write")
+        raise ConfigError(f"--run-dir '{run_dir}' cannot be written ({where}: {why}); "
+                          f"{hint}") from None
+
+
+def check_checkpoint(cfg: RunConfig, run_dir: Path) -> Path | None:
+    """The checkpoint a run in ``run_dir`` would resume from, checked against the model
+    ``cfg`` builds (parameter names and shapes, on the meta device: nothing is
+    allocated); None for a fresh run. Corrupt checkpoints are reported, not moved (the
+    trainer moves them aside when it starts)."""
+    found = ckpt.latest_valid(run_dir, report=lambda _msg: None)
+    if found is None:
+        return None
+    path, _meta = found
+    with torch.device("meta"):
+        model = Transformer(cfg.model, cfg.moe)
+    ckpt.check_compatible(path, {"model": model.state_dict()})
+    return path
