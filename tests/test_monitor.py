@@ -312,7 +312,9 @@ def test_trained_run_with_collapsed_router_fires_imbalance_and_dead_experts(tmp_
     fired = {line.split(":")[0] for line in check.stdout.splitlines()}
     assert fired == {"ALERT imbalance", "ALERT dead_experts"}, check.stdout
     assert re.search(r"ALERT imbalance: layer \d since step 1: MaxVio 7\.00", check.stdout)
-    assert re.search(r"ALERT dead_experts: layer \d experts [\d,]+ since step 1: [67] of 8 experts",
+    # how many experts stay dead from step 1 on depends on the initial weights (4-5 with the
+    # layout-independent init of issue #19, 6-7 with torch's default init before it)
+    assert re.search(r"ALERT dead_experts: layer \d experts [\d,]+ since step 1: [4-7] of 8 experts",
                      check.stdout)
 
     import argparse

@@ -22,6 +22,9 @@ from torch import nn
 from .config import ModelConfig, MoEConfig, RunConfig
 from .moe.experts import FeedForward
 from .moe.layer import MoE
+from .parallel import activation
+from .parallel.materialize import initialize_, reset_buffers_
+from .parallel.shard import mark_all_expert_params
 
 
 class RMSNorm(nn.Module):
@@ -68,9 +71,16 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, G * h, bias=False)
         self.wv = nn.Linear(cfg.dim, G * h, bias=False)
         self.wo = nn.Linear(H * h, cfg.dim, bias=False)
-        cos, sin = rope_tables(cfg.seq_len, h, cfg.rope_theta)
+        self._rope = (cfg.seq_len, h, cfg.rope_theta)
+        cos, sin = rope_tables(*self._rope)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    def reset_buffers(self) -> None:
+        """The rotary tables again (after ``to_empty`` from the meta device)."""
+        cos, sin = rope_tables(*self._rope)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         B, S, _ = x_BSD.shape
@@ -104,9 +114,12 @@ class LatentAttention(nn.Module):
         self.kv_norm = RMSNorm(self.kv_rank, cfg.norm_eps)
         self.wkv_b = nn.Linear(self.kv_rank, H * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(H * self.v_dim, cfg.dim, bias=False)
-        cos, sin = rope_tables(cfg.seq_len, self.rope, cfg.rope_theta)
+        self._rope = (cfg.seq_len, self.rope, cfg.rope_theta)
+        cos, sin = rope_tables(*self._rope)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    reset_buffers = Attention.reset_buffers
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         B, S, _ = x_BSD.shape
@@ -138,8 +151,13 @@ class Block(nn.Module):
         self.ffn = MoE(moe_cfg) if self.is_moe else FeedForward(cfg.dim, cfg.dense_hidden_dim,
                                                                 moe_cfg.activation)
         self.timer: Callable[[str], ContextManager] = lambda name: contextlib.nullcontext()
+        # train.activation_checkpointing (epscale.parallel.activation): 'none', 'full', 'selective'
+        self.checkpointing = "none"
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        return activation.run(self._forward, self.checkpointing, x_BSD)
+
+    def _forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         with self.timer("attention"):
             x_BSD = x_BSD + self.attention(self.attention_norm(x_BSD))
         return x_BSD + self.ffn(self.ffn_norm(x_BSD))
@@ -159,21 +177,25 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, moe_cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self._init_weights()
 
-    def _init_weights(self) -> None:
-        """N(0, 0.02) for embeddings and dense projections, residual outputs scaled by
-        1/sqrt(2*layers) (GPT-2); routed experts keep the MoE layer's own init."""
+    def param_init(self, name: str) -> tuple[str, float | None]:
+        """How parameter ``name`` starts: N(0, 0.02) for embeddings and dense projections,
+        residual outputs (``wo``, ``w2``) scaled by 1/sqrt(2*layers) (GPT-2), the router
+        N(0, 1/sqrt(D)), routed experts N(0, 1/sqrt(D)) in and N(0, 1/sqrt(F)) out, norms
+        ones. The values come from :func:`epscale.parallel.materialize.initialize_`, the
+        same at every layout."""
         std = 0.02
-        nn.init.normal_(self.tok_embeddings.weight, std=std)
-        if self.output is not None:
-            nn.init.normal_(self.output.weight, std=std)
-        out_std = std / math.sqrt(2 * self.cfg.num_layers)
-        for block in self.layers:
-            for name, mod in block.named_modules():
-                if isinstance(mod, nn.Linear) and ".router" not in f".{name}":
-                    is_out = name.endswith("wo") or name.endswith("w2")
-                    nn.init.normal_(mod.weight, std=out_std if is_out else std)
+        if name.endswith("norm.weight"):
+            return "ones", None
+        if ".router." in name:
+            return "normal", self.cfg.dim ** -0.5
+        if ".experts." in name:
+            F = self.moe_cfg.hidden_dim
+            return "normal", (F ** -0.5 if name.endswith("w2") else self.cfg.dim ** -0.5)
+        module = name.rsplit(".", 1)[0]
+        if module.endswith(("wo", "w2")):
+            return "normal", std / math.sqrt(2 * self.cfg.num_layers)
+        return "normal", std
 
     def moe_layers(self) -> list[MoE]:
         """The MoE layers, in depth order."""
@@ -223,7 +245,27 @@ def build_model(cfg: RunConfig, device: torch.device | str | None = None,
                 seed: int | None = None) -> Transformer:
     """The full (unsharded) model on ``device`` (default: torch's default device, the CPU
     unless ``torch.set_default_device`` said otherwise), initialised from ``seed`` (default
-    ``train.seed``), identical on every rank."""
-    torch.manual_seed(cfg.train.seed if seed is None else seed)
+    ``train.seed``), identical on every rank and to any sharded build of the same seed
+    (:func:`materialize`)."""
+    seed = cfg.train.seed if seed is None else seed
+    torch.manual_seed(seed)
     model = Transformer(cfg.model, cfg.moe)
+    initialize_(model, model.param_init, seed)
     return model if device is None else model.to(device)
+
+
+def build_meta_model(cfg: RunConfig) -> Transformer:
+    """The model on the meta device: shapes only, no memory. Parallelize and shard it,
+    then :func:`materialize` each rank's part."""
+    with torch.device("meta"):
+        return Transformer(cfg.model, cfg.moe)
+
+
+def materialize(model: Transformer, device: torch.device | str, seed: int, dims=None) -> None:
+    """Allocate a (parallelized, possibly FSDP-sharded) meta-device ``model`` on
+    ``device`` and fill each rank's shard of every parameter with the values a
+    single-process :func:`build_model` of ``seed`` holds there; buffers are set again."""
+    model.to_empty(device=device)
+    mark_all_expert_params(model)  # to_empty registered new parameter objects
+    initialize_(model, model.param_init, seed, dims)
+    reset_buffers_(model)

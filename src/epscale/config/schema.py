@@ -235,10 +235,23 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    """Process layout: world = dp * ep. ranks_per_node None means LOCAL_WORLD_SIZE."""
+    """Process layout. ranks_per_node None means LOCAL_WORLD_SIZE.
+
+    Replicated data parallelism (``fsdp: false``, the default): world = dp x ep; every rank
+    holds every non-expert weight, and the routed experts are split over ep.
+    FSDP (``fsdp: true``): world = dp_replicate x dp_shard. Non-expert weights, their
+    gradients and optimizer state are sharded over dp_shard (FSDP2) and replicated over
+    dp_replicate (HSDP); ep borrows its ranks from dp_shard (it must divide it), and the
+    routed experts are split over ep, then sharded over efsdp = dp_shard / ep. dp_shard
+    null: the rest of the world (world / dp_replicate). parallel.dp belongs to the
+    replicated layout; with fsdp it must stay 1.
+    """
 
     dp: int = 1
     ep: int = 1
+    fsdp: bool = False
+    dp_replicate: int = 1
+    dp_shard: int | None = None
     dispatcher: str = "dedup"
     ranks_per_node: int | None = None
     overlap_chunks: int = 1
@@ -282,6 +295,39 @@ class ParallelConfig:
                 fail(f"parallel.{name}", v, "must be a positive integer")
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             fail("parallel.ranks_per_node", self.ranks_per_node, "must be >= 1 or null")
+        self._check_fsdp()
+
+    def _check_fsdp(self) -> None:
+        if not isinstance(self.dp_replicate, int) or self.dp_replicate < 1:
+            fail("parallel.dp_replicate", self.dp_replicate, "must be a positive integer")
+        if self.dp_shard is not None and (not isinstance(self.dp_shard, int) or self.dp_shard < 1):
+            fail("parallel.dp_shard", self.dp_shard, "must be a positive integer or null "
+                 "(the rest of the world)")
+        if not self.fsdp:
+            if self.dp_replicate != 1 or self.dp_shard is not None:
+                key = "dp_replicate" if self.dp_replicate != 1 else "dp_shard"
+                fail(f"parallel.{key}", getattr(self, key),
+                     "shards with FSDP: set parallel.fsdp: true (or leave it out; the "
+                     "replicated layout is world = parallel.dp x parallel.ep)")
+            return
+        if self.dp != 1:
+            fail("parallel.dp", self.dp, "is the replicated layout's key (world = dp x ep); "
+                 "with parallel.fsdp: true the world is parallel.dp_replicate x "
+                 "parallel.dp_shard: set those (dp_shard defaults to the rest of the world) "
+                 "and drop parallel.dp")
+        if self.dp_shard is not None and self.dp_shard % self.ep:
+            fail("parallel.dp_shard", self.dp_shard, f"must be a multiple of parallel.ep = "
+                 f"{self.ep} (expert parallelism borrows its ranks from the sharded dimension)")
+        if self.redundant_experts:
+            fail("parallel.redundant_experts", self.redundant_experts,
+                 "cannot be combined with parallel.fsdp: true yet (re-placement moves whole "
+                 "expert rows between ranks, which FSDP has sharded); set it to 0, or "
+                 "parallel.fsdp: false")
+        if self.spill_threshold is not None:
+            fail("parallel.spill_threshold", self.spill_threshold,
+                 "cannot be combined with parallel.fsdp: true yet (spill-over ships an "
+                 "expert's whole weights to a helper rank, and FSDP holds only shards of "
+                 "them outside the experts' forward); set it to null, or parallel.fsdp: false")
 
 
 @dataclass
@@ -315,6 +361,10 @@ class TrainConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0
     seed: int = 1234
+    # Compute dtype. 'auto': bfloat16 on CUDA, float32 on CPU. 'bfloat16' with
+    # parallel.fsdp: bf16 parameters in forward and backward, fp32 master weights, fp32
+    # gradient reduction and fp32 optimizer state (FSDP2 mixed precision); without fsdp,
+    # bf16 autocast over fp32 weights.
     dtype: str = "auto"
     eval_every: int = 100
     eval_batches: int = 8
@@ -335,6 +385,10 @@ class TrainConfig:
     # Before training, every rank joins a short timed all-reduce/all-to-all; a slow or
     # missing rank is reported by host and rank (multi-process runs only).
     preflight: bool = True
+    # Recompute activations in backward instead of keeping them: 'none', 'full' (each
+    # transformer block keeps only its input), 'selective' (each block keeps the outputs of
+    # its matmuls and the router's top-k, and recomputes the rest).
+    activation_checkpointing: str = "none"
 
     def __post_init__(self) -> None:
         if not self.collective_timeout_s >= 0:
@@ -353,6 +407,8 @@ class TrainConfig:
         if self.min_lr < 0 or self.min_lr > self.lr:
             fail("train.min_lr", self.min_lr, f"must be in [0, train.lr={self.lr}]")
         choice("train.dtype", self.dtype, ("auto", "float32", "bfloat16"))
+        choice("train.activation_checkpointing", self.activation_checkpointing,
+               ("none", "full", "selective"))
 
 
 @dataclass

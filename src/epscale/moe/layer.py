@@ -94,7 +94,9 @@ class MoE(nn.Module):
         if not x.is_floating_point():
             raise ValueError(f"MoE.forward: input dtype {x.dtype} must be floating point "
                              "(float32 or bfloat16)")
-        wdtype = self.experts.w1.dtype
+        # The router's weight: under FSDP mixed precision it is already in the compute dtype
+        # here (its block is gathered), the experts' only once their own forward starts.
+        wdtype = self.router.gate.weight.dtype
         if x.dtype != wdtype and not torch.is_autocast_enabled(x.device.type):
             raise ValueError(f"MoE.forward: input dtype {x.dtype} differs from the parameters' "
                              f"{wdtype}; cast the module with .to({x.dtype}) or run under autocast")
@@ -161,6 +163,17 @@ class MoE(nn.Module):
             "num_nonfinite_inputs": num_bad,
             "num_nonfinite_tokens": bad_T.sum(),
         }
+
+    def drop_kept_buffers(self) -> None:
+        """Allocate fresh buffers every step in the CPU kernel and the dispatcher (what
+        ``moe.cpu.keep_buffers: false`` does) from now on."""
+        if self.experts.cpu_kernel is not None:
+            self.experts.cpu_kernel.workspace = None
+        self.dispatcher.workspace = None
+
+    def reset_buffers(self) -> None:
+        """Zero token counters, as at construction (after ``to_empty``)."""
+        self.reset_token_counts()
 
     def reset_token_counts(self) -> None:
         self.tokens_per_expert.zero_()

@@ -45,6 +45,11 @@ class TopKRouter(nn.Module):
             self.register_buffer("expert_bias_sign", torch.zeros(cfg.num_experts), persistent=True)
         nn.init.normal_(self.gate.weight, std=cfg.dim ** -0.5)
 
+    def reset_buffers(self) -> None:
+        """Zero expert bias (and adaptive-rule state), as at construction."""
+        for buf in self.buffers(recurse=False):
+            buf.zero_()
+
     def forward(self, x_TD: torch.Tensor) -> RouterOutput:
         cfg = self.cfg
         logits_TE = GateLinear.apply(x_TD, self.gate.weight)

@@ -1,12 +1,15 @@
-"""The process layout: dp x ep ranks and every process group, built once.
+"""The process layout: dp x ep ranks (and, with FSDP, dp_replicate x dp_shard) and every
+process group, built once.
 
 Legend: E global experts, e = E/ep local experts, P ranks in an EP group, N nodes, L ranks
 of one EP group per node.
 
 Rank layout: ``rank = dp_rank * ep + ep_rank``, so the ranks of one EP group are contiguous
 (they share a node whenever ep <= ranks_per_node) and the DP group of an expert shard is
-``{d * ep + ep_rank}``. Every process group is built here, once, through DeviceMeshes; the
-rest of the package only reads them.
+``{d * ep + ep_rank}``. With FSDP, dp = dp_replicate x efsdp and ``dp_rank = replica *
+efsdp + efsdp_rank``: the dense mesh is (dp_replicate, dp_shard = efsdp x ep), the expert
+mesh (dp_replicate, efsdp, ep), both over the same ranks. Every process group is built
+here, once, through DeviceMeshes; the rest of the package only reads them.
 """
 
 from __future__ import annotations
@@ -34,9 +37,16 @@ class ParallelDims:
     groups the hierarchical backend uses: ep_inter_group (same local index, one rank per
     node of the EP group) and ep_intra_group (the EP group's ranks on this node); either is
     None when it would hold a single rank.
+
+    ``fsdp=True`` (with ``dp_replicate``, which must divide dp) adds: dp_shard, efsdp,
+    replica_rank, efsdp_rank, dense_mesh (dp_replicate, dp_shard), expert_mesh
+    (dp_replicate, efsdp, ep), expert_dp_mesh (its (dp_replicate, efsdp) part: where FSDP
+    shards an expert slice) and checkpoint_expert_mesh (dp_replicate, ep, efsdp): the same
+    ranks with ep outer, so that nested Shard(0) placements give the global expert rows.
     """
 
-    def __init__(self, dp: int = 1, ep: int = 1, ranks_per_node: int | None = None):
+    def __init__(self, dp: int = 1, ep: int = 1, ranks_per_node: int | None = None,
+                 dp_replicate: int = 1, fsdp: bool = False):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ParallelDims needs torch.distributed: call "
                                "torch.distributed.init_process_group(...) first")
@@ -84,7 +94,32 @@ class ParallelDims:
                 self.ep_intra_group = self._node_mesh.get_group("ep_local")
         elif ep > 1:
             self.ep_intra_group = self.ep_group
+        self.fsdp = bool(fsdp)
+        self.dp_replicate = dp_replicate if fsdp else 1
+        if self.fsdp:
+            self._build_fsdp_meshes(ranks, dp_replicate)
+        else:
+            self.dp_shard, self.efsdp, self.replica_rank, self.efsdp_rank = 1, 1, 0, 0
+
+    def _build_fsdp_meshes(self, ranks: torch.Tensor, rep: int) -> None:
+        if not isinstance(rep, int) or rep < 1 or self.dp % rep:
+            raise ConfigError(f"parallel key 'dp_replicate' = {rep!r} is invalid: it must divide "
+                              f"dp = world / ep = {self.dp}")
+        ep, efsdp = self.ep, self.dp // rep
+        self.dp_shard, self.efsdp = efsdp * ep, efsdp
+        self.replica_rank, self.efsdp_rank = divmod(self.dp_rank, efsdp)
+        dev = self.device_type
+        self.dense_mesh = DeviceMesh(dev, ranks.view(rep, efsdp * ep),
+                                     mesh_dim_names=("dp_replicate", "dp_shard"))
+        self.expert_mesh = DeviceMesh(dev, ranks.view(rep, efsdp, ep),
+                                      mesh_dim_names=("dp_replicate", "efsdp", "ep"))
+        self.expert_dp_mesh = self.expert_mesh["dp_replicate", "efsdp"]
+        self.checkpoint_expert_mesh = DeviceMesh(
+            dev, ranks.view(rep, efsdp, ep).transpose(1, 2).contiguous(),
+            mesh_dim_names=("dp_replicate", "ep", "efsdp"))
 
     def __repr__(self) -> str:
+        fsdp = (f", fsdp: dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard}, "
+                f"efsdp={self.efsdp}" if self.fsdp else "")
         return (f"ParallelDims(rank={self.rank}, dp={self.dp}, ep={self.ep}, "
-                f"ranks_per_node={self.ranks_per_node}, ep_nodes={self.ep_num_nodes})")
+                f"ranks_per_node={self.ranks_per_node}, ep_nodes={self.ep_num_nodes}{fsdp})")

@@ -19,6 +19,7 @@ from ..placement.eplb import Placement
 from ..placement.replicas import PlacedDispatcher, check_placement, set_placement
 
 _EXPERT_ATTR = "_epscale_expert"      # on each sharded expert weight
+_ROWS_ATTR = "_epscale_expert_rows"   # on each: (first row of this rank's slice, rows in all)
 _SHARD_ATTR = "_epscale_expert_shard"  # on the experts module: (first slot, slots) held here
 EXPERT_PARAMS = ("w1", "w2", "w3")
 
@@ -30,23 +31,51 @@ def is_expert_param(param: torch.Tensor) -> bool:
     return bool(getattr(param, _EXPERT_ATTR, False))
 
 
+def expert_global_rows(param: torch.Tensor, dims=None) -> tuple[int, int]:
+    """(first row of dim 0 that this rank's expert slice starts at, rows of the full
+    tensor) of a sharded expert weight; (0, rows) for one that is not sharded."""
+    return getattr(param, _ROWS_ATTR, (0, param.shape[0]))
+
+
 def is_parallelized(experts: nn.Module) -> bool:
     return getattr(experts, _SHARD_ATTR, None) is not None
 
 
-def _keep_expert_rows(experts: nn.Module, rows: torch.Tensor, first: int) -> None:
+def mark_expert_params(experts: nn.Module) -> None:
+    """Mark the experts module's weights as sharded expert parameters (again after FSDP,
+    which registers new parameter objects): what :func:`is_expert_param` and the
+    layout-independent init and checkpoints read."""
+    first, _n = getattr(experts, _SHARD_ATTR)
+    for pname in EXPERT_PARAMS:
+        p = getattr(experts, pname, None)
+        if p is not None:
+            setattr(p, _EXPERT_ATTR, True)
+            setattr(p, _ROWS_ATTR, (first, experts.total_rows))
+
+
+def mark_all_expert_params(module: nn.Module) -> None:
+    """:func:`mark_expert_params` for every parallelized MoE layer of ``module`` (after an
+    operation that registers new parameter objects: FSDP's ``to_empty``)."""
+    for moe in moe_layers(module):
+        if is_parallelized(moe.experts):
+            mark_expert_params(moe.experts)
+
+
+def _keep_expert_rows(experts: nn.Module, rows: torch.Tensor, first: int, total: int) -> None:
     """Replace the stacked expert weights by their ``rows`` (this rank's experts or
-    slots), marked as sharded expert parameters; names and requires_grad unchanged."""
+    slots, starting at row ``first`` of ``total``), marked as sharded expert parameters;
+    names and requires_grad unchanged."""
     for pname in EXPERT_PARAMS:
         p = getattr(experts, pname, None)
         if p is None:
             continue
         shard = nn.Parameter(p.detach().index_select(0, rows.to(p.device)).clone(),
                              requires_grad=p.requires_grad)
-        setattr(shard, _EXPERT_ATTR, True)
         setattr(experts, pname, shard)
     experts.num_experts = rows.numel()
+    experts.total_rows = total
     setattr(experts, _SHARD_ATTR, (first, rows.numel()))
+    mark_expert_params(experts)
 
 
 def parallelize(module: nn.Module, dims, dispatcher: str = "dedup", overlap_chunks: int = 1,
@@ -88,14 +117,14 @@ def parallelize(module: nn.Module, dims, dispatcher: str = "dedup", overlap_chun
                     "node-limited routing must keep topk_groups <= the number of nodes")
             e = E // ep
             lo = dims.ep_rank * e
-            _keep_expert_rows(moe.experts, torch.arange(lo, lo + e), lo)
+            _keep_expert_rows(moe.experts, torch.arange(lo, lo + e), lo, E)
             moe.dispatcher = make_dispatcher(dispatcher, E, dims, payload, overlap_chunks,
                                              workspace)
         else:
             S = placement.num_physical_experts
             s = S // ep
             lo = dims.ep_rank * s
-            _keep_expert_rows(moe.experts, placement.phy2log[i, lo:lo + s], lo)
+            _keep_expert_rows(moe.experts, placement.phy2log[i, lo:lo + s], lo, S)
             inner = make_dispatcher(dispatcher, S, dims, payload, overlap_chunks, workspace)
             moe.dispatcher = PlacedDispatcher(inner, placement.phy2log[i], E, rotate=dims.rank)
     if placement is not None:

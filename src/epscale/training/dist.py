@@ -101,11 +101,17 @@ def set_threads(env: LaunchEnv, device: torch.device) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, env.local_world_size)))
 
 
-def init_process_group(env: LaunchEnv, device: torch.device) -> None:
-    """gloo on CPU, NCCL on CUDA; a no-op for a single process."""
-    if env.world_size == 1 or dist.is_initialized():
-        return
+def init_process_group(env: LaunchEnv, device: torch.device, single: bool = False) -> bool:
+    """gloo on CPU, NCCL on CUDA; for a single process a no-op, unless ``single`` asks for
+    a one-rank group (FSDP needs one even alone; it needs no network). Returns whether it
+    created the group (a caller that did not should not destroy it)."""
+    if dist.is_initialized() or (env.world_size == 1 and not single):
+        return False
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if env.world_size == 1:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                device_id=device if device.type == "cuda" else None)
+        return True
     # Under srun these are not set yet; ParallelDims and other code read them.
     for key, value in (("MASTER_ADDR", env.master_addr), ("MASTER_PORT", env.master_port),
                        ("RANK", env.rank), ("WORLD_SIZE", env.world_size),
@@ -114,17 +120,20 @@ def init_process_group(env: LaunchEnv, device: torch.device) -> None:
     dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
                             timeout=timedelta(minutes=10),
                             device_id=device if device.type == "cuda" else None)
+    return True
 
 
-def shutdown(clean: bool = True) -> None:
+def shutdown(clean: bool = True, destroy: bool = True) -> None:
     """Barrier then destroy (gloo can abort at exit when ranks leave unsynchronised);
-    ``clean=False`` (after an error) skips the barrier, which could wait forever."""
+    ``clean=False`` (after an error) skips the barrier, which could wait forever;
+    ``destroy=False`` leaves a group that someone else created."""
     if dist.is_initialized():
         try:
             if clean:
                 dist.barrier()
         finally:
-            dist.destroy_process_group()
+            if destroy:
+                dist.destroy_process_group()
 
 
 class SingleProcessDims:
@@ -133,13 +142,18 @@ class SingleProcessDims:
     rank, world_size, dp, ep, ep_rank, dp_rank = 0, 1, 1, 1, 0, 0
     ranks_per_node, num_nodes, node_rank = 1, 1, 0
     ep_group = dp_group = mesh = None
+    fsdp, dp_replicate, dp_shard, efsdp = False, 1, 1, 1
 
 
 def resolve_layout(par: ParallelConfig, world_size: int, num_experts: int) -> tuple[int, int, str | None]:
-    """(dp, ep) for ``world_size`` processes, and a note when dp was derived.
+    """(dp, ep, note) for ``world_size`` processes: dp is the number of ranks that hold a
+    copy (replicated) or a shard (FSDP) of each expert slice, world / ep; note says what
+    was derived.
 
-    dp * ep must equal the number of processes; when it does not and ``world_size`` is a
-    multiple of ep, dp becomes world_size / ep (so a recipe's ep works at any process count).
+    Replicated: dp * ep must equal the number of processes; when it does not and
+    ``world_size`` is a multiple of ep, dp becomes world_size / ep (so a recipe's ep works
+    at any process count). FSDP: world = dp_replicate x dp_shard (dp_shard null: the rest),
+    ep divides dp_shard.
     """
     dp, ep, note = par.dp, par.ep, None
     if num_experts % ep:
@@ -154,6 +168,11 @@ def resolve_layout(par: ParallelConfig, world_size: int, num_experts: int) -> tu
         raise ConfigError(f"config key 'parallel.redundant_experts' = {r} is invalid: "
                           f"moe.num_experts + redundant_experts = {num_experts + r} physical slots "
                           f"must divide evenly over ep={ep} ranks; use a multiple of {ep}")
+    if par.fsdp:
+        dp_shard = fsdp_shard_size(par, world_size)
+        return world_size // ep, ep, (None if par.dp_shard is not None else
+                                      f"parallel.dp_shard = {dp_shard} (the world over "
+                                      f"dp_replicate = {par.dp_replicate})")
     if dp * ep != world_size:
         if world_size % ep:
             raise ConfigError(f"config key 'parallel.ep' = {ep} is invalid: the number of "
@@ -164,9 +183,30 @@ def resolve_layout(par: ParallelConfig, world_size: int, num_experts: int) -> tu
     return dp, ep, note
 
 
+def fsdp_shard_size(par: ParallelConfig, world_size: int) -> int:
+    """dp_shard of an FSDP layout at ``world_size`` processes (ConfigError naming the key
+    when the world does not split into dp_replicate x dp_shard with ep | dp_shard)."""
+    rep = par.dp_replicate
+    if world_size % rep:
+        raise ConfigError(f"config key 'parallel.dp_replicate' = {rep} is invalid: the number "
+                          f"of processes ({world_size}) must be a multiple of it (world = "
+                          "dp_replicate x dp_shard)")
+    dp_shard = par.dp_shard if par.dp_shard is not None else world_size // rep
+    if rep * dp_shard != world_size:
+        raise ConfigError(f"config keys parallel.dp_replicate = {rep} x parallel.dp_shard = "
+                          f"{dp_shard} = {rep * dp_shard} must equal the number of processes "
+                          f"({world_size}); leave dp_shard out to take the rest of the world")
+    if dp_shard % par.ep:
+        raise ConfigError(f"config key 'parallel.ep' = {par.ep} is invalid: it must divide "
+                          f"dp_shard = {dp_shard} (world {world_size} / dp_replicate {rep}): "
+                          "expert parallelism borrows its ranks from the sharded dimension")
+    return dp_shard
+
+
 def make_dims(par: ParallelConfig, env: LaunchEnv, num_experts: int):
     """ParallelDims for this run (SingleProcessDims for one process) and the layout note."""
     dp, ep, note = resolve_layout(par, env.world_size, num_experts)
-    if env.world_size == 1:
+    if env.world_size == 1 and not par.fsdp:
         return SingleProcessDims(), note
-    return ParallelDims(dp=dp, ep=ep, ranks_per_node=par.ranks_per_node), note
+    return ParallelDims(dp=dp, ep=ep, ranks_per_node=par.ranks_per_node,
+                        dp_replicate=par.dp_replicate if par.fsdp else 1, fsdp=par.fsdp), note

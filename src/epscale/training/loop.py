@@ -32,9 +32,11 @@ from ..kernels.cpu import describe_chunks, describe_elementwise
 from ..launch.preflight import run_preflight
 from ..launch.watchdog import Watchdog
 from ..metrics import MetricsWriter, StepStatsCollector, StepTimers, peak_flops
-from ..model import build_model
+from ..model import build_meta_model, build_model, materialize
 from ..moe.balance import update_expert_biases
 from ..parallel import parallelize, sync_gradients
+from ..parallel.activation import apply_activation_checkpointing
+from ..parallel.fsdp import apply_fsdp, finish_gradients
 from ..placement import plan_placement
 from ..placement.replicas import Rebalancer, get_placement, placement_from_dict, placement_to_dict
 from ..placement.spill import apply_spill
@@ -91,7 +93,7 @@ class Trainer:
         cfg, env = self.cfg, self.env
         self.device = pick_device(env)
         set_threads(env, self.device)
-        init_process_group(env, self.device)
+        self._owns_group = init_process_group(env, self.device, single=cfg.parallel.fsdp)
         self.dims, layout_note = make_dims(cfg.parallel, env, cfg.moe.num_experts)
         self.rank, self.world = self.dims.rank, self.dims.world_size
         if self.world > 1:  # every rank uses rank 0's run directory
@@ -119,19 +121,28 @@ class Trainer:
 
         self.use_bf16 = cfg.train.dtype == "bfloat16" or (cfg.train.dtype == "auto"
                                                             and self.device.type == "cuda")
-        self.model = build_model(cfg, self.device)
+        self.fsdp = cfg.parallel.fsdp
+        # FSDP: built on the meta device and sharded before any memory is allocated; each
+        # rank then fills only its shards (the values a one-process build would hold).
+        self.model = build_meta_model(cfg) if self.fsdp else build_model(cfg, self.device)
         self._resume_from = self._find_checkpoint()
         self.rebalancer = None
         placement, placement_note = None, None
         if self.world > 1 and cfg.parallel.redundant_experts:
             placement, placement_note = self._initial_placement()
-        if self.world > 1:
+        if self.world > 1 or self.fsdp:
             parallelize(self.model, self.dims, dispatcher=cfg.parallel.dispatcher,
                         overlap_chunks=cfg.parallel.overlap_chunks,
                         payload=cfg.parallel.payload, placement=placement)
             if cfg.parallel.spill_threshold is not None and self.dims.ep > 1:
                 apply_spill(self.model, self.dims, cfg.parallel.spill_threshold,
                             cfg.parallel.spill_min_rows)
+        apply_activation_checkpointing(self.model, cfg.train.activation_checkpointing)
+        self.fsdp_notes: list[str] = []
+        if self.fsdp:
+            self.fsdp_notes = apply_fsdp(self.model, self.dims,
+                                         param_dtype=torch.bfloat16 if self.use_bf16 else None)
+            materialize(self.model, self.device, cfg.train.seed, self.dims)
         self.moe_layers = self.model.moe_layers()
         self.opt = build_optimizer(self.model, cfg.train)
         ensure_optimizer_state(self.opt)
@@ -245,9 +256,10 @@ class Trainer:
             f"data: {self.splits.description}: {self.splits.train.size / 1e6:.2f}M train / "
             f"{self.splits.val.size / 1e6:.2f}M validation tokens; unigram entropy "
             f"{self.unigram:.3f} nats",
-            f"layout: {self.world} process(es), dp={self.dims.dp} x ep={self.dims.ep}, dispatcher "
-            f"{cfg.parallel.dispatcher if self.dims.ep > 1 else 'local'}, {self.device.type}"
-            f"{' bf16 autocast' if self.use_bf16 else ' fp32'}, {threads} thread(s) per process",
+            f"layout: {self.world} process(es), {self._layout_text()}, dispatcher "
+            f"{cfg.parallel.dispatcher if self.dims.ep > 1 else 'local'}, {self.device.type} "
+            f"{self._dtype_text()}, {threads} thread(s) per process",
+            f"activation checkpointing: {cfg.train.activation_checkpointing}",
             f"element-wise expert kernels: {describe_elementwise(moe.cpu.elementwise, self.device)}",
             f"expert chunks: {describe_chunks(self.device)}",
             f"batch: {self.loader.samples_per_step} sequences x {m.seq_len} = "
@@ -262,6 +274,7 @@ class Trainer:
                          f"({slots // self.dims.ep} per EP rank), {every}; {placement_note}")
         if layout_note:
             lines.append(f"note: {layout_note}")
+        lines += self.fsdp_notes
         lines += list(self.writer.notes)  # where the metrics go (e.g. the Prometheus URL)
         for line in lines:
             self.console.print(line)
@@ -319,8 +332,21 @@ class Trainer:
         self.console.note(f"[yellow]warning:[/] {text}")
         self._log(f"warning: {text}")
 
+    def _layout_text(self) -> str:
+        d = self.dims
+        if not self.fsdp:
+            return f"dp={d.dp} x ep={d.ep}"
+        return (f"FSDP dp_replicate={d.dp_replicate} x dp_shard={d.dp_shard} (dense weights "
+                f"sharded over dp_shard; experts over ep={d.ep}, then efsdp={d.efsdp})")
+
+    def _dtype_text(self) -> str:
+        if not self.use_bf16:
+            return "fp32"
+        return ("bf16 compute, fp32 master weights and gradient reduction" if self.fsdp
+                else "bf16 autocast")
+
     def _autocast(self):
-        if self.use_bf16:
+        if self.use_bf16 and not self.fsdp:  # FSDP casts the parameters itself
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -377,8 +403,11 @@ class Trainer:
             loss_sum += loss.detach().float() / accum
         self.loader.end_step()
         with T.section("sync"):  # the gradient all-reduces: communication, and rank waits
-            if self.world > 1:
-                sync_gradients(self.model, self.dims)
+            if self.world > 1 or self.fsdp:
+                if self.fsdp:
+                    finish_gradients(self.model, self.dims)  # FSDP reduce-scattered in backward
+                else:
+                    sync_gradients(self.model, self.dims)
         with T.section("optimizer"):  # the norm and clipping are compute, not communication
             grad_norm, stop, skip = grad_norm_and_flags(
                 self.model, self.dims, cfg.train.grad_clip, self._stop_requested(), loss_sum)
@@ -565,7 +594,7 @@ class Trainer:
                 (obj.stop if part == "watchdog" else obj.close)()
         if getattr(self, "rank", None) == 0:
             (self.run_dir / STOP_FILE).unlink(missing_ok=True)
-        shutdown(clean)
+        shutdown(clean, destroy=getattr(self, "_owns_group", True))
 
 
 def train(cfg: RunConfig, run_dir: str | Path, env: LaunchEnv | None = None,

@@ -9,6 +9,7 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..config import TrainConfig
 from ..parallel import is_expert_param
@@ -39,37 +40,49 @@ def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _sq_norm(grads: list[torch.Tensor], device) -> torch.Tensor:
+    if not grads:
+        return torch.zeros((), device=device, dtype=torch.float32)
+    return torch.stack([n.float() ** 2 for n in torch._foreach_norm(grads)]).sum()
+
+
 @torch.no_grad()
 def grad_norm_and_flags(model: nn.Module, dims, max_norm: float, stop: bool,
                         loss: torch.Tensor) -> tuple[float, bool, bool]:
     """(global grad norm, any rank asked to stop, skip this step), clipping the grads to
     ``max_norm`` (0: no clipping) when the norm is finite. Same answer on every rank.
 
-    After sync_gradients, non-expert grads are equal on every rank and expert grads on the
-    dp replicas of a shard, so the squared norm is the local non-expert part plus the
-    expert part summed over the ep group. ONE all-reduce over the world carries
-    [expert norm^2 / dp, stop flag, non-finite loss flag]: the world sum of the first is
-    the ep-group sum, and a rank's signal or NaN loss reaches every rank.
+    ONE all-reduce over the world carries [this rank's share of the squared norm, stop
+    flag, non-finite loss flag], so a rank's signal or NaN loss reaches every rank too.
+    Replicated layout: after sync_gradients, non-expert grads are equal on every rank and
+    expert grads on the dp replicas of a shard, so the squared norm is the local
+    non-expert part plus the expert part summed over the ep group (each rank sends its
+    expert part / dp). FSDP: every rank holds a shard of every gradient, replicated over
+    dp_replicate, so each rank sends its whole local part / dp_replicate.
     """
     dense, expert = [], []
     for p in model.parameters():
         if p.grad is not None:
-            (expert if is_expert_param(p) else dense).append(p.grad)
+            (expert if is_expert_param(p) else dense).append(_local(p.grad))
     device = loss.device
-
-    def sq(grads):
-        if not grads:
-            return torch.zeros((), device=device, dtype=torch.float32)
-        return torch.stack([n.float() ** 2 for n in torch._foreach_norm(grads)]).sum()
-
-    # Under a redundant-expert placement each logical expert counts once (its copies hold
-    # the same summed grad); without one this is the plain squared norm of ``expert``.
-    expert_sq = expert_grad_sq_norm(model, dims).float().to(device) if expert else sq(expert)
-    flags = torch.stack([expert_sq / dims.dp, torch.tensor(float(stop), device=device),
+    if getattr(dims, "fsdp", False):
+        share = (_sq_norm(dense, device) + _sq_norm(expert, device)) / dims.dp_replicate
+        local_dense = torch.zeros((), device=device)
+    else:
+        # Under a redundant-expert placement each logical expert counts once (its copies
+        # hold the same summed grad); without one this is the plain squared norm.
+        share = (expert_grad_sq_norm(model, dims).float().to(device) if expert
+                 else _sq_norm(expert, device)) / dims.dp
+        local_dense = _sq_norm(dense, device)
+    flags = torch.stack([share, torch.tensor(float(stop), device=device),
                          (~torch.isfinite(loss)).float()])
     if dims.world_size > 1 and dist.is_initialized():
         dist.all_reduce(flags)
-    total = (sq(dense) + flags[0]).sqrt()
+    total = (local_dense + flags[0]).sqrt()
     finite = bool(torch.isfinite(total))  # host sync: decides clip/skip on every rank
     if max_norm > 0 and finite and (dense or expert):
         torch._foreach_mul_(dense + expert, torch.clamp(max_norm / (total + 1e-6), max=1.0))

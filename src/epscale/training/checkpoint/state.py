@@ -23,8 +23,23 @@ from ..optim import ensure_optimizer_state
 from .paths import CheckpointError
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _wrap(t: torch.Tensor, expert: bool, dims) -> torch.Tensor:
-    if not expert or getattr(dims, "mesh", None) is None or dims.ep == 1:
+    """The checkpoint's view of a live tensor: its place in the full tensor, whatever the
+    layout. An FSDP-sharded dense tensor already is that (a DTensor of the full shape); an
+    expert slice (replicated over dp, or sharded by FSDP over efsdp) becomes a DTensor of
+    all E experts' rows, sharded over ep (and efsdp) and replicated over the rest."""
+    if isinstance(t, DTensor) and expert:
+        rows = t.shape[0] * dims.ep
+        shape = torch.Size((rows, *t.shape[1:]))
+        return DTensor.from_local(t.to_local(), dims.checkpoint_expert_mesh,
+                                  [Replicate(), Shard(0), t.placements[-1]], run_check=False,
+                                  shape=shape, stride=torch.empty(shape, device="meta").stride())
+    if isinstance(t, DTensor) or not expert or getattr(dims, "mesh", None) is None \
+            or dims.ep == 1:
         return t
     return DTensor.from_local(t, dims.mesh, [Replicate(), Shard(0)], run_check=False)
 
@@ -121,13 +136,10 @@ def build_state(model: nn.Module, opt: torch.optim.Optimizer | None, dims,
 def copy_back(model: nn.Module, opt, state: dict, skip: set[str] = frozenset()) -> None:
     """Copy DTensor local shards into the live tensors when DCP did not load in place
     (``skip``: names whose tensors are not the live ones, the placed experts)."""
-    def local(t):
-        return t.to_local() if isinstance(t, DTensor) else t
-
     live = model.state_dict()
     for name, t in state["model"].items():
-        if name not in skip and live[name].data_ptr() != local(t).data_ptr():
-            live[name].copy_(local(t))
+        if name not in skip:
+            copy_local(_local(live[name]), t)
     if opt is not None and "optim" in state:
         params = dict(model.named_parameters())
         for name, entry in state["optim"].items():
@@ -135,13 +147,12 @@ def copy_back(model: nn.Module, opt, state: dict, skip: set[str] = frozenset()) 
                 continue
             st = opt.state[params[name]]
             for k, t in entry.items():
-                if st[k].data_ptr() != local(t).data_ptr():
-                    st[k].copy_(local(t))
+                copy_local(_local(st[k]), t)
 
 
 def copy_local(dst: torch.Tensor, loaded: torch.Tensor) -> None:
     """Copy a loaded tensor (or a DTensor's local shard) into ``dst`` unless it is ``dst``."""
-    src = loaded.to_local() if isinstance(loaded, DTensor) else loaded
+    src = _local(loaded)
     if dst.data_ptr() != src.data_ptr():
         dst.copy_(src)
 

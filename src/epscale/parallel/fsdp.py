@@ -1,0 +1,89 @@
+"""FSDP2 (``fully_shard``) over the parallelized model: dense weights sharded over
+dp_shard and replicated over dp_replicate (HSDP); each rank's routed-expert slice sharded
+over efsdp = dp_shard / ep. Gradients are reduce-scattered by FSDP in backward; parameters
+are all-gathered before each group's forward and freed after.
+
+Legend: E experts, e = E/ep local experts, D model dim, F expert hidden dim, W world size.
+
+Groups (bottom-up, as fully_shard wants): every MoE layer's experts on the expert mesh,
+then every transformer block (its attention, norms, router, shared experts, dense FFN) on
+the dense mesh, then the root (embedding, final norm, head). The experts' no-EP entry
+point ``forward_scatter`` is registered with FSDP so that it all-gathers like ``forward``.
+
+Gradient scale. The objective is the mean of every rank's loss. FSDP averages a group's
+gradients over its mesh: the world for dense weights (right), but only W / ep ranks for
+an expert slice, whose local gradient already sums the losses of the ep ranks that sent it
+tokens; :func:`finish_gradients` divides those by ep once after the step's backward.
+(FSDP's own divide factor would do it in the reduction, but gloo has no PREMUL_SUM.)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor, Shard
+
+from ..config import ConfigError
+from ..moe.layer import moe_layers
+from .shard import mark_expert_params
+
+# The hidden dim of each expert weight: w1/w3 [e, D, F], w2 [e, F, D].
+HIDDEN_DIM = {"w1": 2, "w3": 2, "w2": 1}
+
+
+def expert_shard_dims(num_local_experts: int, hidden_dim: int, efsdp: int) -> str:
+    """'experts' when efsdp divides the local experts (shard whole experts, dim 0), else
+    'hidden' (shard each expert's hidden dim F, which efsdp must divide)."""
+    if num_local_experts % efsdp == 0:
+        return "experts"
+    if hidden_dim % efsdp == 0:
+        return "hidden"
+    raise ConfigError(f"FSDP over efsdp = dp_shard / ep = {efsdp} ranks cannot shard the "
+                      f"{num_local_experts} experts per EP rank (moe.num_experts / parallel.ep) "
+                      f"nor their hidden dim moe.hidden_dim = {hidden_dim}: choose a "
+                      "parallel.ep or parallel.dp_shard whose efsdp divides one of them")
+
+
+def apply_fsdp(model: nn.Module, dims, param_dtype: torch.dtype | None = None,
+               reduce_dtype: torch.dtype | None = torch.float32) -> list[str]:
+    """fully_shard ``model`` in place (after ``epscale.parallelize``, before the optimizer
+    is built). ``param_dtype``: the compute dtype FSDP casts parameters to (bf16 mixed
+    precision; None keeps fp32); gradients are reduced in ``reduce_dtype``; master weights
+    and optimizer state stay fp32. Returns lines for the start-up header."""
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    notes = []
+    for moe in moe_layers(model):
+        experts = moe.experts
+        how = expert_shard_dims(experts.num_experts, experts.hidden_dim, dims.efsdp)
+        place = None
+        if how == "hidden":
+            def place(param, _names={id(getattr(experts, n)): n for n in HIDDEN_DIM
+                                     if getattr(experts, n, None) is not None}):
+                return Shard(HIDDEN_DIM[_names[id(param)]])
+            if not notes:
+                notes.append(f"experts: {experts.num_experts} per EP rank over efsdp = "
+                             f"{dims.efsdp} ranks: each expert's hidden dim is sharded")
+        fully_shard(experts, mesh=dims.expert_dp_mesh, mp_policy=mp, shard_placement_fn=place)
+        register_fsdp_forward_method(experts, "forward_scatter")
+        mark_expert_params(experts)
+    for block in getattr(model, "layers", ()):
+        fully_shard(block, mesh=dims.dense_mesh, mp_policy=mp)
+    fully_shard(model, mesh=dims.dense_mesh, mp_policy=mp)
+    return notes
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@torch.no_grad()
+def finish_gradients(model: nn.Module, dims) -> None:
+    """After the step's backward (all micro-batches): the expert slices' gradients divided
+    by ep (see the module docstring); the dense ones are final already."""
+    if dims.ep == 1:
+        return
+    grads = [_local(p.grad) for moe in moe_layers(model) for p in moe.experts.parameters()
+             if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, 1.0 / dims.ep)
