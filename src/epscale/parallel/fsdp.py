@@ -46,11 +46,15 @@ def expert_shard_dims(num_local_experts: int, hidden_dim: int, efsdp: int) -> st
 
 
 def apply_fsdp(model: nn.Module, dims, param_dtype: torch.dtype | None = None,
-               reduce_dtype: torch.dtype | None = torch.float32) -> list[str]:
+               reduce_dtype: torch.dtype | None = torch.float32,
+               prefetch: bool = True) -> list[str]:
     """fully_shard ``model`` in place (after ``epscale.parallelize``, before the optimizer
     is built). ``param_dtype``: the compute dtype FSDP casts parameters to (bf16 mixed
     precision; None keeps fp32); gradients are reduced in ``reduce_dtype``; master weights
-    and optimizer state stay fp32. Returns lines for the start-up header."""
+    and optimizer state stay fp32. ``prefetch``: the explicit block-to-block prefetch (off
+    under selective activation checkpointing, whose regions must repeat their operations
+    exactly in backward, which FSDP's prefetch bookkeeping does not). Returns lines for
+    the start-up header."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     notes = []
     for moe in moe_layers(model):
@@ -67,10 +71,28 @@ def apply_fsdp(model: nn.Module, dims, param_dtype: torch.dtype | None = None,
         fully_shard(experts, mesh=dims.expert_dp_mesh, mp_policy=mp, shard_placement_fn=place)
         register_fsdp_forward_method(experts, "forward_scatter")
         mark_expert_params(experts)
-    for block in getattr(model, "layers", ()):
+    blocks = list(getattr(model, "layers", ()))
+    for block in blocks:
         fully_shard(block, mesh=dims.dense_mesh, mp_policy=mp)
     fully_shard(model, mesh=dims.dense_mesh, mp_policy=mp)
+    if prefetch:
+        _prefetch(blocks)
     return notes
+
+
+def _prefetch(blocks: list[nn.Module]) -> None:
+    """Explicit prefetch: when block i starts its forward, block i+1's all-gather is
+    issued; when it starts its backward, block i-1's. FSDP's implicit prefetch issues the
+    next all-gather only once the CPU reaches the next module, and an MoE layer's host sync
+    (the split sizes of its dispatch) holds the CPU back until the device has caught up,
+    so that all-gather would not overlap anything. (A block's own experts are gathered
+    inside the block: selective recomputation must see the same operations in its region
+    in forward and in backward.)"""
+    for i, block in enumerate(blocks):
+        if i + 1 < len(blocks):
+            block.set_modules_to_forward_prefetch([blocks[i + 1]])
+        if i > 0:
+            block.set_modules_to_backward_prefetch([blocks[i - 1]])
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -140,8 +140,9 @@ class Trainer:
         apply_activation_checkpointing(self.model, cfg.train.activation_checkpointing)
         self.fsdp_notes: list[str] = []
         if self.fsdp:
-            self.fsdp_notes = apply_fsdp(self.model, self.dims,
-                                         param_dtype=torch.bfloat16 if self.use_bf16 else None)
+            self.fsdp_notes = apply_fsdp(
+                self.model, self.dims, param_dtype=torch.bfloat16 if self.use_bf16 else None,
+                prefetch=cfg.train.activation_checkpointing != "selective")
             materialize(self.model, self.device, cfg.train.seed, self.dims)
         self.moe_layers = self.model.moe_layers()
         self.opt = build_optimizer(self.model, cfg.train)
