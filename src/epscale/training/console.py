@@ -100,7 +100,7 @@ class TrainConsole:
         if val_loss is not None:
             table.add_row("final validation loss", f"{val_loss:.4f}")
         if unigram_nats is not None:
-            table.add_row("byte unigram entropy (no-context baseline)", f"{unigram_nats:.4f}")
+            table.add_row("unigram entropy (no-context baseline)", f"{unigram_nats:.4f}")
         table.add_row("tokens/s (all processes, median)", f"{out['tokens_per_s']:,.0f}")
         table.add_row("tokens/s per process", f"{out['tokens_per_s_per_proc']:,.0f}")
         table.add_row("MFU estimate", f"{100 * out['mfu']:.2f}%")

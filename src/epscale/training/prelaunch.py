@@ -19,7 +19,7 @@ from ..config import ConfigError, RunConfig
 from ..dispatch.registry import check_choice
 from ..model import Transformer
 from . import checkpoint as ckpt
-from .data import DataLoader, load_splits
+from .data import DataLoader, load_data
 from .dist import resolve_layout
 
 # Set by a launcher that ran the checks, so its workers need not repeat them.
@@ -51,9 +51,11 @@ def check_run(cfg: RunConfig, run_dir: str | Path | None, world_size: int) -> Ch
 
 
 def check_data(cfg: RunConfig, world_size: int) -> None:
-    """The data source loads, its token ids fit model.vocab_size, and both splits hold at
-    least one window of model.seq_len + 1 tokens (the loader's own checks)."""
-    splits = load_splits(cfg.data, cfg.model.vocab_size)
+    """The data sources load, their token ids fit model.vocab_size (every id of a .bin
+    file; a prepared directory's manifest, and with data.verify_shards every shard's
+    SHA-256), and every split holds at least one window of model.seq_len + 1 tokens (the
+    loader's own checks)."""
+    splits = load_data(cfg.data, cfg.model.vocab_size, thorough=True)
     t = cfg.train
     DataLoader(splits, cfg.model.seq_len, t.micro_batch_size, t.grad_accum, 0, world_size,
                cfg.data.seed)
