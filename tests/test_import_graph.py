@@ -33,6 +33,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("sim",),
     ("metrics",),
     ("training",),
+    ("interop",),
     ("monitor",),
     ("commands",),
     ("cli", "__init__", "__main__"),

@@ -1,13 +1,17 @@
-"""The decoder-only MoE transformer: layer pattern, causality, RoPE, GQA/MLA, head tying,
-sizes matching epscale.sim.sizing, and input errors."""
+"""The decoder-only MoE transformer: layer pattern, causality, RoPE (and its YaRN variant),
+GQA/MLA, QK-norm, head tying, the KV cache, sizes matching epscale.sim.sizing, and input
+errors. (Each feature against transformers' own model: tests/test_hf_models.py.)"""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
-from epscale.config import load_config
-from epscale.model import Attention, Transformer, apply_rope, build_model, rope_tables
+from epscale.config import ConfigError, load_config
+from epscale.model import (Attention, KVCache, Transformer, apply_rope, build_model,
+                           rope_softmax_scale, rope_tables)
 from epscale.moe.experts import FeedForward
 from epscale.moe.layer import MoE
 from epscale.sim.sizing import model_size
@@ -140,3 +144,69 @@ def test_small_model_learns_a_repeating_text():
         loss.backward()
         opt.step()
     assert m.loss(x, y).item() < 0.3 * first
+
+
+CACHE_BASE = ["model.dim=32", "model.num_layers=3", "model.num_heads=4", "model.seq_len=32",
+        "model.dense_hidden_dim=48", "model.num_dense_layers=1", "moe.hidden_dim=16",
+        "moe.num_experts=4", "moe.top_k=2", "model.vocab_size=64"]
+
+
+@pytest.mark.parametrize("over", [
+    ("model.num_kv_heads=2",),
+    ("model.qk_norm=true", "model.head_dim=16", "model.rope_scaling={type: yarn, factor: 4, "
+     "original_seq_len: 8}"),
+    ("model.attention=mla", "model.q_lora_rank=16", "model.kv_lora_rank=16",
+     "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=4", "model.v_head_dim=8",
+     "model.rope_scaling={type: yarn, factor: 4, original_seq_len: 8, mscale: 1, "
+     "mscale_all_dim: 1}", "moe.score_func=sigmoid", "moe.num_shared_experts=1"),
+])
+def test_cached_forward_equals_the_full_forward(over):
+    m = build_model(load_config(None, CACHE_BASE + list(over))).eval()
+    toks = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = m(toks)
+        cache = KVCache(len(m.layers))
+        parts = [m(toks[:, :7], cache=cache)]                 # prefill
+        parts += [m(toks[:, i:i + 1], cache=cache) for i in range(7, 12)]  # one by one
+        parts.append(m(toks[:, 12:20], cache=cache))          # a chunk after a cache
+    assert cache.length == 20
+    torch.testing.assert_close(torch.cat(parts, dim=1), want, rtol=0, atol=2e-5)
+    with pytest.raises(ValueError, match="20 cached \\+ 13 exceeds model.seq_len=32"):
+        m(toks[:, :13], cache=cache)
+
+
+def test_qk_norm_normalises_each_head_before_rope():
+    c = cfg("model.qk_norm=true", "model.num_kv_heads=2")
+    attn = Transformer(c.model, c.moe).layers[0].attention
+    assert attn.q_norm.weight.shape == (8,) and attn.k_norm.weight.shape == (8,)
+    x = torch.randn(1, 5, 32)
+    with torch.no_grad():
+        q, k, _ = attn._qkv(x)
+        # rotation keeps each head's norm: every head of q and k has RMS 1 (weights are ones)
+        torch.testing.assert_close(q.pow(2).mean(-1), torch.ones(1, 4, 5), atol=1e-4, rtol=0)
+        torch.testing.assert_close(k.pow(2).mean(-1), torch.ones(1, 2, 5), atol=1e-4, rtol=0)
+        attn.q_norm.weight.fill_(2.0)
+        q2, _, _ = attn._qkv(x)
+    torch.testing.assert_close(q2, 2 * q)
+
+
+def test_rope_scaling_keys_are_validated_and_change_the_tables():
+    c = cfg("model.rope_scaling={type: yarn, factor: 4, original_seq_len: 8, mscale: 1, "
+            "mscale_all_dim: 1}")
+    cos, sin = rope_tables(16, 8, 10000.0, c.model.rope_scaling)
+    plain_cos, _ = rope_tables(16, 8, 10000.0)
+    assert not torch.allclose(cos, plain_cos)
+    torch.testing.assert_close(cos[:, 0], plain_cos[:, 0])  # the fastest frequency is kept
+    assert rope_softmax_scale(c.model.rope_scaling) == pytest.approx((0.1 * math.log(4) + 1) ** 2)
+    assert rope_softmax_scale(None) == 1.0
+    for over, match in [
+        ("model.rope_scaling={type: ntk}", "model.rope_scaling.type"),
+        ("model.rope_scaling={type: yarn, factor: 0.5}", "model.rope_scaling.factor"),
+        ("model.rope_scaling={type: yarn, fcator: 2}", "Did you mean 'factor'"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            cfg(over)
+    with pytest.raises(ConfigError, match="model.qk_norm.*'mha' only"):
+        cfg("model.qk_norm=true", "model.attention=mla")
+    with pytest.raises(ConfigError, match="model.latent_norm_eps"):
+        cfg("model.latent_norm_eps=0")

@@ -22,7 +22,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("epscale.commands.launch", "train on this machine through torchrun (restarts after a rank dies)"),
     "slurm": ("epscale.commands.slurm", "render or submit an sbatch script (srun torchrun, requeue, pre-emption)"),
     "preflight": ("epscale.commands.preflight", "timed all-reduce/all-to-all check of every rank (run under torchrun)"),
-    "checkpoint": ("epscale.commands.checkpoint", "export a sharded checkpoint to one state dict, or import one"),
+    "checkpoint": ("epscale.commands.checkpoint", "export a sharded checkpoint to one state dict, or import one; import-hf / export-hf for Hugging Face"),
+    "upcycle": ("epscale.commands.upcycle", "turn a dense Hugging Face model into an MoE run (sparse upcycling)"),
+    "generate": ("epscale.commands.generate", "continue a prompt with a run's newest checkpoint (KV cache)"),
+    "data": ("epscale.commands.data", "train a tokenizer, prepare token shards from text (parallel, resumable), verify them"),
 }
 
 

@@ -5,6 +5,9 @@ Token embedding -> ``num_layers`` pre-norm blocks (causal attention with RoPE th
 ``num_dense_layers`` and then an :class:`epscale.MoE` every ``moe_every`` layers, GLaM
 style) -> RMSNorm -> output head (tied to the embedding or not).
 
+Incremental decoding: ``forward(tokens_BS, cache=KVCache(...))`` attends over the keys
+and values of the tokens seen before (kept in the cache) and appends the new ones.
+
 Legend: B batch (sequences), S sequence length, D model dim, H query heads, G key/value
 heads, h head dim, V vocabulary, T tokens (B*S).
 """
@@ -20,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig, MoEConfig, RunConfig
+from .config.schema import RopeScalingConfig
 from .moe.experts import FeedForward
 from .moe.layer import MoE
 from .parallel import activation
@@ -39,27 +43,139 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos_SH, sin_SH (fp32, [S, head_dim/2]) for rotary position embeddings."""
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScalingConfig | None = None
+                     ) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (fp64, [head_dim/2]) and the factor cos/sin are scaled by, for
+    plain RoPE or a ``model.rope_scaling`` variant (the formulas of Hugging Face's
+    ``modeling_rope_utils``: YaRN, Llama 3)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is None:
+        return inv_freq, 1.0
+    factor, orig = scaling.factor, scaling.original_seq_len
+    if scaling.type == "llama3":
+        low_wavelen = orig / scaling.low_freq_factor
+        high_wavelen = orig / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (orig / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no singularity
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
+    attention_factor = scaling.attention_factor
+    if attention_factor is None:
+        if scaling.mscale and scaling.mscale_all_dim:
+            attention_factor = (_yarn_mscale(factor, scaling.mscale)
+                                / _yarn_mscale(factor, scaling.mscale_all_dim))
+        else:
+            attention_factor = _yarn_mscale(factor)
+    return inv_freq, attention_factor
+
+
+def rope_softmax_scale(scaling: RopeScalingConfig | None) -> float:
+    """The factor MLA multiplies its softmax scale by under YaRN: mscale(factor,
+    mscale_all_dim)^2 (DeepSeek-V2/V3), else 1."""
+    if scaling is None or not scaling.mscale_all_dim:
+        return 1.0
+    return _yarn_mscale(scaling.factor, scaling.mscale_all_dim) ** 2
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float,
+                scaling: RopeScalingConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos_SH, sin_SH (fp32, [S, head_dim/2]) for rotary position embeddings
+    (``scaling``: a ``model.rope_scaling`` variant; cos/sin include its attention factor)."""
     if head_dim % 2:
         raise ValueError(f"rotary head dim {head_dim} must be even")
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    inv_freq, attention_factor = rope_frequencies(head_dim, theta, scaling)
     angles_SH = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
-    return angles_SH.cos().float(), angles_SH.sin().float()
+    if attention_factor == 1.0:
+        return angles_SH.cos().float(), angles_SH.sin().float()
+    cos, sin = angles_SH.cos() * attention_factor, angles_SH.sin() * attention_factor
+    return cos.float(), sin.float()
 
 
-def apply_rope(x_BHSh: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor) -> torch.Tensor:
-    """Rotate the two halves of the last dim of x [B, H, S, h] by position (fp32 math)."""
+def apply_rope(x_BHSh: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor,
+               start: int = 0) -> torch.Tensor:
+    """Rotate the two halves of the last dim of x [B, H, S, h] by position (fp32 math);
+    the first row of x sits at position ``start``."""
     S = x_BHSh.shape[-2]
     x = x_BHSh.float()
     x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos_SH[:S], sin_SH[:S]
+    cos, sin = cos_SH[start:start + S], sin_SH[start:start + S]
     out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
     return out.to(x_BHSh.dtype)
 
 
+class LayerKV:
+    """One attention layer's cached keys and values, k [B, G, S, hk] and v [B, G, S, hv]
+    (None before the first call). ``length``: positions cached."""
+
+    def __init__(self):
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[-2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add the new positions' k, v; return every cached position's."""
+        if self.k is None:
+            self.k, self.v = k, v
+        else:
+            self.k, self.v = torch.cat((self.k, k), dim=-2), torch.cat((self.v, v), dim=-2)
+        return self.k, self.v
+
+
+class KVCache:
+    """Keys and values of the tokens a :class:`Transformer` has seen, per layer, for
+    incremental decoding: ``model(prompt_BS, cache=c)`` then ``model(next_B1, cache=c)``
+    gives the logits a full forward over the concatenation would (causal attention).
+    ``length``: tokens cached (at most ``model.seq_len``: the rotary tables end there)."""
+
+    def __init__(self, num_layers: int):
+        self.layers = [LayerKV() for _ in range(num_layers)]
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length if self.layers else 0
+
+
+def cached_attention(q_BHSh: torch.Tensor, k_BGTh: torch.Tensor, v_BGTh: torch.Tensor,
+                     scale: float | None = None) -> torch.Tensor:
+    """Causal attention of S new queries (the last S of T positions) over T keys."""
+    S, T = q_BHSh.shape[-2], k_BGTh.shape[-2]
+    gqa = k_BGTh.shape[1] != q_BHSh.shape[1]
+    if S == T:
+        return F.scaled_dot_product_attention(q_BHSh, k_BGTh, v_BGTh, is_causal=True,
+                                              scale=scale, enable_gqa=gqa)
+    mask_ST = None
+    if S > 1:  # query i sits at position T - S + i and sees keys up to it
+        pos = torch.arange(T, device=q_BHSh.device)
+        mask_ST = pos.unsqueeze(0) <= (pos[T - S:].unsqueeze(1))
+    return F.scaled_dot_product_attention(q_BHSh, k_BGTh, v_BGTh, attn_mask=mask_ST,
+                                          scale=scale, enable_gqa=gqa)
+
+
 class Attention(nn.Module):
-    """Causal multi-head attention (grouped-query when num_kv_heads < num_heads)."""
+    """Causal multi-head attention (grouped-query when num_kv_heads < num_heads; with
+    ``qk_norm`` each head's query and key RMS-normalised before RoPE, as Qwen3 does)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -71,7 +187,10 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, G * h, bias=False)
         self.wv = nn.Linear(cfg.dim, G * h, bias=False)
         self.wo = nn.Linear(H * h, cfg.dim, bias=False)
-        self._rope = (cfg.seq_len, h, cfg.rope_theta)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(h, cfg.norm_eps)
+            self.k_norm = RMSNorm(h, cfg.norm_eps)
+        self._rope = (cfg.seq_len, h, cfg.rope_theta, cfg.rope_scaling)
         cos, sin = rope_tables(*self._rope)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -82,15 +201,32 @@ class Attention(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+    def _qkv(self, x_BSD: torch.Tensor, start: int = 0):
+        """q [B, H, S, h], k and v [B, G, S, h], rotated for positions start.. ."""
         B, S, _ = x_BSD.shape
         h, H, G = self.head_dim, self.num_heads, self.num_kv_heads
-        q = self.wq(x_BSD).view(B, S, H, h).transpose(1, 2)
-        k = self.wk(x_BSD).view(B, S, G, h).transpose(1, 2)
+        q = self.wq(x_BSD).view(B, S, H, h)
+        k = self.wk(x_BSD).view(B, S, G, h)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         v = self.wv(x_BSD).view(B, S, G, h).transpose(1, 2)
-        q = apply_rope(q, self.rope_cos, self.rope_sin)
-        k = apply_rope(k, self.rope_cos, self.rope_sin)
-        o_BHSh = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=G != H)
+        q = apply_rope(q.transpose(1, 2), self.rope_cos, self.rope_sin, start)
+        k = apply_rope(k.transpose(1, 2), self.rope_cos, self.rope_sin, start)
+        return q, k, v
+
+    def forward(self, x_BSD: torch.Tensor, kv: LayerKV | None = None,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``attn_mask``: bool [B, 1, S, S], True where a query may attend (causal
+        included; :func:`document_mask`); None: plain causal."""
+        B, S, _ = x_BSD.shape
+        h, H, G = self.head_dim, self.num_heads, self.num_kv_heads
+        if kv is not None:  # incremental decoding
+            q, k, v = self._qkv(x_BSD, kv.length)
+            o_BHSh = cached_attention(q, *kv.append(k, v))
+            return self.wo(o_BHSh.transpose(1, 2).reshape(B, S, H * h))
+        q, k, v = self._qkv(x_BSD)
+        o_BHSh = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
+                                                is_causal=attn_mask is None, enable_gqa=G != H)
         return self.wo(o_BHSh.transpose(1, 2).reshape(B, S, H * h))
 
 
@@ -104,24 +240,28 @@ class LatentAttention(nn.Module):
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_rank = cfg.kv_lora_rank
         qk = self.nope + self.rope
+        eps = cfg.norm_eps if cfg.latent_norm_eps is None else cfg.latent_norm_eps
         if cfg.q_lora_rank > 0:
             self.wq_a = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
-            self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, eps)
             self.wq_b = nn.Linear(cfg.q_lora_rank, H * qk, bias=False)
         else:
             self.wq = nn.Linear(cfg.dim, H * qk, bias=False)
         self.wkv_a = nn.Linear(cfg.dim, self.kv_rank + self.rope, bias=False)
-        self.kv_norm = RMSNorm(self.kv_rank, cfg.norm_eps)
+        self.kv_norm = RMSNorm(self.kv_rank, eps)
         self.wkv_b = nn.Linear(self.kv_rank, H * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(H * self.v_dim, cfg.dim, bias=False)
-        self._rope = (cfg.seq_len, self.rope, cfg.rope_theta)
+        # softmax scale: 1/sqrt(qk head dim), times YaRN's mscale^2 where it asks
+        self.scale = qk ** -0.5 * rope_softmax_scale(cfg.rope_scaling)
+        self._rope = (cfg.seq_len, self.rope, cfg.rope_theta, cfg.rope_scaling)
         cos, sin = rope_tables(*self._rope)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
     reset_buffers = Attention.reset_buffers
 
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+    def _qkv(self, x_BSD: torch.Tensor, start: int = 0):
+        """q and k [B, H, S, nope + rope], v [B, H, S, v], rotated for positions start.. ."""
         B, S, _ = x_BSD.shape
         H, qk = self.num_heads, self.nope + self.rope
         q = self.wq_b(self.q_norm(self.wq_a(x_BSD))) if hasattr(self, "wq_a") else self.wq(x_BSD)
@@ -130,12 +270,22 @@ class LatentAttention(nn.Module):
         kv_lat, k_pe = self.wkv_a(x_BSD).split([self.kv_rank, self.rope], dim=-1)
         kv = self.wkv_b(self.kv_norm(kv_lat)).view(B, S, H, self.nope + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        q_pe = apply_rope(q_pe, self.rope_cos, self.rope_sin)
-        k_pe = apply_rope(k_pe.unsqueeze(1), self.rope_cos, self.rope_sin).expand(B, H, S, self.rope)
-        q = torch.cat((q_nope, q_pe), dim=-1)
-        k = torch.cat((k_nope, k_pe), dim=-1)
-        o_BHSh = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(o_BHSh.transpose(1, 2).reshape(B, S, H * self.v_dim))
+        q_pe = apply_rope(q_pe, self.rope_cos, self.rope_sin, start)
+        k_pe = apply_rope(k_pe.unsqueeze(1), self.rope_cos, self.rope_sin,
+                          start).expand(B, H, S, self.rope)
+        return torch.cat((q_nope, q_pe), dim=-1), torch.cat((k_nope, k_pe), dim=-1), v
+
+    def forward(self, x_BSD: torch.Tensor, kv: LayerKV | None = None,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        if kv is not None:  # incremental decoding (keys and values cached expanded)
+            q, k, v = self._qkv(x_BSD, kv.length)
+            o_BHSh = cached_attention(q, *kv.append(k, v), scale=self.scale)
+        else:
+            q, k, v = self._qkv(x_BSD)
+            o_BHSh = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
+                                                    is_causal=attn_mask is None, scale=self.scale)
+        return self.wo(o_BHSh.transpose(1, 2).reshape(B, S, self.num_heads * self.v_dim))
 
 
 class Block(nn.Module):
@@ -154,19 +304,38 @@ class Block(nn.Module):
         # train.activation_checkpointing (epscale.parallel.activation): 'none', 'full', 'selective'
         self.checkpointing = "none"
 
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, kv: LayerKV | None = None,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if kv is not None:  # incremental decoding: inference, nothing to recompute
+            return self._forward(x_BSD, kv)
+        if attn_mask is not None:
+            return activation.run(self._forward, self.checkpointing, x_BSD, None, attn_mask)
         return activation.run(self._forward, self.checkpointing, x_BSD)
 
-    def _forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x_BSD: torch.Tensor, kv: LayerKV | None = None,
+                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         with self.timer("attention"):
-            x_BSD = x_BSD + self.attention(self.attention_norm(x_BSD))
+            x_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), kv, attn_mask)
         return x_BSD + self.ffn(self.ffn_norm(x_BSD))
+
+
+def document_mask(tokens_BS: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """bool [B, 1, S, S]: query i may attend key j when j <= i and both lie in the same
+    document; a document ends with (and includes) an ``eos_id`` token. Every query sees
+    itself, so no row is empty."""
+    is_eos_BS = tokens_BS == eos_id
+    doc_BS = torch.cumsum(is_eos_BS, dim=1) - is_eos_BS.long()  # EOS belongs to its document
+    S = tokens_BS.shape[1]
+    causal_SS = torch.ones(S, S, dtype=torch.bool, device=tokens_BS.device).tril()
+    return ((doc_BS.unsqueeze(2) == doc_BS.unsqueeze(1)) & causal_SS).unsqueeze(1)
 
 
 class Transformer(nn.Module):
     """Decoder-only language model. ``forward(tokens_BS)`` (int64 ids < vocab_size,
     S <= seq_len) returns fp32 logits [B, S, V]; ``loss(tokens_BS, targets_BS)`` the mean
-    next-token cross-entropy (without the MoE auxiliary losses, see :meth:`aux_loss`)."""
+    next-token cross-entropy (without the MoE auxiliary losses, see :meth:`aux_loss`).
+    ``forward(tokens_BS, cache=KVCache(num_layers))`` decodes incrementally: the tokens
+    continue the ones cached before (cached + new <= seq_len)."""
 
     def __init__(self, cfg: ModelConfig, moe_cfg: MoEConfig):
         super().__init__()
@@ -177,6 +346,20 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, moe_cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.doc_eos_id: int | None = None  # set_document_masking
+
+    def set_document_masking(self, eos_id: int | None) -> None:
+        """``data.doc_masking``: with ``eos_id`` set, a token attends only to the earlier
+        tokens of its own document (a document ends with its ``eos_id``; see
+        :func:`document_mask`) and :meth:`loss` skips the targets that follow an EOS
+        (the first token of the next document, which the model cannot see coming).
+        The mask is dense, bool [B, 1, S, S] (O(S^2) memory per sequence) and nothing
+        skips the masked blocks: on CPU torch's flash kernel takes it; on CUDA the flash
+        kernel takes no mask, so SDPA falls back to its memory-efficient kernel or, where
+        that does not apply, the math kernel (O(S^2) memory per head) - for CPU and
+        testing scale, not long GPU sequences (FlexAttention's block masks would be).
+        Incremental decoding (``cache=``) ignores it."""
+        self.doc_eos_id = eos_id
 
     def param_init(self, name: str) -> tuple[str, float | None]:
         """How parameter ``name`` starts: N(0, 0.02) for embeddings and dense projections,
@@ -208,22 +391,32 @@ class Transformer(nn.Module):
         for moe in self.moe_layers():
             moe.timer = timer
 
-    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens_BS: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         if tokens_BS.dim() != 2:
             raise ValueError(f"Transformer.forward expects token ids [B, S], got shape "
                              f"{tuple(tokens_BS.shape)}")
-        if tokens_BS.shape[1] > self.cfg.seq_len:
-            raise ValueError(f"sequence length {tokens_BS.shape[1]} exceeds model.seq_len="
-                             f"{self.cfg.seq_len}")
+        seen = 0 if cache is None else cache.length
+        if seen + tokens_BS.shape[1] > self.cfg.seq_len:
+            before = f"{seen} cached + " if cache is not None else ""
+            raise ValueError(f"sequence length {before}{tokens_BS.shape[1]} exceeds "
+                             f"model.seq_len={self.cfg.seq_len}")
         h_BSD = self.tok_embeddings(tokens_BS)
-        for block in self.layers:
-            h_BSD = block(h_BSD)
+        mask_B1SS = None
+        if self.doc_eos_id is not None and cache is None:
+            mask_B1SS = document_mask(tokens_BS, self.doc_eos_id)
+        for i, block in enumerate(self.layers):
+            if cache is not None:
+                h_BSD = block(h_BSD, cache.layers[i])
+            else:
+                h_BSD = block(h_BSD) if mask_B1SS is None else block(h_BSD, None, mask_B1SS)
         h_BSD = self.norm(h_BSD)
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight
         return F.linear(h_BSD, weight.to(h_BSD.dtype)).float()
 
     def loss(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
         logits_BSV = self(tokens_BS)
+        if self.doc_eos_id is not None:  # no loss across the EOS -> next-document join
+            targets_BS = targets_BS.masked_fill(tokens_BS == self.doc_eos_id, -100)
         return F.cross_entropy(logits_BSV.view(-1, logits_BSV.shape[-1]), targets_BS.reshape(-1))
 
     def aux_loss(self) -> torch.Tensor:

@@ -1,0 +1,485 @@
+"""Hugging Face checkpoints to and from epscale: Mixtral, Qwen3-MoE and DeepSeek-V3 in the
+hub's per-expert safetensors layout.
+
+    model, cfg = from_pretrained("path/to/hf_dir")       # logits equal transformers'
+    to_pretrained(model, cfg, "out_dir")                   # AutoModelForCausalLM reads it
+    import_hf("hf_dir", "runs/x")     # a run directory `epscale train --run-dir` continues
+    export_hf("runs/x", "out_dir")    # from a checkpoint saved at any layout, tensor by tensor
+
+How the names and layouts map (per layer ``model.layers.{i}.``; ``{moe}`` is
+``block_sparse_moe`` for Mixtral, ``mlp`` otherwise):
+
+* ``self_attn.{q,k,v,o}_proj`` <-> ``attention.w{q,k,v,o}``; ``self_attn.{q,k}_norm`` <->
+  ``attention.{q,k}_norm`` (Qwen3). MLA: ``q_a_proj/q_a_layernorm/q_b_proj`` (or
+  ``q_proj``), ``kv_a_proj_with_mqa/kv_a_layernorm/kv_b_proj`` <-> ``wq_a/q_norm/wq_b``
+  (``wq``), ``wkv_a/kv_norm/wkv_b``; DeepSeek-V3 stores the rotary dimensions as
+  interleaved pairs (``rope_interleave``), epscale as two halves: those rows are permuted.
+* routed experts ``{moe}.experts.{j}.{gate,up,down}`` ([F, D], [F, D], [D, F] each) <->
+  ``ffn.experts.w1/w3/w2`` stacked ([E, D, F], [E, D, F], [E, F, D]);
+  ``{moe}.gate.weight`` <-> ``ffn.router.gate.weight``; DeepSeek-V3's
+  ``mlp.gate.e_score_correction_bias`` <-> ``ffn.router.expert_bias``;
+  ``mlp.shared_experts.*`` <-> ``ffn.shared_experts.w1/w3/w2``; dense FFNs ``mlp.*`` <->
+  ``ffn.w1/w3/w2``.
+
+Legend: E experts, D model dim, F expert hidden dim, H heads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ..config import (
+    RunConfig,
+    apply_overrides,
+    dump_yaml,
+    from_dict,
+    load_yaml,
+    to_dict,
+)
+from ..model import Transformer, build_meta_model
+from ..parallel.materialize import reset_buffers_
+from ..parallel.shard import mark_all_expert_params
+from ..training import checkpoint as ckpt
+from ..training.checkpoint.state import saved_keys
+from ..training.checkpoint.store import quiet
+from .files import DTYPES, HFError, HFWeights, plan_shards, read_json, write_shards
+from .hf_config import (
+    MOE_FAMILIES,
+    Mapped,
+    choose_family,
+    hf_from_recipe,
+    recipe_from_hf,
+)
+
+SOURCE_DIR = "hf_source"    # RUN_DIR/hf_source: config.json and tokenizer files of the import
+COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+          "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt")
+DEFAULT_SHARD_BYTES = 5 * 2 ** 30
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a family keeps its MoE layer's tensors."""
+
+    moe: str                          # module name of the MoE block
+    experts: tuple[str, str, str]     # gate (w1), up (w3), down (w2) of one expert
+    bias: str | None = None           # the router's score-correction bias, if the format has one
+
+
+LAYOUTS = {
+    "mixtral": Layout("block_sparse_moe", ("w1", "w3", "w2")),
+    "qwen3_moe": Layout("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "deepseek_v3": Layout("mlp", ("gate_proj", "up_proj", "down_proj"), "e_score_correction_bias"),
+    "llama": Layout("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "qwen3": Layout("mlp", ("gate_proj", "up_proj", "down_proj")),
+}
+DENSE = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class Rule:
+    """One epscale tensor and the hub tensors it is made of (both ways)."""
+
+    name: str                                              # epscale state-dict name
+    hf: list[str]                                          # hub names
+    hf_shapes: list[tuple[int, ...]]
+    to_ours: Callable[[list[torch.Tensor]], torch.Tensor]
+    to_hf: Callable[[torch.Tensor], list[torch.Tensor]]
+
+
+def _copy(name: str, hf: str, shape) -> Rule:
+    return Rule(name, [hf], [tuple(shape)], lambda ts: ts[0], lambda t: [t])
+
+
+def _experts(name: str, prefix: str, proj: str, shape) -> Rule:
+    """Stacked [E, a, b] <-> E hub matrices [b, a] (nn.Linear's [out, in])."""
+    E, a, b = shape
+    names = [f"{prefix}.experts.{j}.{proj}.weight" for j in range(E)]
+    return Rule(name, names, [(b, a)] * E,
+                lambda ts: torch.stack(ts).transpose(1, 2).contiguous(),
+                lambda t: [t[j].t() for j in range(E)])
+
+
+def _rope_rows(name: str, hf: str, shape, rows: Callable[[torch.Tensor], torch.Tensor],
+               perm: torch.Tensor, interleave: bool) -> Rule:
+    """A projection whose rotary output rows the hub interleaves: ``rows(view)`` is the
+    rotary slice of the weight viewed so that its last-but-one dim is those rows."""
+    if not interleave:
+        return _copy(name, hf, shape)
+    inv = torch.argsort(perm)
+
+    def permute(t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        view = rows(t)
+        view.copy_(view[..., order, :])
+        return t
+
+    return Rule(name, [hf], [tuple(shape)], lambda ts: permute(ts[0], perm),
+                lambda t: [permute(t, inv)])
+
+
+def rules(model_shapes: dict[str, tuple[int, ...]], cfg: RunConfig, family: str,
+          interleave: bool) -> list[Rule]:
+    """The rules of every epscale tensor the hub format holds, in state-dict order."""
+    m = cfg.model
+    lay = LAYOUTS[family]
+    rope = m.qk_rope_head_dim
+    perm = torch.cat((torch.arange(0, rope, 2), torch.arange(1, rope, 2)))
+    qk, H = m.qk_nope_head_dim + rope, m.num_heads
+    out = []
+    for name, shape in model_shapes.items():
+        parts = name.split(".")
+        if name == "tok_embeddings.weight":
+            out.append(_copy(name, "model.embed_tokens.weight", shape))
+        elif name == "norm.weight":
+            out.append(_copy(name, "model.norm.weight", shape))
+        elif name == "output.weight":
+            out.append(_copy(name, "lm_head.weight", shape))
+        elif parts[0] == "layers":
+            p = f"model.layers.{parts[1]}"
+            rest = ".".join(parts[2:])
+            rule = _layer_rule(name, rest, p, shape, lay, family, interleave, perm, qk, H, m)
+            if rule is not None:
+                out.append(rule)
+        else:
+            raise HFError(f"epscale tensor '{name}' has no place in the {family} format")
+    return out
+
+
+def _layer_rule(name, rest, p, shape, lay: Layout, family, interleave, perm, qk, H, m):
+    attn = {"attention_norm.weight": "input_layernorm.weight",
+            "ffn_norm.weight": "post_attention_layernorm.weight",
+            "attention.wo.weight": "self_attn.o_proj.weight"}
+    if m.attention == "mla":
+        attn.update({"attention.wq_a.weight": "self_attn.q_a_proj.weight",
+                     "attention.q_norm.weight": "self_attn.q_a_layernorm.weight",
+                     "attention.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
+                     "attention.wkv_b.weight": "self_attn.kv_b_proj.weight"})
+    else:
+        attn.update({f"attention.w{x}.weight": f"self_attn.{x}_proj.weight" for x in "qkv"})
+        attn.update({f"attention.{x}_norm.weight": f"self_attn.{x}_norm.weight" for x in "qk"})
+    if rest in attn:
+        return _copy(name, f"{p}.{attn[rest]}", shape)
+    if rest in ("attention.wq_b.weight", "attention.wq.weight"):
+        hf = f"{p}.self_attn.{'q_b_proj' if rest.endswith('wq_b.weight') else 'q_proj'}.weight"
+        nope = m.qk_nope_head_dim
+        return _rope_rows(name, hf, shape, lambda t: t.view(H, qk, -1)[:, nope:], perm,
+                          interleave)
+    if rest == "attention.wkv_a.weight":
+        r = m.kv_lora_rank
+        return _rope_rows(name, f"{p}.self_attn.kv_a_proj_with_mqa.weight", shape,
+                          lambda t: t[r:], perm, interleave)
+    ffn = {"w1": DENSE[0], "w3": DENSE[1], "w2": DENSE[2]}
+    kind, _, leaf = rest.partition(".")
+    if kind == "ffn":
+        head, _, tail = leaf.partition(".")
+        if head in ffn and tail == "weight":                       # a dense layer
+            return _copy(name, f"{p}.mlp.{ffn[head]}.weight", shape)
+        moe = f"{p}.{lay.moe}"
+        if leaf == "router.gate.weight":
+            return _copy(name, f"{moe}.gate.weight", shape)
+        if leaf == "router.expert_bias":
+            return _copy(name, f"{moe}.gate.{lay.bias}", shape) if lay.bias else None
+        if leaf.startswith("router."):
+            return None                                            # balancing state
+        if head == "experts":
+            proj = dict(zip(("w1", "w3", "w2"), lay.experts))[tail]
+            return _experts(name, moe, proj, shape)
+        if head == "shared_experts":
+            w = tail.split(".")[0]
+            return _copy(name, f"{moe}.shared_experts.{ffn[w]}.weight", shape)
+    raise HFError(f"epscale tensor '{name}' has no place in the {family} format")
+
+
+def model_shapes(cfg: RunConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of the model's state dict (built on the meta device)."""
+    return {k: tuple(v.shape) for k, v in build_meta_model(cfg).state_dict().items()}
+
+
+# ---------------------------------------------------------------------- import
+def read_hf(hf_dir: str | Path, overrides: list[str] | None = None,
+            seq_len: int | None = None) -> tuple[Mapped, RunConfig]:
+    """config.json of ``hf_dir`` as an epscale recipe (``overrides``: dotted key=value)."""
+    hf_dir = Path(hf_dir)
+    if not hf_dir.is_dir():
+        raise HFError(f"'{hf_dir}' is not a directory (expected a Hugging Face model "
+                      "directory with config.json and *.safetensors)")
+    source = hf_dir / "config.json"
+    mapped = recipe_from_hf(read_json(source), source, seq_len)
+    cfg = from_dict(RunConfig, apply_overrides(mapped.data, list(overrides or [])))
+    return mapped, cfg
+
+
+def state_from_hf(hf_dir: str | Path, mapped: Mapped, cfg: RunConfig,
+                  report: Callable[[str], None] | None = None) -> dict[str, torch.Tensor]:
+    """The epscale state dict (fp32) of the weights in ``hf_dir``. A missing tensor, one of
+    another shape than config.json implies, or one epscale has no place for is an HFError
+    naming the file and the tensor. ``report`` hears about hub tensors left out on
+    purpose (DeepSeek-V3's multi-token-prediction layers)."""
+    weights = HFWeights(hf_dir)
+    shapes = model_shapes(cfg)
+    state, used = {}, set()
+    for rule in rules(shapes, cfg, mapped.family, mapped.rope_interleave):
+        missing = [n for n in rule.hf if n not in weights]
+        if missing:
+            raise HFError(f"tensor '{missing[0]}' is missing from '{hf_dir}' (config.json "
+                          f"implies it; {len(missing)} of this kind missing)")
+        state[rule.name] = rule.to_ours([weights.get(n, s)
+                                         for n, s in zip(rule.hf, rule.hf_shapes)])
+        used.update(rule.hf)
+    for name, shape in shapes.items():  # balancing state the hub format has no place for
+        state.setdefault(name, torch.zeros(shape))
+    skipped, mtp = _ignorable(weights.names(), mapped, cfg)
+    if mtp and report is not None:
+        report(f"note: {len(mtp)} tensor(s) of the multi-token-prediction layer(s) (e.g. "
+               f"'{mtp[0]}') are not imported: epscale has no MTP module")
+    extra = sorted(set(weights.names()) - used - skipped)
+    if extra:
+        raise HFError(f"tensor '{extra[0]}' in '{weights.where(extra[0])}' has no place in "
+                      f"epscale's {mapped.family} model ({len(extra)} such tensors); does "
+                      "config.json describe these weights?")
+    return state
+
+
+def _ignorable(names: list[str], mapped: Mapped, cfg: RunConfig) -> tuple[set[str], list[str]]:
+    """Hub tensors that carry nothing epscale's model computes with (rotary caches, a tied
+    head), and DeepSeek-V3's multi-token-prediction layers (past the last layer)."""
+    out, mtp = set(), []
+    for n in names:
+        parts = n.split(".")
+        if n.endswith("rotary_emb.inv_freq") or (n == "lm_head.weight"
+                                                 and cfg.model.tie_embeddings):
+            out.add(n)
+        elif len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() and \
+                int(parts[2]) >= cfg.model.num_layers and mapped.family == "deepseek_v3":
+            out.add(n)
+            mtp.append(n)
+    return out, mtp
+
+
+def from_pretrained(path: str | Path, overrides: list[str] | None = None,
+                    seq_len: int | None = None) -> tuple[Transformer, RunConfig]:
+    """An epscale :class:`~epscale.model.Transformer` (fp32, CPU, eval mode) with the
+    weights of the Hugging Face directory ``path``, and its recipe; ``model(tokens_BS)``
+    returns the logits transformers' model gives, [B, S, V]."""
+    mapped, cfg = read_hf(path, overrides, seq_len)
+    state = state_from_hf(path, mapped, cfg, report=lambda msg: warnings.warn(msg, stacklevel=3))
+    return model_from_state(cfg, state), cfg
+
+
+def model_from_state(cfg: RunConfig, state: dict[str, torch.Tensor]) -> Transformer:
+    """The model of ``cfg`` holding ``state`` (no random initialisation on the way)."""
+    model = build_meta_model(cfg)
+    model.to_empty(device="cpu")
+    mark_all_expert_params(model)
+    reset_buffers_(model)
+    model.load_state_dict(state, strict=True)
+    return model.eval()
+
+
+def import_hf(hf_dir: str | Path, run_dir: str | Path, overrides: list[str] | None = None,
+              seq_len: int | None = None, report: Callable[[str], None] = print) -> Path:
+    """Write the Hugging Face model ``hf_dir`` as run directory ``run_dir``: config.yaml
+    (the recipe, ``overrides`` applied), a step-0 checkpoint that ``epscale train
+    --run-dir`` continues from at any dp / ep / FSDP layout, and ``hf_source/`` (the
+    config.json and tokenizer files). Returns the checkpoint directory."""
+    hf_dir, run_dir = Path(hf_dir), Path(run_dir)
+    mapped, cfg = read_hf(hf_dir, overrides, seq_len)
+    check_new_run_dir(run_dir)
+    state = state_from_hf(hf_dir, mapped, cfg, report)
+    return write_run(run_dir, cfg, state, hf_dir, {"hf_family": mapped.family})
+
+
+def check_new_run_dir(run_dir: Path) -> None:
+    if run_dir.exists() and not run_dir.is_dir():
+        raise HFError(f"'{run_dir}' is a file, not a run directory")
+    if ckpt.list_checkpoints(run_dir):
+        raise HFError(f"'{run_dir}' already holds checkpoints; import into a new run directory")
+
+
+def write_run(run_dir: Path, cfg: RunConfig, state: dict[str, torch.Tensor], hf_dir: Path,
+              meta: dict) -> Path:
+    """RUN_DIR/config.yaml, RUN_DIR/hf_source/ (config.json and tokenizer files of
+    ``hf_dir``) and a step-0 checkpoint holding ``state`` (through
+    :func:`epscale.training.checkpoint.import_full`: loads at any layout)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    src = run_dir / SOURCE_DIR
+    src.mkdir(exist_ok=True)
+    for name in COPIED:
+        if (hf_dir / name).is_file():
+            shutil.copyfile(hf_dir / name, src / name)
+    dump_yaml(cfg, run_dir / "config.yaml")
+    tmp = run_dir / ".hf_import.pt"
+    try:
+        torch.save({"model": state, "meta": {"config": to_dict(cfg), "hf_source": str(hf_dir),
+                                             **meta}}, tmp)
+        return ckpt.import_full(tmp, run_dir, step=0)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------- export
+def run_config(path: Path, meta: dict) -> RunConfig:
+    """The recipe a checkpoint was written with (its meta.json, else RUN_DIR/config.yaml)."""
+    if isinstance(meta.get("config"), dict):
+        return from_dict(RunConfig, meta["config"])
+    candidate = path.parent.parent / "config.yaml"
+    if candidate.is_file():
+        return from_dict(RunConfig, load_yaml(candidate))
+    raise HFError(f"checkpoint '{path}' records no config (meta.json) and no config.yaml is "
+                  "beside its run directory")
+
+
+def _source_config(path: Path) -> dict | None:
+    f = path.parent.parent / SOURCE_DIR / "config.json"
+    return read_json(f) if f.is_file() else None
+
+
+def export_hf(source: str | Path, out_dir: str | Path, family: str | None = None,
+              dtype: str | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+              report: Callable[[str], None] = print) -> Path:
+    """Write the newest checkpoint of run directory ``source`` (or a checkpoint
+    directory) as a Hugging Face model directory: config.json and the hub's safetensors
+    shards (+ index), and the tokenizer files of the import (safetensors files already in
+    ``out_dir`` are replaced). Reads one shard's tensors at a time from the sharded
+    checkpoint (whatever layout wrote it), so memory peaks at one output shard (or one
+    stacked expert tensor when that is larger)."""
+    path = ckpt.resolve(source)
+    meta = ckpt.validate(path)
+    cfg = run_config(path, meta)
+    src_cfg = _source_config(path)
+    family = family or choose_family(cfg, src_cfg)
+    if family not in MOE_FAMILIES:
+        raise HFError(f"--arch {family!r} is not one of {', '.join(MOE_FAMILIES)}")
+    dtype = dtype or ((src_cfg or {}).get("dtype") or (src_cfg or {}).get("torch_dtype")
+                      or "float32")
+    if dtype not in DTYPES:
+        raise HFError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    same = src_cfg if src_cfg and src_cfg.get("model_type") == family else None
+    hf_cfg, warns = hf_from_recipe(cfg, family, dtype, same)
+    saved = saved_keys(path)
+    shapes = {}
+    for key, md in saved.items():
+        if key.startswith("model."):
+            shapes[key[len("model."):]] = (tuple(md.size), md.properties.dtype)
+    want = model_shapes(cfg)
+    for name, shape in want.items():
+        if name not in shapes or shapes[name][0] != shape:
+            raise HFError(f"checkpoint '{path}' does not fit its own config: '{name}' is "
+                          f"{shapes.get(name, ('missing',))[0]} there, {shape} in the model")
+    rs = rules(want, cfg, family, interleave=True)
+    warns += _unplaced(path, cfg, family)
+    for w in warns:
+        report(f"warning: {w}")
+    out_dtype = DTYPES[dtype]
+    nbytes = {r.name: sum(map(math.prod, r.hf_shapes)) * out_dtype.itemsize for r in rs}
+    # (sizes for packing shards; the fp32 bias is a few bytes more than planned)
+    by_name = {r.name: r for r in rs}
+    shards = plan_shards(((r.name, nbytes[r.name]) for r in rs), max_shard_bytes)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in list(out_dir.glob("*.safetensors")) + [out_dir / "model.safetensors.index.json"]:
+        old.unlink(missing_ok=True)
+
+    def produce():
+        for names in shards:
+            loaded = load_tensors(path, {n: shapes[n] for n in names})
+            tensors = {}
+            for n in names:
+                for hf_name, t in zip(by_name[n].hf, by_name[n].to_hf(loaded.pop(n))):
+                    tensors[hf_name] = t.to(_dtype_of(hf_name, out_dtype))
+            yield tensors
+
+    write_shards(out_dir, produce(), len(shards))
+    (out_dir / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True))
+    src = path.parent.parent / SOURCE_DIR
+    for name in COPIED[1:]:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, out_dir / name)
+    return out_dir
+
+
+def _dtype_of(hf_name: str, dtype: torch.dtype) -> torch.dtype:
+    """The score-correction bias stays fp32 (as the hub's DeepSeek-V3 keeps it: a bias
+    step of 1e-3 on sigmoid scores is below bf16's resolution near 1)."""
+    return torch.float32 if hf_name.endswith("e_score_correction_bias") else dtype
+
+
+def _unplaced(path: Path, cfg: RunConfig, family: str) -> list[str]:
+    """Warnings for state the format cannot hold that changes the logits: a nonzero expert
+    bias where the format has no score-correction bias."""
+    if LAYOUTS[family].bias is not None:
+        return []
+    names = [n for n in model_shapes(cfg) if n.endswith("router.expert_bias")]
+    if not names:
+        return []
+    loaded = load_tensors(path, {n: None for n in names})
+    nonzero = [n for n in names if bool(loaded[n].abs().max() > 0)]
+    if not nonzero:
+        return []
+    return [f"the {family} format has no place for the router's expert bias (loss-free "
+            f"balancing), nonzero in {len(nonzero)} layer(s) (e.g. '{nonzero[0]}'); it is "
+            "left out, so expert selection, and the logits, differ from epscale's"]
+
+
+def load_tensors(path: Path, specs: dict[str, tuple | None]) -> dict[str, torch.Tensor]:
+    """Full tensors ``model.{name}`` of a checkpoint (written at any layout), read into
+    this process only (``specs``: name -> (shape, dtype), None to look it up)."""
+    saved = saved_keys(path)
+    state = {}
+    for name, spec in specs.items():
+        md = saved[f"model.{name}"]
+        shape, dtype = spec if spec is not None else (tuple(md.size), md.properties.dtype)
+        state[name] = torch.empty(shape, dtype=dtype)
+    with quiet():
+        dcp.load({"model": state}, checkpoint_id=str(path), no_dist=True)
+    return state
+
+
+def to_pretrained(model: Transformer, cfg: RunConfig, path: str | Path,
+                  family: str | None = None, dtype: str = "float32",
+                  max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Write an (unparallelized) epscale model as a Hugging Face directory that
+    ``AutoModelForCausalLM.from_pretrained`` reads."""
+    family = family or choose_family(cfg, None)
+    if family not in MOE_FAMILIES:
+        raise HFError(f"family {family!r} is not one of {', '.join(MOE_FAMILIES)}")
+    hf_cfg, warns = hf_from_recipe(cfg, family, dtype)
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    rs = rules({k: tuple(v.shape) for k, v in state.items()}, cfg, family, interleave=True)
+    biased = [k for k, v in state.items()
+              if k.endswith("router.expert_bias") and bool(v.abs().max() > 0)]
+    if LAYOUTS[family].bias is None and biased:
+        warns.append(f"the {family} format has no place for the router's nonzero expert "
+                     f"bias ('{biased[0]}' and {len(biased) - 1} more); it is left out, so the "
+                     "logits differ from epscale's")
+    for w in warns:
+        warnings.warn(w, stacklevel=2)
+    out_dtype = DTYPES[dtype]
+    nbytes = [(r.name, sum(math.prod(s) for s in r.hf_shapes) * out_dtype.itemsize) for r in rs]
+    shards = plan_shards(nbytes, max_shard_bytes)
+    by_name = {r.name: r for r in rs}
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+
+    def produce():
+        for names in shards:
+            yield {h: t.to(_dtype_of(h, out_dtype)) for n in names
+                   for h, t in zip(by_name[n].hf, by_name[n].to_hf(state[n].cpu().float()))}
+
+    write_shards(path, produce(), len(shards))
+    (path / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True))
+    return path
+
+
+__all__ = ["HFError", "export_hf", "from_pretrained", "import_hf", "model_from_state",
+           "read_hf", "state_from_hf", "to_pretrained"]

@@ -1,0 +1,404 @@
+"""Hugging Face ``config.json`` <-> an epscale recipe, for the families epscale's model
+implements: Mixtral, Qwen3-MoE and DeepSeek-V3 (MoE), and Llama / Qwen3 (dense, for
+upcycling).
+
+Every field of config.json is either mapped, known not to change the function the model
+computes (token ids, serving hints: :data:`NEUTRAL`), or an error that names it: nothing
+is dropped silently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..config import RunConfig
+from .files import HFError
+
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")
+DENSE_FAMILIES = ("llama", "qwen3")
+ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "deepseek_v3": "DeepseekV3ForCausalLM", "llama": "LlamaForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
+DEFAULT_SEQ_LEN = 4096  # model.seq_len of an import: min(max_position_embeddings, this)
+
+# Fields that do not change the function the model computes.
+NEUTRAL = {
+    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype",
+    "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "initializer_range",
+    "output_router_logits", "_name_or_path", "auto_map", "return_dict", "output_hidden_states",
+    "output_attentions", "torchscript", "use_return_dict", "pretraining_tp", "ep_size",
+    "num_nextn_predict_layers", "max_position_embeddings", "tie_word_embeddings",
+    "chunk_size_feed_forward", "is_encoder_decoder", "tokenizer_class", "id2label",
+    "label2id", "problem_type", "name_or_path", "max_window_layers",
+}
+YARN_KEYS = {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim", "attention_factor", "truncate"}
+LLAMA3_KEYS = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+HF_LATENT_NORM_EPS = 1e-6  # DeepSeek-V3's q_a / kv_a layernorms in transformers
+
+
+@dataclass
+class Mapped:
+    """A config.json read as an epscale recipe: the recipe's sections (``data``), the
+    family, and facts the weight mapping needs."""
+
+    family: str
+    data: dict[str, Any]
+    rope_interleave: bool = False   # DeepSeek-V3: rotary dims stored as interleaved pairs
+
+
+class _Fields:
+    """config.json fields, remembering which were read."""
+
+    def __init__(self, data: dict, source: Path):
+        self.data, self.source, self.used = data, source, set()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.used.add(key)
+        value = self.data.get(key)
+        return default if value is None else value
+
+    def need(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise HFError(f"'{self.source}': field '{key}' is missing")
+        return value
+
+    def only(self, key: str, allowed: tuple, what: str) -> Any:
+        value = self.get(key)
+        if value not in allowed:
+            raise HFError(f"'{self.source}': field '{key}' = {value!r} is not supported: {what}")
+        return value
+
+    def check_all_read(self) -> None:
+        left = sorted(set(self.data) - self.used - NEUTRAL)
+        if left:
+            raise HFError(f"'{self.source}': config field(s) {', '.join(repr(k) for k in left)} "
+                          f"are not supported by epscale's {self.data.get('model_type')} import "
+                          "(they would change the model, and epscale cannot represent them)")
+
+
+def read_family(hf: dict, source: Path, allowed: tuple[str, ...]) -> str:
+    family = hf.get("model_type")
+    if family not in allowed:
+        archs = ", ".join(hf.get("architectures") or []) or "none named"
+        dense = (" (a dense model: 'epscale upcycle' turns it into an MoE)"
+                 if family in DENSE_FAMILIES and allowed == MOE_FAMILIES else "")
+        raise HFError(f"'{source}': model_type {family!r} (architectures: {archs}) is not "
+                      f"supported{dense}; supported: {', '.join(allowed)}")
+    return family
+
+
+def _rope(f: _Fields) -> tuple[float, dict | None]:
+    """(rope_theta, model.rope_scaling or None) from rope_parameters (transformers 5) or
+    rope_theta + rope_scaling (earlier configs)."""
+    params = dict(f.get("rope_parameters") or {})
+    legacy = f.get("rope_scaling")
+    legacy_theta = f.get("rope_theta")
+    theta = params.pop("rope_theta", None) or legacy_theta or 10000.0
+    kind = params.pop("rope_type", None) or params.pop("type", None)
+    if legacy and kind in (None, "default"):
+        params = dict(legacy)
+        kind = params.pop("rope_type", None) or params.pop("type", None)
+        params.pop("rope_theta", None)
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise HFError(f"'{f.source}': partial_rotary_factor = {params['partial_rotary_factor']}"
+                      " is not supported (epscale rotates every dimension of the rotary part)")
+    params.pop("partial_rotary_factor", None)
+    if kind in (None, "default"):
+        if params:
+            raise HFError(f"'{f.source}': rope fields {sorted(params)} are not supported "
+                          "with the default RoPE")
+        return float(theta), None
+    allowed = {"yarn": YARN_KEYS, "llama3": LLAMA3_KEYS}.get(kind)
+    if allowed is None:
+        raise HFError(f"'{f.source}': rope type {kind!r} is not supported (epscale has "
+                      "'default', 'yarn' and 'llama3')")
+    extra = sorted(set(params) - allowed)
+    if extra:
+        raise HFError(f"'{f.source}': rope {kind} field(s) {extra} are not supported")
+    orig = params.get("original_max_position_embeddings")
+    if orig is None:
+        raise HFError(f"'{f.source}': rope {kind} needs original_max_position_embeddings")
+    factor = params.get("factor")
+    if factor is None:
+        factor = f.need("max_position_embeddings") / orig
+    out = {"type": kind, "factor": float(factor), "original_seq_len": int(orig)}
+    if kind == "yarn":
+        out.update(beta_fast=float(params.get("beta_fast") or 32.0),
+                   beta_slow=float(params.get("beta_slow") or 1.0),
+                   mscale=float(params.get("mscale") or 0.0),
+                   mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+                   attention_factor=params.get("attention_factor"),
+                   truncate=bool(params.get("truncate", True)))
+    else:
+        out.update(low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+                   high_freq_factor=float(params.get("high_freq_factor", 4.0)))
+    return float(theta), out
+
+
+def _attention_common(f: _Fields, seq_len: int | None) -> dict:
+    f.only("hidden_act", ("silu",), "epscale's FFNs are SwiGLU (hidden_act 'silu')")
+    f.only("attention_bias", (None, False), "epscale's projections have no bias")
+    f.only("mlp_bias", (None, False), "epscale's FFNs have no bias")
+    if f.get("attention_dropout", 0.0) != 0.0:
+        raise HFError(f"'{f.source}': attention_dropout = {f.get('attention_dropout')} is not "
+                      "supported (epscale has no dropout)")
+    types = f.get("layer_types")
+    if types is not None and any(t != "full_attention" for t in types):
+        raise HFError(f"'{f.source}': layer_types {sorted(set(types))} are not supported "
+                      "(epscale has full causal attention in every layer)")
+    max_pos = int(f.need("max_position_embeddings"))
+    theta, scaling = _rope(f)
+    dim, heads = int(f.need("hidden_size")), int(f.need("num_attention_heads"))
+    return {
+        "vocab_size": int(f.need("vocab_size")), "dim": dim,
+        "num_layers": int(f.need("num_hidden_layers")), "num_heads": heads,
+        "seq_len": int(seq_len or min(max_pos, DEFAULT_SEQ_LEN)),
+        "norm_eps": float(f.need("rms_norm_eps")),
+        "tie_embeddings": bool(f.get("tie_word_embeddings", False)),
+        "rope_theta": theta, "rope_scaling": scaling,
+    }
+
+
+def _mha(f: _Fields, model: dict) -> None:
+    heads = model["num_heads"]
+    model["num_kv_heads"] = int(f.get("num_key_value_heads", heads))
+    model["head_dim"] = int(f.get("head_dim", model["dim"] // heads))
+    model["attention"] = "mha"
+
+
+def _sliding_window(f: _Fields, flag: str | None) -> None:
+    window = f.get("sliding_window")
+    on = f.get(flag, False) if flag else window is not None
+    if on and window is not None and window < f.need("max_position_embeddings"):
+        raise HFError(f"'{f.source}': sliding_window = {window} is not supported (epscale "
+                      "attends over the whole context)")
+
+
+def _moe_pattern(f: _Fields, moe_ids: list[int], num_layers: int) -> tuple[int, int]:
+    """(num_dense_layers, moe_every) that make exactly ``moe_ids`` MoE layers."""
+    want = set(moe_ids)
+    if not want:
+        raise HFError(f"'{f.source}': no layer is MoE (a dense model: 'epscale upcycle' turns "
+                      "it into one)")
+    for dense in range(num_layers):
+        for every in range(1, num_layers + 1):
+            got = {i for i in range(dense, num_layers) if (i - dense) % every == 0}
+            if got == want:
+                return dense, every
+    raise HFError(f"'{f.source}': MoE layers {sorted(want)} (from decoder_sparse_step / "
+                  "mlp_only_layers) are not 'the first k dense, then every m-th' as epscale's "
+                  "model.num_dense_layers / model.moe_every describe")
+
+
+def recipe_from_hf(hf: dict, source: Path, seq_len: int | None = None,
+                   families: tuple[str, ...] = MOE_FAMILIES) -> Mapped:
+    """Map config.json (``hf``, read from ``source``) to an epscale recipe's sections."""
+    family = read_family(hf, source, families)
+    f = _Fields(hf, source)
+    model = _attention_common(f, seq_len)
+    moe: dict[str, Any] = {"dim": model["dim"], "activation": "swiglu", "capacity_factor": None}
+    interleave = False
+    L = model["num_layers"]
+    if family == "mixtral":
+        _mha(f, model)
+        _sliding_window(f, None)
+        if f.get("router_jitter_noise", 0.0) != 0.0:
+            raise HFError(f"'{source}': router_jitter_noise = {f.get('router_jitter_noise')} is "
+                          "not supported (epscale's router adds no noise)")
+        F = int(f.need("intermediate_size"))
+        model.update(dense_hidden_dim=F, num_dense_layers=0, moe_every=1)
+        moe.update(num_experts=int(f.need("num_local_experts")),
+                   top_k=int(f.need("num_experts_per_tok")), hidden_dim=F,
+                   score_func="softmax", route_norm=True,
+                   aux_loss_coeff=float(f.get("router_aux_loss_coef", 0.0)))
+    elif family == "qwen3_moe":
+        _mha(f, model)
+        model["qk_norm"] = True
+        _sliding_window(f, "use_sliding_window")
+        E = f.get("num_experts") or f.get("num_local_experts")
+        if E is None:
+            raise HFError(f"'{source}': field 'num_experts' is missing")
+        step = int(f.get("decoder_sparse_step", 1))
+        mlp_only = set(f.get("mlp_only_layers", []))
+        ids = [i for i in range(L) if i not in mlp_only and (i + 1) % step == 0]
+        dense, every = _moe_pattern(f, ids, L)
+        model.update(dense_hidden_dim=int(f.need("intermediate_size")), num_dense_layers=dense,
+                     moe_every=every)
+        moe.update(num_experts=int(E), top_k=int(f.need("num_experts_per_tok")),
+                   hidden_dim=int(f.need("moe_intermediate_size")), score_func="softmax",
+                   route_norm=bool(f.get("norm_topk_prob", False)),
+                   aux_loss_coeff=float(f.get("router_aux_loss_coef", 0.0)))
+    elif family == "deepseek_v3":
+        heads = model["num_heads"]
+        if int(f.get("num_key_value_heads", heads)) != heads:
+            raise HFError(f"'{source}': num_key_value_heads = {f.get('num_key_value_heads')} "
+                          f"must equal num_attention_heads ({heads}) for MLA")
+        nope, rope = int(f.need("qk_nope_head_dim")), int(f.need("qk_rope_head_dim"))
+        for key, want in (("qk_head_dim", nope + rope), ("head_dim", rope)):
+            if f.get(key, want) != want:
+                raise HFError(f"'{source}': {key} = {f.get(key)} disagrees with qk_nope_head_dim"
+                              f" + qk_rope_head_dim ({nope} + {rope})")
+        if f.get("moe_layer_freq", 1) != 1:
+            raise HFError(f"'{source}': moe_layer_freq = {f.get('moe_layer_freq')} is not "
+                          "supported (every layer after first_k_dense_replace is MoE)")
+        f.only("scoring_func", (None, "sigmoid"), "transformers' DeepSeek-V3 router is sigmoid")
+        f.only("topk_method", (None, "noaux_tc"), "'noaux_tc' (group-limited, with the "
+               "score-correction bias) is what transformers implements")
+        if f.get("quantization_config") is not None:
+            raise HFError(f"'{source}': quantization_config is set (an fp8 checkpoint); "
+                          "dequantize it to bf16 first")
+        interleave = bool(f.get("rope_interleave", True))
+        model.update(attention="mla", q_lora_rank=int(f.get("q_lora_rank", 0)),
+                     kv_lora_rank=int(f.need("kv_lora_rank")), qk_nope_head_dim=nope,
+                     qk_rope_head_dim=rope, v_head_dim=int(f.need("v_head_dim")),
+                     dense_hidden_dim=int(f.need("intermediate_size")),
+                     num_dense_layers=min(int(f.get("first_k_dense_replace", 0)), L), moe_every=1)
+        if model["norm_eps"] != HF_LATENT_NORM_EPS:
+            model["latent_norm_eps"] = HF_LATENT_NORM_EPS
+        groups, topk_groups = int(f.get("n_group", 1)), int(f.get("topk_group", 1))
+        if groups <= 1:
+            groups = topk_groups = 0
+        seq_aux = float(f.get("aux_loss_alpha", 0.0)) if f.get("seq_aux", True) else 0.0
+        moe.update(num_experts=int(f.need("n_routed_experts")),
+                   top_k=int(f.need("num_experts_per_tok")),
+                   hidden_dim=int(f.need("moe_intermediate_size")),
+                   num_shared_experts=int(f.get("n_shared_experts", 0)),
+                   score_func="sigmoid", route_norm=bool(f.get("norm_topk_prob", True)),
+                   route_scale=float(f.get("routed_scaling_factor", 1.0)),
+                   num_groups=groups, topk_groups=topk_groups, seq_aux_loss_coeff=seq_aux)
+    else:  # dense: llama, qwen3 (the upcycling sources)
+        _mha(f, model)
+        if family == "qwen3":
+            model["qk_norm"] = True
+            _sliding_window(f, "use_sliding_window")
+        F = int(f.need("intermediate_size"))
+        model.update(dense_hidden_dim=F, num_dense_layers=L, moe_every=1)
+        moe.update(hidden_dim=F)
+    f.check_all_read()
+    return Mapped(family, {"name": f"hf-{family}", "model": model, "moe": moe},
+                  rope_interleave=interleave)
+
+
+# ---------------------------------------------------------------------- export
+def choose_family(cfg: RunConfig, source: dict | None) -> str:
+    """The hub format a recipe is written in: the imported one's, else by its features."""
+    if source and source.get("model_type") in MOE_FAMILIES:
+        return source["model_type"]
+    if cfg.model.attention == "mla" or cfg.moe.score_func == "sigmoid":
+        return "deepseek_v3"
+    if cfg.model.qk_norm or cfg.model.num_dense_layers or cfg.model.moe_every > 1:
+        return "qwen3_moe"
+    return "mixtral"
+
+
+def _rope_out(cfg: RunConfig) -> dict | None:
+    rs = cfg.model.rope_scaling
+    if rs is None:
+        return None
+    out: dict[str, Any] = {"rope_type": rs.type, "factor": rs.factor,
+                           "original_max_position_embeddings": rs.original_seq_len}
+    if rs.type == "yarn":
+        out.update(beta_fast=rs.beta_fast, beta_slow=rs.beta_slow, truncate=rs.truncate)
+        for key in ("mscale", "mscale_all_dim"):
+            if getattr(rs, key):
+                out[key] = getattr(rs, key)
+        if rs.attention_factor is not None:
+            out["attention_factor"] = rs.attention_factor
+    else:
+        out.update(low_freq_factor=rs.low_freq_factor, high_freq_factor=rs.high_freq_factor)
+    return out
+
+
+def hf_from_recipe(cfg: RunConfig, family: str, dtype: str,
+                   source: dict | None = None) -> tuple[dict, list[str]]:
+    """config.json for ``cfg`` in ``family``'s format and warnings about what the format
+    cannot hold. What the format cannot express at all is an HFError naming it.
+    ``source``: the config.json the run was imported from (its token ids and other
+    neutral fields are kept)."""
+    m, moe = cfg.model, cfg.moe
+    problems, warnings = [], []
+
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            problems.append(what)
+
+    need(moe.activation == "swiglu", f"moe.activation = {moe.activation!r} (the hub's MoE "
+         "formats are SwiGLU)")
+    moe_ids = [i for i in range(m.num_layers) if m.is_moe_layer(i)]
+    out: dict[str, Any] = {k: v for k, v in (source or {}).items()
+                           if k in NEUTRAL and k not in ("architectures", "model_type")}
+    rope = _rope_out(cfg)
+    out.update({
+        "architectures": [ARCHITECTURES[family]], "model_type": family,
+        "vocab_size": m.vocab_size, "hidden_size": m.dim, "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads, "rms_norm_eps": m.norm_eps, "hidden_act": "silu",
+        "tie_word_embeddings": m.tie_embeddings, "attention_dropout": 0.0,
+        "rope_theta": m.rope_theta, "rope_scaling": rope, "dtype": dtype,
+        "rope_parameters": {"rope_theta": m.rope_theta, **(rope or {"rope_type": "default"})},
+    })
+    out.setdefault("max_position_embeddings", m.seq_len)
+    out.setdefault("initializer_range", 0.02)
+    if family in ("mixtral", "qwen3_moe"):
+        need(m.attention == "mha", f"model.attention = {m.attention!r} ({family} has "
+             "multi-head attention)")
+        need(moe.score_func == "softmax", f"moe.score_func = {moe.score_func!r} ({family} "
+             "routes by softmax)")
+        need(moe.num_shared_experts == 0, f"moe.num_shared_experts = {moe.num_shared_experts}"
+             f" ({family} has no shared experts)")
+        need(moe.route_scale == 1.0, f"moe.route_scale = {moe.route_scale} ({family} has no "
+             "routed scaling factor)")
+        need(moe.num_groups == 0, f"moe.num_groups = {moe.num_groups} ({family} has no "
+             "group-limited routing)")
+        head_dim = m.head_dim or m.dim // m.num_heads
+        out.update(num_key_value_heads=m.num_kv_heads or m.num_heads, head_dim=head_dim,
+                   num_experts_per_tok=moe.top_k, router_aux_loss_coef=moe.aux_loss_coeff,
+                   sliding_window=None)
+    if family == "mixtral":
+        need(not m.qk_norm, "model.qk_norm = true (mixtral has no QK-norm; qwen3_moe has)")
+        need(moe_ids == list(range(m.num_layers)), "dense layers (every mixtral layer is MoE)")
+        need(moe.route_norm, "moe.route_norm = false (mixtral renormalises the top-k weights)")
+        out.update(num_local_experts=moe.num_experts, intermediate_size=moe.hidden_dim,
+                   router_jitter_noise=0.0)
+    elif family == "qwen3_moe":
+        need(m.qk_norm, "model.qk_norm = false (qwen3_moe normalises queries and keys)")
+        out.update(num_experts=moe.num_experts, moe_intermediate_size=moe.hidden_dim,
+                   intermediate_size=m.dense_hidden_dim, decoder_sparse_step=1,
+                   mlp_only_layers=[i for i in range(m.num_layers) if i not in moe_ids],
+                   norm_topk_prob=moe.route_norm, use_sliding_window=False,
+                   attention_bias=False)
+    elif family == "deepseek_v3":
+        need(m.attention == "mla", f"model.attention = {m.attention!r} (deepseek_v3 has MLA)")
+        need(moe.score_func == "sigmoid", f"moe.score_func = {moe.score_func!r} (deepseek_v3 "
+             "routes by sigmoid)")
+        need(m.moe_every == 1, f"model.moe_every = {m.moe_every} (deepseek_v3: every layer "
+             "after the first k dense ones is MoE)")
+        shared = moe.shared_width
+        need(shared % moe.hidden_dim == 0, f"shared expert width {shared} is not a multiple of "
+             f"moe.hidden_dim = {moe.hidden_dim}")
+        eps = m.norm_eps if m.latent_norm_eps is None else m.latent_norm_eps
+        need(eps == HF_LATENT_NORM_EPS, f"MLA latent norm epsilon {eps} (transformers' "
+             f"deepseek_v3 uses {HF_LATENT_NORM_EPS})")
+        groups = moe.num_groups or 1
+        out.update(num_key_value_heads=m.num_heads, n_routed_experts=moe.num_experts,
+                   num_experts_per_tok=moe.top_k, moe_intermediate_size=moe.hidden_dim,
+                   n_shared_experts=shared // moe.hidden_dim, intermediate_size=m.dense_hidden_dim,
+                   first_k_dense_replace=m.num_dense_layers, n_group=groups,
+                   topk_group=moe.topk_groups or groups, norm_topk_prob=moe.route_norm,
+                   routed_scaling_factor=moe.route_scale, scoring_func="sigmoid",
+                   topk_method="noaux_tc", q_lora_rank=m.q_lora_rank or None,
+                   kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
+                   qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
+                   head_dim=m.qk_rope_head_dim,
+                   qk_head_dim=m.qk_nope_head_dim + m.qk_rope_head_dim, rope_interleave=True,
+                   attention_bias=False, aux_loss_alpha=moe.seq_aux_loss_coeff, seq_aux=True)
+        out.pop("num_nextn_predict_layers", None)
+    if problems:
+        raise HFError(f"the run's config cannot be written as {family}: " + "; ".join(problems))
+    if moe.capacity_factor is not None:
+        warnings.append(f"moe.capacity_factor = {moe.capacity_factor}: the {family} format is "
+                        "dropless, so its logits differ wherever epscale dropped a token")
+    return out, warnings
