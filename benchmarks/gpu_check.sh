@@ -8,14 +8,17 @@
 #      moe.experts_impl=grouped_mm), benchmarks/profile_layer.py (launches, host syncs, top
 #      kernels per step) and the layer against a carried base revision
 #      (benchmarks/ab_revisions.py, when .base exists);
-#   4. with >= 2 GPUs, benchmarks/dispatch.py over NCCL (EP needs one rank per GPU).
+#   4. FSDP on one GPU: a short bf16 run with parallel.fsdp and full recomputation, then a
+#      resume; benchmarks/memory.py --device cuda (the activation estimate against
+#      torch.cuda.memory_allocated in bf16, each recomputation mode);
+#   5. with >= 2 GPUs, benchmarks/dispatch.py over NCCL (EP needs one rank per GPU).
 #
 #   bash benchmarks/gpu_check.sh                 # every visible GPU
 #   NGPU=4 bash benchmarks/gpu_check.sh --quick  # extra args go to benchmarks/dispatch.py
 #
 # Each stage has a time limit (seconds; TEST_S, TRAIN_S, BENCH_S set three); a stage that
 # fails or runs out is reported and the next one runs. ONLY="tests profile" runs some
-# (keys: tests train bench profile ab dispatch). One log of every stage
+# (keys: tests train fsdp bench profile ab dispatch). One log of every stage
 # (gpu_check.log) and the JSON files land in $OUT (benchmarks/out by default). Works
 # without installing the package (PYTHONPATH=src) on an image whose torch is older than
 # the pin, and says so. The run of 2026-11-29 on one H200 (before the CPU kernel
@@ -72,6 +75,16 @@ stage train "train on cuda, then resume" "$TRAIN_S" bash -c "
         train.steps=100 train.ckpt_every=50 train.eval_every=50 &&
     '$PY' -m epscale train --config configs/tiny.yaml --run-dir '$RUN_DIR' parallel.ep=1 \
         train.steps=150 train.ckpt_every=50 train.eval_every=50"
+
+FSDP_DIR=$(mktemp -d)/fsdp
+stage fsdp "FSDP bf16 + full recomputation on cuda, resume, memory estimate" "$TRAIN_S" bash -c "
+    '$PY' -m epscale train --config configs/tiny.yaml --run-dir '$FSDP_DIR' parallel.ep=1 \
+        parallel.fsdp=true train.dtype=bfloat16 train.activation_checkpointing=full \
+        moe.experts_impl=grouped_mm train.steps=40 train.ckpt_every=20 train.eval_every=20 &&
+    '$PY' -m epscale train --config configs/tiny.yaml --run-dir '$FSDP_DIR' parallel.ep=1 \
+        parallel.fsdp=true train.dtype=bfloat16 train.activation_checkpointing=full \
+        moe.experts_impl=grouped_mm train.steps=60 train.ckpt_every=20 train.eval_every=20 &&
+    '$PY' benchmarks/memory.py --device cuda --json '$OUT/memory_gpu.json'"
 
 stage bench "benchmarks/moe_layer.py --device cuda" "$BENCH_S" \
     "$PY" benchmarks/moe_layer.py --device cuda --dtypes bfloat16 --rounds 3 --reps 5 \

@@ -12,6 +12,13 @@ parameters per token, up to the router) and runs data-parallel on the same proce
 
 Judged by: MoE tokens/s / dense tokens/s (how close sparse training gets to the dense
 model it costs the same FLOPs as) and the dispatch+combine share of the step.
+
+``--layouts``: the same model at the data-parallel layouts of issue #19 on --nproc
+processes (default 4) at the same global batch: replicated dp x ep, FSDP, HSDP, FSDP with
+full recomputation; tokens/s against replicated, the step time FSDP adds (its
+all-gathers and reduce-scatters less the all-reduce it replaces, with prefetch), and the
+bytes of weights, gradients and AdamW state per rank (the estimate, which
+benchmarks/memory.py finds exact).
 """
 
 from __future__ import annotations
@@ -72,6 +79,44 @@ def summarize(recs: list[dict]) -> dict:
     }
 
 
+LAYOUTS = {  # name -> overrides; ep=2 and 2 sequences per rank everywhere
+    "replicated dp x ep=2": ["parallel.fsdp=false"],
+    "FSDP, ep=2": ["parallel.fsdp=true", "parallel.dp=1"],
+    "HSDP 2 x N/2, ep=2": ["parallel.fsdp=true", "parallel.dp=1", "parallel.dp_replicate=2"],
+    "FSDP, ep=2, full recompute": ["parallel.fsdp=true", "parallel.dp=1",
+                                   "train.activation_checkpointing=full"],
+}
+
+
+def run_layouts(args, console) -> dict:
+    from epscale.config import load_config
+    from epscale.sim.memory import memory_per_rank
+
+    n = args.nproc
+    base = RECIPES["larger"] + ["parallel.ep=2", f"parallel.dp={n // 2}", "train.micro_batch_size=2"]
+    base_dir = args.keep or Path(tempfile.mkdtemp(prefix="epscale-bench-layouts-"))
+    table = Table(title=f"Data-parallel layouts, {n} processes, {args.steps} steps each, the same "
+                        "global batch (medians after warm-up)")
+    for col in ("layout", "tokens/s", "vs replicated", "ms/step", "added ms/step",
+                "weights+grads+AdamW / rank", "final loss"):
+        table.add_column(col, justify="left" if col == "layout" else "right")
+    figures, ref = {}, None
+    for name, over in LAYOUTS.items():
+        o = base + over
+        cfg = load_config(REPO / "configs" / "tiny.yaml", o)
+        mem = memory_per_rank(cfg, world=n, ep=2)
+        s = summarize(run_one(base_dir / name.replace(" ", "_").replace(",", ""), n, args.steps, o))
+        ref = ref or s
+        state = mem.params + mem.grads + mem.optimizer
+        figures[name] = {**s, "state_bytes_per_rank": state}
+        table.add_row(name, f"{s['tokens_per_s']:,.0f}", f"{s['tokens_per_s'] / ref['tokens_per_s']:.2f}",
+                      f"{s['step_ms']:.0f}", f"{s['step_ms'] - ref['step_ms']:+.0f}",
+                      f"{state / 2 ** 20:.1f} MiB", f"{s['loss']:.4f}")
+    console.print(table)
+    console.print(f"run directories: {base_dir}")
+    return figures
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=12)
@@ -79,8 +124,17 @@ def main() -> None:
     ap.add_argument("--only", choices=sorted(RECIPES), action="append")
     ap.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
     ap.add_argument("--json", type=Path, default=None, help="write the headline figures here")
+    ap.add_argument("--layouts", action="store_true",
+                    help="replicated vs FSDP vs HSDP vs FSDP+recompute (default --nproc 4)")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO / "src"))
+    if args.layouts:
+        args.nproc = args.nproc if "--nproc" in sys.argv else 4
+        figures = run_layouts(args, Console(width=160))
+        if args.json:
+            args.json.write_text(json.dumps({"benchmark": "train --layouts", "nproc": args.nproc,
+                                             "steps": args.steps, "results": figures}, indent=1))
+        return
     from epscale.config import load_config
     from epscale.sim.sizing import model_size
 
@@ -98,8 +152,7 @@ def main() -> None:
         results = {}
         for kind, o in (("MoE", over), ("dense", dense_twin(over, cfg))):
             c = load_config(REPO / "configs" / "tiny.yaml", o)
-            size = model_size(c, dp=args.nproc if kind == "dense" else 1,
-                              ep=1 if kind == "dense" else args.nproc)
+            size = model_size(c)
             recs = run_one(base_dir / f"{name}-{kind}", args.nproc, args.steps, o)
             results[kind] = (size, summarize(recs))
         ratio = results["MoE"][1]["tokens_per_s"] / results["dense"][1]["tokens_per_s"]

@@ -2,8 +2,10 @@
 (FSDP dp_shard=4 x ep=2 and 4, HSDP 2 x 2 x 2, dp_shard=2 x ep=1, expert hidden-dim
 sharding) train the tiny model with the losses of one process at the same global batch,
 with every dispatcher; activation checkpointing full and selective change nothing; the
-meta-device build holds a one-process build's values; no rank holds the whole model; a
-checkpoint resumes bit for bit under FSDP and loads at other layouts (FSDP <-> replicated
+meta-device build holds a one-process build's values; no rank holds the whole model, and
+the largest share is the memory estimate's parameters per rank; a
+checkpoint (blocking or written in the background) resumes bit for bit under FSDP and
+loads at other layouts (FSDP <-> replicated
 <-> one process) with the same loss.
 
 One spawn of 4 ranks and one of 2 run every case inside them (the trainer leaves the
@@ -21,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from dist_utils import CaseRunner, assert_no_failures, run_distributed
 from epscale.model import build_model
 from epscale.parallel.materialize import full_view
+from epscale.sim.memory import memory_per_rank
 from epscale.training import checkpoint as ckpt
 from epscale.training.dist import LaunchEnv
 from epscale.training.loop import Trainer, train
@@ -134,6 +137,10 @@ def _worker(rank, world, corpus_dir, tmp, cases, resume):
                 # each rank its 1/dp_shard share (uneven splits: at most a row more each)
                 rows = sum(p[0].numel() * p.element_size() for p in ref.parameters() if p.dim())
                 assert dense + expert <= (full_dense + full_expert) / shard + rows
+                # the memory estimate's parameters per rank: the largest share, exactly
+                held = torch.tensor([float(dense + expert) / 4])
+                dist.all_reduce(held, op=dist.ReduceOp.MAX)
+                assert held.item() == memory_per_rank(cfg, world=world).params_per_rank
             out[name] = _trainer_case(corpus_dir, tmp / name.replace(" ", "_"), world, over, inspect)
     if resume:
         with runner.case("fsdp exact resume and reshard"):
@@ -147,6 +154,19 @@ def _worker(rank, world, corpus_dir, tmp, cases, resume):
                 shutil.copytree(ckpt.step_dir(full_run, 2), ckpt.step_dir(resumed, 2))
             dist.barrier()
             out["resumed"] = _trainer_case(corpus_dir, resumed, world, {**over, "train.steps": 4})
+            # written in the background (DCP async_save over its own gloo group), then
+            # resumed from: the same as the blocking saves
+            async_run = tmp / "async"
+            out["async"] = _trainer_case(corpus_dir, async_run, world,
+                                         {**over, "train.steps": 4, "train.ckpt_every": 2,
+                                          "train.async_checkpoint": True})
+            from_async = tmp / "from_async"
+            if rank == 0:
+                (from_async / "checkpoints").mkdir(parents=True)
+                shutil.copytree(ckpt.step_dir(async_run, 2), ckpt.step_dir(from_async, 2))
+            dist.barrier()
+            out["resumed from async"] = _trainer_case(corpus_dir, from_async, world,
+                                                      {**over, "train.steps": 4})
             replicated = tmp / "replicated"
             if rank == 0:
                 (replicated / "checkpoints").mkdir(parents=True)
@@ -222,6 +242,9 @@ def test_fsdp_resume_is_bitwise(runs):
     full, resumed = runs["w4"]["uninterrupted"], runs["w4"]["resumed"]
     assert sorted(resumed) == [3, 4]
     assert all(resumed[s] == full[s] for s in resumed), (resumed, full)
+    # background saves: the run and a resume from its checkpoint, bit for bit
+    assert runs["w4"]["async"] == full
+    assert runs["w4"]["resumed from async"] == {s: full[s] for s in (3, 4)}
 
 
 def test_fsdp_checkpoint_loads_at_other_layouts(runs):

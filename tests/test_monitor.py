@@ -21,7 +21,7 @@ from epscale.cli import main as cli_main
 from epscale.monitor import AlertRules, evaluate, load_run
 from epscale.monitor.live import Follower, follow, load_bar, render, sparkline
 from epscale.monitor.report import build_data
-from epscale.monitor.runlog import JsonlTail, RunLog
+from epscale.monitor.runlog import JsonlTail
 from runfactory import make_run
 
 REPO = Path(__file__).resolve().parents[1]

@@ -6,7 +6,6 @@ truncated and bit-flipped files, a size-limited tmpfs, an immutable directory, /
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess

@@ -176,9 +176,11 @@ def test_a_world_the_layout_cannot_use_is_refused_before_queueing(tmp_path, acti
                                "--run-dir", str(tmp_path / "run"), "-o", str(script))
     assert code == 2 and not out, out
     assert ("--nodes 3 x --gpus-per-node 8 = 24 ranks cannot start ref-1t-64e: config key "
-            "'parallel.ep' = 64 is invalid: the number of processes (24) must be a multiple "
-            "of it") in err, err
-    assert "Use --nodes 8 or a multiple of it (8 x 8 = 64 ranks" in err
+            "'parallel.ep' = 64 is invalid: it must divide dp_shard = 12 (world 24 / "
+            "dp_replicate 2)") in err, err
+    # FSDP with 2 replicas of ep=64: the world must be a multiple of 128 ranks
+    assert ("Use --nodes 16 or a multiple of it (16 x 8 = 128 ranks; the recipe's "
+            "parallel.dp_replicate=2 x parallel.dp_shard=512 is 1024 ranks = --nodes 128)") in err
     assert not script.exists() and not (tmp_path / "sbatch-ran").exists()
     code, _, err = slurm_cli("render", TINY, "--nodes", "3", "--gpus-per-node", "0",
                              "--procs-per-node", "3", "-o", str(script))
@@ -187,20 +189,27 @@ def test_a_world_the_layout_cannot_use_is_refused_before_queueing(tmp_path, acti
 
 def test_a_rank_that_does_not_fit_the_gpu_is_refused_unless_told(tmp_path):
     script = tmp_path / "job.sbatch"
-    base = ["render", "ref-1t-64e", "--nodes", "8", "--gpus-per-node", "8",
+    base = ["render", "ref-1t-64e", "--nodes", "16", "--gpus-per-node", "8",
             "--run-dir", str(tmp_path / "run"), "-o", str(script)]
     code, _, err = slurm_cli(*base)
-    total = describe("ref-1t-64e", dp=1, ep=64)["memory"]["total"]  # what describe prints
+    # what describe prints at this world
+    total = describe("ref-1t-64e", world=128)["memory"]["total"]
     assert code == 2 and not script.exists(), err
-    assert "note: parallel.dp=16 x parallel.ep=64 != 64 processes: using dp=1" in err
-    assert (f"ref-1t-64e needs about {total / 2 ** 30:,.1f} GiB per rank at dp=1 x ep=64"
-            in err and "more than --gpu-mem 80GiB" in err), err
-    assert "no FSDP sharding yet" in err and "add --no-memory-check" in err
+    assert ("note: parallel.dp_replicate=2 x parallel.dp_shard=512 != 128 processes: using "
+            "dp_shard=64") in err, err
+    assert (f"ref-1t-64e needs about {total / 2 ** 30:,.1f} GiB per rank (FSDP over 128 ranks, "
+            "ep=64" in err and "more than --gpu-mem 80GiB" in err), err
+    assert "describe ref-1t-64e --world 128 --ep 64, or --fit 80GiB" in err
+    assert "run on more nodes" in err and "add --no-memory-check" in err
     code, out, err = slurm_cli(*base, "--no-memory-check")
     assert code == 0 and out.strip() == str(script) and script.is_file(), err
     assert slurm_cli(*base, "--gpu-mem", "600GiB")[0] == 0
     code, _, err = slurm_cli(*base, "--gpu-mem", "80")
     assert code == 2 and "--gpu-mem = '80' is invalid: give a positive size with a unit" in err
+    # the recipe's own world fits
+    code, _, err = slurm_cli("render", "ref-1t-64e", "--nodes", "128", "--gpus-per-node", "8",
+                             "--run-dir", str(tmp_path / "big"), "-o", str(tmp_path / "b"))
+    assert code == 0, err
     # a recipe that fits: switch-base-128 (a few GiB per rank) on 16 nodes of 8 GPUs
     code, _, err = slurm_cli("render", "switch-base-128", "--nodes", "16", "--gpus-per-node",
                              "8", "--run-dir", str(tmp_path / "sw"), "-o", str(tmp_path / "s"))

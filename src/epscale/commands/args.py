@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
+from ..launch.slurm import bad_option
+
+_UNITS = {"": None, "b": 1, "k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30, "t": 2 ** 40,
+          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40,
+          "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12}
+
 
 def allow_intermixed(p) -> None:
     """Let ``key=value`` overrides come after options (``CONFIG --nproc 2 train.steps=9``):
@@ -17,3 +25,14 @@ def allow_intermixed(p) -> None:
 
     assert plain  # the class method, found again once the instance attribute is deleted
     p.parse_known_args = parse_known
+
+
+def parse_size(option: str, text: str) -> int:
+    """Bytes in a size such as '80GiB', '141GB' or '80G' (K/M/G/T alone are binary, as in
+    Slurm's --mem)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = _UNITS.get(m.group(2).lower(), 0) if m else 0
+    if not m or not unit or float(m.group(1)) <= 0:
+        raise bad_option(option, text, "give a positive size with a unit, e.g. 80GiB, 141GB "
+                                       "or 96G")
+    return int(float(m.group(1)) * unit)

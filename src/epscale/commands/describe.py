@@ -1,23 +1,46 @@
-"""``epscale describe CONFIG``: parameters, FLOPs per token and memory per rank of a recipe,
-computed analytically (nothing is built), next to the published figures where known."""
+"""``epscale describe CONFIG``: parameters, FLOPs per token and memory per rank of a recipe
+at a layout, computed analytically (nothing is built), next to the published figures
+where known; ``--fit 80GiB`` lists the layouts of a cluster that fit, fastest first."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 
-from ..config import PUBLISHED, load_recipe, recipe_path
+from ..config import PUBLISHED, ConfigError, load_recipe, recipe_path
 from ..config.recipes import requested_scale
+from ..sim.fit import AC_MODES
+from ..sim.memory import estimate, resolve
 from ..sim.sizing import model_size
+from .args import parse_size
 
 
 def configure_parser(p) -> None:
     p.add_argument("config", help="recipe name (e.g. deepseek-v3) or path to a YAML file")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    p.add_argument("--dp", type=int, default=None, help="data-parallel ranks (default: the recipe's)")
-    p.add_argument("--ep", type=int, default=None, help="expert-parallel ranks (default: the recipe's)")
-    p.add_argument("--param-dtype", default=None,
-                   help="parameter dtype (default: bfloat16 when train.dtype is bfloat16, else float32)")
-    p.add_argument("--optim-dtype", default="float32", help="AdamW moment dtype (default float32)")
+    lay = p.add_argument_group("layout (default: the recipe's)")
+    lay.add_argument("--world", "--gpus", type=int, default=None,
+                     help="ranks (default: dp x ep, or dp_replicate x dp_shard with FSDP)")
+    lay.add_argument("--dp", type=int, default=None, help="replicated data-parallel ranks (world = dp x ep)")
+    lay.add_argument("--ep", type=int, default=None, help="expert-parallel ranks")
+    lay.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None,
+                     help="shard the non-expert weights, gradients and AdamW state (FSDP2)")
+    lay.add_argument("--dp-replicate", type=int, default=None,
+                     help="FSDP: replicas of each shard (HSDP); dp_shard = world / dp_replicate")
+    lay.add_argument("--ac", choices=AC_MODES, default=None,
+                     help="activation checkpointing (train.activation_checkpointing)")
+    lay.add_argument("--micro-batch", type=int, default=None, help="train.micro_batch_size")
+    lay.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                     help="compute dtype (default: train.dtype; master weights stay fp32)")
+    fit = p.add_argument_group("fit: layouts that fit a GPU, fastest first (step model)")
+    fit.add_argument("--fit", metavar="SIZE", default=None,
+                     help="GPU memory, e.g. 80GiB: list the layouts of the cluster's world that fit")
+    fit.add_argument("--cluster", default="field-report",
+                     help="simulator cluster preset or YAML (default field-report: 128 nodes x 8 H100)")
+    fit.add_argument("--nodes", type=int, default=None,
+                     help="nodes (default: the cluster's; --gpus N also sets them)")
+    fit.add_argument("--top", type=int, default=10, help="layouts to list (default 10)")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="config overrides, e.g. moe.num_experts=64 scale=tiny")
     # key=value overrides may follow options (CONFIG --opt X key=value): plain parse_args
@@ -39,24 +62,38 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
+LAYOUT_KEYS = ("world", "dp", "ep", "fsdp", "dp_replicate", "activation_checkpointing",
+               "micro_batch_size", "compute_dtype")
+
+
 def describe(config: str, overrides: list[str] | None = None, **layout) -> dict:
-    """The describe report as a plain dict (what ``--json`` prints). ``scale`` is the scale
-    asked for (by the recipe or a ``scale=`` override): the shrunk config itself says 'full'."""
+    """The describe report as a plain dict (what ``--json`` prints). ``layout``: any of
+    ``LAYOUT_KEYS`` replacing the recipe's (see :func:`epscale.sim.memory.resolve`).
+    ``scale`` is the scale asked for (by the recipe or a ``scale=`` override): the shrunk
+    config itself says 'full'."""
     cfg = load_recipe(config, overrides)
-    size = model_size(cfg, **layout)
+    size = model_size(cfg)
+    lay_args = {k: v for k, v in layout.items() if v is not None}
+    lay = resolve(cfg, **lay_args)
+    mem = estimate(cfg, lay)
     out = {"name": cfg.name, "config": str(recipe_path(config)),
            "scale": requested_scale(config, overrides),
-           **size.as_dict()}
-    out["layout"] = {"dp": layout.get("dp") or cfg.parallel.dp,
-                     "ep": layout.get("ep") or cfg.parallel.ep,
-                     "world": (layout.get("dp") or cfg.parallel.dp) * (layout.get("ep") or cfg.parallel.ep)}
-    if out["layout"]["ep"] > 1:
-        out["layout"]["redundant_experts"] = cfg.parallel.redundant_experts
+           **size.as_dict(), "memory": mem.as_dict()}
+    out["layout"] = {"world": lay.world, "ep": lay.ep, "fsdp": lay.fsdp,
+                     "activation_checkpointing": lay.activation_checkpointing,
+                     "micro_batch_size": lay.micro_batch_size, "compute_dtype": lay.compute_dtype,
+                     "description": lay.describe()}
+    if lay.fsdp:
+        out["layout"].update(dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, efsdp=lay.efsdp)
+    else:
+        out["layout"]["dp"] = lay.world // lay.ep
+    if lay.ep > 1:
+        out["layout"]["redundant_experts"] = lay.redundant_experts
     if size.num_moe_layers:
         # What an expert's GEMMs see per micro-batch and MoE layer with balanced routing:
         # the EP group's tokens times top-k, spread over the experts. It sets how close the
         # expert GEMMs come to the dense rate (benchmarks/RESULTS.md, rows per expert).
-        tokens = cfg.train.micro_batch_size * cfg.model.seq_len * out["layout"]["ep"]
+        tokens = lay.micro_batch_size * cfg.model.seq_len * lay.ep
         out["rows_per_expert"] = tokens * cfg.moe.top_k / cfg.moe.num_experts
     pub = PUBLISHED.get(cfg.name)
     if pub is not None:
@@ -67,17 +104,87 @@ def describe(config: str, overrides: list[str] | None = None, **layout) -> dict:
     return out
 
 
+def fit_report(config: str, overrides: list[str] | None, gpu_mem: str, cluster: str,
+               nodes: int | None = None, top: int = 10, gpus: int | None = None) -> dict:
+    """The layouts of ``cluster`` (``nodes``, or ``gpus`` over its GPUs per node, replacing
+    its node count) under which one rank of ``config`` fits ``gpu_mem``, fastest first by
+    the step model (what ``--fit`` prints)."""
+    from ..sim import load_cluster
+    from ..sim.fit import fit
+
+    limit = parse_size("--fit", gpu_mem)
+    cfg = load_recipe(config, overrides)
+    spec = load_cluster(cluster)
+    if gpus is not None:
+        if gpus < 1 or gpus % spec.gpus_per_node:
+            raise ConfigError(f"--gpus = {gpus} is invalid with --fit: give whole nodes of cluster "
+                              f"'{spec.name}' ({spec.gpus_per_node} GPUs each), or --nodes")
+        nodes = gpus // spec.gpus_per_node
+    if nodes is not None:
+        if nodes < 1:
+            raise ConfigError(f"--nodes = {nodes} is invalid: must be a positive integer")
+        spec = dataclasses.replace(spec, nodes=nodes)
+    results, tried = fit(cfg, spec, limit)
+    rows = [{"layout": r.layout, "overrides": r.overrides(), "memory": r.memory.as_dict(),
+             "step_time_s": r.step_time_s, "tokens_per_s_per_gpu": r.tokens_per_s_per_gpu}
+            for r in results[:top]]
+    return {"name": cfg.name, "gpu_mem": limit, "cluster": spec.name, "world": spec.world,
+            "nodes": spec.nodes, "gpus_per_node": spec.gpus_per_node, "tried": tried,
+            "fitting": len(results), "layouts": rows}
+
+
+def _print_fit(info: dict, console) -> None:
+    from rich.table import Table
+
+    if not info["layouts"]:
+        console.print(f"[red]none of the {info['tried']} layouts of {info['world']} GPUs "
+                      f"({info['nodes']} x {info['gpus_per_node']}) fits {_fmt_bytes(info['gpu_mem'])} "
+                      f"per rank.[/] More nodes (--nodes) shard FSDP's share further; a smaller "
+                      "train.micro_batch_size or model.seq_len lowers the activations.")
+        return
+    t = Table(title=f"{info['name']}: {info['fitting']} of {info['tried']} layouts of "
+                    f"{info['world']} GPUs fit {_fmt_bytes(info['gpu_mem'])}, fastest first "
+                    f"(step model, cluster {info['cluster']})")
+    for col in ("#", "ep", "data parallel", "recompute", "memory", "activations", "step", "tok/s/GPU"):
+        t.add_column(col, justify="left" if col in ("data parallel", "recompute") else "right")
+    for i, r in enumerate(info["layouts"], 1):
+        lay = r["layout"]
+        rep = lay.get("dp_replicate", 1)
+        dp = (f"replicated {lay['dp']}" if not lay["fsdp"] else
+              f"HSDP {rep} x {info['world'] // rep}" if rep > 1 else f"FSDP {info['world']}")
+        t.add_row(str(i), str(lay["ep"]), dp, lay["activation_checkpointing"],
+                  _fmt_bytes(r["memory"]["total"]), _fmt_bytes(r["memory"]["activations"]),
+                  f"{r['step_time_s']:.2f} s", f"{r['tokens_per_s_per_gpu']:,.0f}")
+    console.print(t)
+    console.print(f"#1 as overrides: {' '.join(info['layouts'][0]['overrides'])}")
+    console.print("[dim]memory: sim.memory.estimate (weights, gradients, AdamW, saved activations, "
+                  "FSDP's gathered block, dispatch rows); step: the simulator's step model with "
+                  "loss-free balancing (epscale simulate for the detail).[/]")
+
+
+def _layout_args(args) -> dict:
+    return {"world": args.world, "dp": args.dp, "ep": args.ep, "fsdp": args.fsdp,
+            "dp_replicate": args.dp_replicate, "activation_checkpointing": args.ac,
+            "micro_batch_size": args.micro_batch, "compute_dtype": args.dtype}
+
+
 def run(args) -> int:
-    layout = {"dp": args.dp, "ep": args.ep, "param_dtype": args.param_dtype,
-              "optim_dtype": args.optim_dtype}
-    info = describe(args.config, args.overrides, **layout)
-    if args.json:
-        print(json.dumps(info, indent=2))
-        return 0
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
+    if args.fit is not None:
+        info = fit_report(args.config, args.overrides, args.fit, args.cluster, args.nodes, args.top,
+                          gpus=args.world)
+        if args.json:
+            print(json.dumps(info, indent=2))
+        else:
+            _print_fit(info, console)
+        return 0
+    info = describe(args.config, args.overrides, **_layout_args(args))
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
     pub = info.get("published", {})
     t = Table(title=f"{info['name']} ({info['config']})")
     t.add_column("quantity")
@@ -95,15 +202,21 @@ def run(args) -> int:
     t.add_row("training FLOPs / token", f"{info['flops_per_token'] / 1e9:.1f} GFLOP", "")
     console.print(t)
     mem, lay = info["memory"], info["layout"]
-    copies = (f" plus {lay['redundant_experts']} redundant expert copies"
+    copies = (f", {lay['redundant_experts']} redundant expert copies"
               if lay.get("redundant_experts") else "")
-    m = Table(title=f"memory per rank, dp={lay['dp']} x ep={lay['ep']} ({lay['world']} ranks; "
-                    f"experts sharded over ep{copies}, everything else replicated)")
+    m = Table(title=f"memory per rank: {lay['world']} ranks, {lay['description']}{copies}; "
+                    f"recompute {lay['activation_checkpointing']}, micro-batch "
+                    f"{lay['micro_batch_size']}, compute {lay['compute_dtype']}")
     m.add_column("part")
     m.add_column("bytes", justify="right")
     m.add_row("parameters held", _fmt_count(mem["params_per_rank"]))
-    for key in ("params", "grads", "optimizer", "activations", "total"):
-        m.add_row(key, _fmt_bytes(mem[key]))
+    labels = {"params": "weights (fp32)", "grads": "gradients (fp32)",
+              "optimizer": "AdamW moments (fp32)", "activations": "saved activations",
+              "gathered": "FSDP gathered block", "comm": "dispatch rows", "total": "total"}
+    for key, label in labels.items():
+        if key in ("gathered", "comm") and not mem[key]:
+            continue
+        m.add_row(label, _fmt_bytes(mem[key]))
     console.print(m)
     rows = info.get("rows_per_expert")
     if rows is not None:

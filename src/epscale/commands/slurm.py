@@ -11,21 +11,16 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 import sys
 from pathlib import Path
 
 from ..config import ConfigError, RunConfig
 from ..launch.slurm import SlurmJob, bad_option, render, submit, write_script
-from ..sim.sizing import memory_per_rank
+from ..sim.memory import memory_per_rank
 from ..training.dist import resolve_layout
-from .args import allow_intermixed
+from .args import allow_intermixed, parse_size
 
 DEFAULT_GPU_MEM = "80GiB"  # an H100/A100-80GB
-_UNITS = {"": None, "b": 1, "k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30, "t": 2 ** 40,
-          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40,
-          "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12}
-
 
 def _add_job_options(p) -> None:
     allow_intermixed(p)
@@ -90,17 +85,6 @@ def _job_from_args(args) -> SlurmJob:
                     signal_before=args.signal_before, preflight=args.preflight, env=args.env)
 
 
-def parse_size(option: str, text: str) -> int:
-    """Bytes in a size such as '80GiB', '141GB' or '80G' (K/M/G/T alone are binary, as in
-    Slurm's --mem)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = _UNITS.get(m.group(2).lower(), 0) if m else 0
-    if not m or not unit or float(m.group(1)) <= 0:
-        raise bad_option(option, text, "give a positive size with a unit, e.g. 80GiB, 141GB "
-                                       "or 96G")
-    return int(float(m.group(1)) * unit)
-
-
 def _gib(n: float) -> str:
     return f"{n / 2 ** 30:,.1f} GiB"
 
@@ -117,16 +101,25 @@ def _ranks_text(args, job: SlurmJob) -> str:
 
 
 def _layout_hint(job: SlurmJob, cfg: RunConfig) -> str:
-    """What would work when the world is no multiple of parallel.ep: node counts for this
-    --procs-per-node, the recipe's own world, and an ep that fits this world."""
-    ep, ppn, world = cfg.parallel.ep, job.procs_per_node, job.world_size
-    step = ep // math.gcd(ep, ppn)
-    own = cfg.parallel.dp * ep
-    own_txt = (f"; the recipe's parallel.dp={cfg.parallel.dp} x parallel.ep={ep} is {own} "
-               f"ranks" + (f" = --nodes {own // ppn}" if own % ppn == 0 else ""))
-    fit = math.gcd(world, cfg.moe.num_experts)
-    ep_txt = (f", or override parallel.ep={fit} (divides {world} and moe.num_experts="
-              f"{cfg.moe.num_experts})" if fit > 1 and not cfg.parallel.redundant_experts else "")
+    """What would work when the world does not fit the layout (a multiple of parallel.ep;
+    with FSDP of dp_replicate x ep): node counts for this --procs-per-node, the recipe's
+    own world, and an ep that fits this world."""
+    par, ppn, world = cfg.parallel, job.procs_per_node, job.world_size
+    unit = par.dp_replicate * par.ep if par.fsdp else par.ep
+    step = unit // math.gcd(unit, ppn)
+    if par.fsdp:
+        own = par.dp_replicate * par.dp_shard if par.dp_shard else None
+        own_txt = (f"; the recipe's parallel.dp_replicate={par.dp_replicate} x "
+                   f"parallel.dp_shard={par.dp_shard} is {own} ranks" if own else "")
+    else:
+        own = par.dp * par.ep
+        own_txt = f"; the recipe's parallel.dp={par.dp} x parallel.ep={par.ep} is {own} ranks"
+    if own and own % ppn == 0:
+        own_txt += f" = --nodes {own // ppn}"
+    per = world // par.dp_replicate if par.fsdp and world % par.dp_replicate == 0 else world
+    fit = math.gcd(per, cfg.moe.num_experts)
+    ep_txt = (f", or override parallel.ep={fit} (divides {per} and moe.num_experts="
+              f"{cfg.moe.num_experts})" if fit > 1 and not par.redundant_experts else "")
     return (f"Use --nodes {step} or a multiple of it ({step} x {ppn} = {step * ppn} ranks"
             f"{own_txt}){ep_txt}.")
 
@@ -137,28 +130,41 @@ def check_layout(args, job: SlurmJob, cfg: RunConfig) -> tuple[int, int, str | N
     try:
         return resolve_layout(cfg.parallel, job.world_size, cfg.moe.num_experts)
     except ConfigError as e:
-        hint = _layout_hint(job, cfg) if job.world_size % cfg.parallel.ep else ""
+        par = cfg.parallel
+        unit = par.dp_replicate * par.ep if par.fsdp else par.ep
+        hint = _layout_hint(job, cfg) if job.world_size % unit else ""
         raise ConfigError(f"{_ranks_text(args, job)} cannot start {cfg.name}: {e}. "
                           f"{hint}".rstrip()) from None
 
 
 def check_memory(cfg: RunConfig, dp: int, ep: int, gpu_mem: str) -> None:
-    """ConfigError when the estimated training memory of one rank at dp x ep (what
-    ``epscale describe --dp --ep`` prints) exceeds one GPU's ``gpu_mem``."""
+    """ConfigError when the estimated training memory of one rank at this world (what
+    ``epscale describe --world --ep`` prints) exceeds one GPU's ``gpu_mem``."""
     limit = parse_size("--gpu-mem", gpu_mem)
-    mem = memory_per_rank(cfg, dp=dp, ep=ep)
+    world = dp * ep
+    mem = memory_per_rank(cfg, world=world, ep=ep)
     if mem.total <= limit:
         return
     parts = ", ".join(f"{k} {_gib(getattr(mem, k))}"
-                      for k in ("params", "grads", "optimizer", "activations"))
-    more_ep = "raise parallel.ep (with more nodes), " if ep < cfg.moe.num_experts else ""
+                      for k in ("params", "grads", "optimizer", "activations", "gathered", "comm")
+                      if getattr(mem, k))
+    par, train = cfg.parallel, cfg.train
+    layout = (f"FSDP over {world} ranks, ep={ep}" if par.fsdp
+              else f"dp={dp} x ep={ep}, non-expert weights replicated")
+    fixes = []
+    if not par.fsdp:
+        fixes.append("shard the rest with parallel.fsdp=true")
+    if train.activation_checkpointing != "full":
+        fixes.append("recompute activations with train.activation_checkpointing=full")
+    if ep < cfg.moe.num_experts:
+        fixes.append("raise parallel.ep")
+    if train.micro_batch_size > 1:
+        fixes.append("lower train.micro_batch_size")
+    fixes.append("run on more nodes" if par.fsdp else "give the real GPU size with --gpu-mem")
     raise ConfigError(
-        f"{cfg.name} needs about {_gib(mem.total)} per rank at dp={dp} x ep={ep} ({parts}; "
-        f"see epscale describe {cfg.name} --dp {dp} --ep {ep}), more than --gpu-mem {gpu_mem}. "
-        "The estimate shards only the routed experts (over parallel.ep) and counts every other "
-        "weight, gradient and optimizer state whole on each rank (no FSDP sharding yet), so "
-        f"the large recipes do not fit by it yet. To fit: {more_ep}lower "
-        "train.micro_batch_size, or give the real GPU size with --gpu-mem; to submit anyway "
+        f"{cfg.name} needs about {_gib(mem.total)} per rank ({layout}: {parts}; see epscale "
+        f"describe {cfg.name} --world {world} --ep {ep}, or --fit {gpu_mem} for layouts that "
+        f"fit), more than --gpu-mem {gpu_mem}. To fit: {', '.join(fixes)}; to submit anyway "
         "(you know it fits), add --no-memory-check.")
 
 

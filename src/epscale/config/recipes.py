@@ -200,7 +200,8 @@ def shrink(cfg: RunConfig) -> RunConfig:
     expert/dense/shared width ratios survive; experts are capped at 64 (top-k, groups and
     kept groups unchanged when they still divide), heads at 8 with the GQA ratio kept,
     per-head dims at 16 (rotary part 8), at most one dense leading layer and two MoE
-    layers (with ``moe_every`` kept), vocabulary 256, sequence 64, one process.
+    layers (with ``moe_every`` kept), vocabulary 256, sequence 64, one process (replicated,
+    no recomputation).
     """
     m, e = cfg.model, cfg.moe
     s = TINY_DIM / m.dim
@@ -231,11 +232,13 @@ def shrink(cfg: RunConfig) -> RunConfig:
         e, dim=TINY_DIM, hidden_dim=_round8(e.hidden_dim * s), num_experts=experts,
         shared_hidden_dim=_round8(e.shared_hidden_dim * s) if e.shared_hidden_dim else None,
         num_groups=groups, topk_groups=kept)
-    parallel = dataclasses.replace(cfg.parallel, dp=1, ep=1, ranks_per_node=None)
+    parallel = dataclasses.replace(cfg.parallel, dp=1, ep=1, ranks_per_node=None, fsdp=False,
+                                   dp_replicate=1, dp_shard=None)
     t = cfg.train
     train = dataclasses.replace(
         t, steps=min(t.steps, 20), micro_batch_size=min(t.micro_batch_size, 4),
         grad_accum=1, warmup_steps=min(t.warmup_steps, 2), dtype="float32",
+        activation_checkpointing="none",
         eval_every=min(t.eval_every, 10), eval_batches=min(t.eval_batches, 2),
         ckpt_every=min(t.ckpt_every, 10), lr=max(t.lr, 1e-3),
         min_lr=min(max(t.min_lr, 1e-4), max(t.lr, 1e-3)))

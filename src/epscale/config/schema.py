@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .validate import check_types, choice, fail
+from .validate import check_types, choice, fail, from_dict
 
 EXPERTS_IMPLS = ("auto", "grouped_mm", "cpu_fused")   # moe.experts_impl
 ELEMENTWISE_MODES = ("auto", "native", "inductor", "off")  # moe.cpu.elementwise
@@ -181,10 +181,64 @@ class MoEConfig:
         return self.num_shared_experts * (self.shared_hidden_dim or self.hidden_dim)
 
 
+ROPE_SCALING_TYPES = ("yarn", "llama3")  # model.rope_scaling.type
+
+
+@dataclass
+class RopeScalingConfig:
+    """``model.rope_scaling``: a context-extension variant of the rotary frequencies, as
+    Hugging Face's ``rope_parameters`` describe them (null, the default: plain RoPE).
+
+    type 'yarn' (YaRN; DeepSeek-V3, Qwen3 long context): frequencies interpolated by
+    ``factor`` outside the band [beta_slow, beta_fast] rotations over
+    ``original_seq_len`` positions, cos/sin scaled by ``attention_factor`` (null: from
+    factor, mscale and mscale_all_dim as Hugging Face infers it; mscale / mscale_all_dim
+    0 mean "not given"); in MLA attention the softmax scale is also multiplied by
+    mscale(factor, mscale_all_dim)^2 (DeepSeek). truncate: round the band's ends outwards.
+    type 'llama3' (Llama 3.1): low frequencies divided by ``factor``, high ones kept,
+    smoothed in between (low_freq_factor, high_freq_factor over original_seq_len).
+    """
+
+    type: str = "yarn"
+    factor: float = 1.0
+    original_seq_len: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+
+    def __post_init__(self) -> None:
+        p = "model.rope_scaling"
+        check_types(self, p)
+        choice(f"{p}.type", self.type, ROPE_SCALING_TYPES)
+        if not self.factor >= 1.0:
+            fail(f"{p}.factor", self.factor, "must be >= 1 (1: no extension)")
+        if self.original_seq_len < 1:
+            fail(f"{p}.original_seq_len", self.original_seq_len, "must be a positive integer")
+        for name in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+            if getattr(self, name) < 0:
+                fail(f"{p}.{name}", getattr(self, name), "must be >= 0")
+        if self.attention_factor is not None and not self.attention_factor > 0:
+            fail(f"{p}.attention_factor", self.attention_factor, "must be > 0 or null")
+        if self.type == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0:
+            fail(f"{p}.high_freq_factor", self.high_freq_factor,
+                 f"must exceed model.rope_scaling.low_freq_factor ({self.low_freq_factor}) > 0")
+
+
 @dataclass
 class ModelConfig:
     """Decoder-only MoE transformer. Layers < num_dense_layers are dense; after that every
-    ``moe_every``-th layer is MoE (GLaM style), the rest dense with ``dense_hidden_dim``."""
+    ``moe_every``-th layer is MoE (GLaM style), the rest dense with ``dense_hidden_dim``.
+
+    qk_norm: RMSNorm over each head's query and key before RoPE (Qwen3; 'mha' only).
+    rope_scaling: a context-extension variant of RoPE (:class:`RopeScalingConfig`).
+    latent_norm_eps: epsilon of MLA's query/key-value latent norms (null: norm_eps;
+    Hugging Face's DeepSeek-V3 uses 1e-6 there whatever rms_norm_eps says).
+    """
 
     vocab_size: int = 256
     dim: int = 256
@@ -207,9 +261,24 @@ class ModelConfig:
     qk_nope_head_dim: int = 128
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
+    qk_norm: bool = False
+    rope_scaling: RopeScalingConfig | None = None
+    latent_norm_eps: float | None = None
 
     def __post_init__(self) -> None:
         p = "model"
+        if isinstance(self.rope_scaling, dict):  # built in Python from a plain dict
+            self.rope_scaling = from_dict(RopeScalingConfig, self.rope_scaling,
+                                          prefix=f"{p}.rope_scaling")
+        if not isinstance(self.qk_norm, bool):
+            fail(f"{p}.qk_norm", self.qk_norm, "must be true or false")
+        if self.qk_norm and self.attention == "mla":
+            fail(f"{p}.qk_norm", self.qk_norm, "applies to model.attention 'mha' only (MLA "
+                 "normalises its latents instead)")
+        if self.latent_norm_eps is not None and not self.latent_norm_eps > 0:
+            fail(f"{p}.latent_norm_eps", self.latent_norm_eps, "must be > 0 or null (norm_eps)")
+        if not self.rope_theta > 0:
+            fail(f"{p}.rope_theta", self.rope_theta, "must be > 0")
         for name in ("vocab_size", "dim", "num_layers", "num_heads", "seq_len",
                      "dense_hidden_dim", "moe_every"):
             v = getattr(self, name)
@@ -243,7 +312,8 @@ class ParallelConfig:
     gradients and optimizer state are sharded over dp_shard (FSDP2) and replicated over
     dp_replicate (HSDP); ep borrows its ranks from dp_shard (it must divide it), and the
     routed experts are split over ep, then sharded over efsdp = dp_shard / ep. dp_shard
-    null: the rest of the world (world / dp_replicate). parallel.dp belongs to the
+    null, or not fitting the world the run gets (a note says so): the rest of the world
+    (world / dp_replicate). parallel.dp belongs to the
     replicated layout; with fsdp it must stay 1.
     """
 
@@ -332,18 +402,61 @@ class ParallelConfig:
 
 @dataclass
 class DataConfig:
-    """Training text. source: 'stdlib' (the Python standard library's source files),
-    a path to a text file or folder, or a ``.bin`` token memmap (``dtype`` uint16/uint32)."""
+    """Training data (``epscale.training.data``).
+
+    source: 'stdlib' (the Python standard library's source files, as bytes), a text file
+    or folder (bytes), a ``.bin`` token memmap of ``dtype`` ids (or a folder holding
+    train.bin and val.bin), or a directory from ``epscale data prepare`` (token shards
+    streamed from disk). sources: a mixture instead of ``source``: a list of
+    ``{path: ..., weight: ...}`` (weight > 0, default 1; normalised), or of plain paths
+    (equal weights). tokenizer: 'bytes' or the Hugging Face tokenizer.json (or a
+    directory holding one) the prepared data was made with (its hash is checked against
+    the data's manifest and its vocabulary against model.vocab_size). doc_masking:
+    attention stops at document ends and the loss skips each EOS -> next-document join
+    (prepared data only). verify_shards: check every prepared shard's SHA-256 before
+    launch (reads all the data once). val_fraction: the validation share of raw sources
+    (prepared data was split when it was prepared). seed: the sampling order.
+    """
 
     source: str = "stdlib"
+    sources: list = field(default_factory=list)
+    tokenizer: str = "bytes"
+    doc_masking: bool = False
+    verify_shards: bool = False
     dtype: str = "uint16"
     val_fraction: float = 0.05
     seed: int = 0
 
     def __post_init__(self) -> None:
+        check_types(self, "data")
         choice("data.dtype", self.dtype, ("uint16", "uint32"))
         if not 0.0 < self.val_fraction < 1.0:
             fail("data.val_fraction", self.val_fraction, "must be in (0, 1)")
+        if not self.tokenizer:
+            fail("data.tokenizer", self.tokenizer, "must be 'bytes' or a tokenizer.json path")
+        if self.sources and self.source != "stdlib":
+            fail("data.sources", self.sources, f"set either data.source ({self.source!r}) or "
+                 "data.sources (a mixture), not both")
+        self.sources = [self._mixture_entry(i, s) for i, s in enumerate(self.sources)]
+
+    @staticmethod
+    def _mixture_entry(i: int, entry) -> dict:
+        """One ``data.sources`` item as ``{'path': str, 'weight': float}``."""
+        key = f"data.sources[{i}]"
+        if isinstance(entry, str):
+            entry = {"path": entry}
+        if not isinstance(entry, dict):
+            fail(key, entry, "must be a path or a mapping {path: ..., weight: ...}")
+        unknown = set(entry) - {"path", "weight"}
+        if unknown:
+            fail(key, entry, f"unknown key(s) {', '.join(sorted(map(str, unknown)))}; "
+                 "allowed: path, weight")
+        path, weight = entry.get("path"), entry.get("weight", 1.0)
+        if not isinstance(path, str) or not path:
+            fail(f"{key}.path", path, "must be a path (or 'stdlib')")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+            fail(f"{key}.weight", weight, "must be a number > 0")
+        return {"path": path, "weight": float(weight)}
 
 
 @dataclass
@@ -376,6 +489,11 @@ class TrainConfig:
     # A save that fails (disk full, no permission) is logged and training goes on from the
     # intact previous checkpoint; this many failures in a row stop the run.
     ckpt_fail_limit: int = 3
+    # Write checkpoints in the background (DCP async_save): the step loop waits only while
+    # the state is copied to CPU memory; the save is finished (renamed into place) at the
+    # next checkpoint, a rollback or the end. A crash before that leaves the previous
+    # checkpoint the latest. The last step's and a pre-emption's saves always block.
+    async_checkpoint: bool = False
     spike_factor: float = 0.0
     spike_window: int = 50
     spike_patience: int = 3

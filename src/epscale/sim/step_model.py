@@ -25,6 +25,16 @@ What is modelled (one EP group stands for all ``dp`` replicas; they are statisti
   gradients over the ``dp`` ranks holding the same experts (ring, bus bandwidth of the
   slowest link crossed, log-depth latency); with overlap, hidden behind the last
   micro-batch's backward where it fits.
+* FSDP (``parallel.fsdp``). Per micro-batch, every weight is all-gathered twice (forward,
+  and again for backward: FSDP frees it after the forward) in the compute dtype and its
+  gradient reduce-scattered in fp32: the non-expert weights over ``dp_shard`` ranks, an
+  EP rank's experts over ``dp_shard / ep``. The prefetched gathers run behind the
+  micro-batch's compute; the first block's gather and what exceeds the compute are
+  exposed. Once per step the shards' gradients are all-reduced over ``dp_replicate``
+  (HSDP), replacing the replicated all-reduce.
+* Recomputation (``train.activation_checkpointing``). ``full`` runs every block's forward
+  again in backward (compute x 4/3); ``selective`` recomputes only element-wise work (not
+  charged). Both run each MoE layer's dispatch and combine again (6 transfers, not 4).
 
 Routing noise: synthetic distributions give each step's per-expert rows as Poisson draws
 around their mean (independent tokens); a trace brings its own measured steps.
@@ -61,6 +71,7 @@ class SimResult:
     compute_s: float              # slowest rank's compute on the critical path
     expert_comm_s: float          # exposed dispatch/combine time
     dp_comm_s: float              # exposed data-parallel gradient reduction
+    fsdp_comm_s: float            # exposed FSDP all-gathers and reduce-scatters
     comm_share: float             # expert_comm_s / step_time_s
     dp_share: float
     worst_idle_share: float       # idle of the least-loaded GPU / step
@@ -106,6 +117,13 @@ def _allreduce_time(nbytes: float, n: int, bw_Bps: float, lat_s: float) -> float
     return 2.0 * (n - 1) / n * nbytes / bw_Bps + 2.0 * math.ceil(math.log2(n)) * lat_s
 
 
+def _ring_time(nbytes: float, n: int, bw_Bps: float, lat_s: float) -> float:
+    """All-gather (or reduce-scatter) of ``nbytes`` (the unsharded size) over ``n`` ranks."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return (n - 1) / n * nbytes / bw_Bps + math.ceil(math.log2(n)) * lat_s
+
+
 def _pipeline(t1: np.ndarray, t2: np.ndarray, t3: np.ndarray, chunks: int) -> np.ndarray:
     """Wall time of three dependent stages split into ``chunks`` pipelined pieces."""
     if chunks <= 1:
@@ -136,7 +154,7 @@ def simulate(run_cfg: RunConfig, cluster: ClusterSpec, routing: RoutingSpec | No
     model, moe, train = run_cfg.model, run_cfg.moe, run_cfg.train
     E, K = moe.num_experts, moe.top_k
     lay = Layout.of(cluster, E, ep or run_cfg.parallel.ep)
-    size = model_size(run_cfg, ep=lay.ep)
+    size = model_size(run_cfg)
     n_moe = size.num_moe_layers
     if n_moe == 0:
         raise ConfigError("the recipe has no MoE layer (model.num_dense_layers = model.num_layers)")
@@ -292,8 +310,13 @@ def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSp
     rows, gemms = sim["rows"], sim["gemms"]                       # [S, L, R]
     S, L, R = rows.shape
     g, n = lay.ranks_per_node, lay.nodes_per_group
-    # Expert compute per rank (fwd + bwd) per layer.
-    comp = (rows + half_rows * gemms) * row_flops / rate + overhead            # [S, L, R]
+    ac = run_cfg.train.activation_checkpointing
+    redo = 1.0 / 3.0 if ac == "full" else 0.0          # a second forward, as a share of fwd+bwd
+    transfers = 4 if ac == "none" else 6               # recomputation dispatches again
+    dense_time = dense_time * (1 + redo)
+    dense_time_layer = dense_time_layer * (1 + redo)
+    # Expert compute per rank (fwd + bwd, and the recomputed forward) per layer.
+    comp = ((rows + half_rows * gemms) * row_flops / rate + overhead) * (1 + redo)  # [S, L, R]
 
     # Rows each source sends to each destination rank (per micro-batch, one transfer).
     per_src_to = rows / R                                                     # alltoall
@@ -330,12 +353,13 @@ def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSp
     comm_max = comm.max(axis=2)                                               # [S, L]
     comp_max = comp.max(axis=2)
     if overlap == "chunks":
-        fwd = _pipeline(comm_max, comp_max / 3, comm_max, chunks)
-        layer_time = fwd + _pipeline(comm_max, 2 * comp_max / 3, comm_max, chunks)
+        fwd = _pipeline(comm_max, comp_max / (3 + 3 * redo), comm_max, chunks)
+        bwd = _pipeline(comm_max, 2 * comp_max / (3 + 3 * redo), comm_max, chunks)
+        layer_time = fwd * (transfers // 2 - 1) + bwd   # the recomputed forward is a second fwd
     elif overlap == "full":
-        layer_time = comp_max + np.maximum(0.0, 4 * comm_max - dense_time_layer)
+        layer_time = comp_max + np.maximum(0.0, transfers * comm_max - dense_time_layer)
     else:
-        layer_time = comp_max + 4 * comm_max
+        layer_time = comp_max + transfers * comm_max
     exposed = layer_time - comp_max
     idle = comp_max[..., None] - comp                                         # [S, L, R]
     # Weighted sum over the MoE layers each distribution stands for, mean over steps.
@@ -344,19 +368,43 @@ def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSp
     accum = run_cfg.train.grad_accum
 
     # Data-parallel gradient reduction, once per step.
-    spans_nodes = lay.world > cluster.gpus_per_node
-    bw = (cluster.inter_bw_GBps if spans_nodes else cluster.intra_bw_GBps) * 1e9
-    lat = (cluster.inter_latency_us if spans_nodes else cluster.intra_latency_us) * 1e-6
-    dense_bytes = (size.total_params - size.expert_params) * grad_bytes
-    expert_bytes = size.expert_params / lay.ep * grad_bytes * sim["num_slots"] / run_cfg.moe.num_experts
-    dp_bw = (cluster.inter_bw_GBps * 1e9 if lay.ep >= cluster.gpus_per_node or spans_nodes
-             else cluster.intra_bw_GBps * 1e9)
-    ar = _allreduce_time(dense_bytes, lay.world, bw, lat) + _allreduce_time(expert_bytes, lay.dp, dp_bw, lat)
+    gpn = cluster.gpus_per_node
+
+    def link(span: int, stride: int = 1) -> tuple[float, float]:
+        """(bandwidth, latency) of a group of ``span`` ranks ``stride`` apart."""
+        inter = span * stride > gpn or (stride >= gpn and span > 1)
+        return ((cluster.inter_bw_GBps if inter else cluster.intra_bw_GBps) * 1e9,
+                (cluster.inter_latency_us if inter else cluster.intra_latency_us) * 1e-6)
+
+    dense_params = size.total_params - size.expert_params
+    expert_params = size.expert_params / lay.ep * sim["num_slots"] / run_cfg.moe.num_experts
+    par = run_cfg.parallel
+    fsdp_exposed = 0.0
+    if par.fsdp:
+        rep = par.dp_replicate
+        dp_shard = lay.world // rep
+        efsdp = dp_shard // lay.ep
+        dense_bw, dense_lat = link(dp_shard)
+        exp_bw, exp_lat = link(efsdp, lay.ep)
+        per_micro = 0.0   # two gathers in the compute dtype and one fp32 reduce-scatter
+        for nbytes in (grad_bytes, grad_bytes, 4):
+            per_micro += (_ring_time(dense_params * nbytes, dp_shard, dense_bw, dense_lat)
+                          + _ring_time(expert_params * nbytes, efsdp, exp_bw, exp_lat))
+        first_block = per_micro / 3 / run_cfg.model.num_layers
+        fsdp_exposed = accum * (max(0.0, per_micro - micro) + first_block)
+        rep_bw, rep_lat = link(rep, dp_shard)
+        ar = (_allreduce_time(dense_params / dp_shard * 4, rep, rep_bw, rep_lat)
+              + _allreduce_time(expert_params / efsdp * 4, rep, rep_bw, rep_lat))
+    else:
+        bw, lat = link(lay.world)
+        dp_bw, dp_lat = link(lay.dp, lay.ep)
+        ar = (_allreduce_time(dense_params * grad_bytes, lay.world, bw, lat)
+              + _allreduce_time(expert_params * grad_bytes, lay.dp, dp_bw, dp_lat))
     if overlap == "none":
         dp_exposed = ar
     else:
         dp_exposed = max(0.0, ar - 2.0 / 3.0 * micro)
-    step = accum * micro + dp_exposed
+    step = accum * micro + dp_exposed + fsdp_exposed
     idle_rank = accum * (idle.mean(axis=0) * weight_L[:, None]).sum(axis=0)   # [R]
     compute = accum * (dense_time + wsum(comp_max))
     expert_comm = accum * wsum(exposed)
@@ -375,7 +423,7 @@ def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSp
     return SimResult(
         strategy=strat.name, dispatcher=disp, overlap=overlap, step_time_s=step,
         tokens_per_s_per_gpu=accum * T / step, compute_s=compute, expert_comm_s=expert_comm,
-        dp_comm_s=dp_exposed, comm_share=expert_comm / step, dp_share=dp_exposed / step,
+        dp_comm_s=dp_exposed, fsdp_comm_s=fsdp_exposed, comm_share=expert_comm / step, dp_share=dp_exposed / step,
         worst_idle_share=float(idle_rank.max() / step), mean_idle_share=float(idle_rank.mean() / step),
         max_vio=max_vio,
         intra_bytes_per_gpu=factor * float((per_transfer_intra * weight_L).sum()),

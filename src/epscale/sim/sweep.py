@@ -166,7 +166,8 @@ def _train_point(spec: dict, point_dir: Path) -> dict:
            "--nproc", str(spec["nproc"]), "--run-dir", str(run_dir),
            *spec["base_overrides"], *spec["point_overrides"],
            f"train.steps={spec['steps']}", "train.eval_every=0", "train.ckpt_every=0",
-           f"parallel.ep={spec['nproc']}", "parallel.dp=1"]
+           f"parallel.ep={spec['nproc']}", "parallel.dp=1", "parallel.fsdp=false",
+           "parallel.dp_replicate=1", "parallel.dp_shard=null"]
     with (point_dir / "train.log").open("w") as log:
         rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
     if rc != 0:

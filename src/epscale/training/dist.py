@@ -152,8 +152,8 @@ def resolve_layout(par: ParallelConfig, world_size: int, num_experts: int) -> tu
 
     Replicated: dp * ep must equal the number of processes; when it does not and
     ``world_size`` is a multiple of ep, dp becomes world_size / ep (so a recipe's ep works
-    at any process count). FSDP: world = dp_replicate x dp_shard (dp_shard null: the rest),
-    ep divides dp_shard.
+    at any process count). FSDP: world = dp_replicate x dp_shard (dp_shard null, or not
+    fitting: the rest), ep divides dp_shard.
     """
     dp, ep, note = par.dp, par.ep, None
     if num_experts % ep:
@@ -170,9 +170,14 @@ def resolve_layout(par: ParallelConfig, world_size: int, num_experts: int) -> tu
                           f"must divide evenly over ep={ep} ranks; use a multiple of {ep}")
     if par.fsdp:
         dp_shard = fsdp_shard_size(par, world_size)
-        return world_size // ep, ep, (None if par.dp_shard is not None else
-                                      f"parallel.dp_shard = {dp_shard} (the world over "
-                                      f"dp_replicate = {par.dp_replicate})")
+        if par.dp_shard == dp_shard:
+            note = None
+        elif par.dp_shard is None:
+            note = f"parallel.dp_shard = {dp_shard} (the world over dp_replicate = {par.dp_replicate})"
+        else:
+            note = (f"parallel.dp_replicate={par.dp_replicate} x parallel.dp_shard={par.dp_shard} "
+                    f"!= {world_size} processes: using dp_shard={dp_shard}")
+        return world_size // ep, ep, note
     if dp * ep != world_size:
         if world_size % ep:
             raise ConfigError(f"config key 'parallel.ep' = {ep} is invalid: the number of "
@@ -184,18 +189,16 @@ def resolve_layout(par: ParallelConfig, world_size: int, num_experts: int) -> tu
 
 
 def fsdp_shard_size(par: ParallelConfig, world_size: int) -> int:
-    """dp_shard of an FSDP layout at ``world_size`` processes (ConfigError naming the key
-    when the world does not split into dp_replicate x dp_shard with ep | dp_shard)."""
+    """dp_shard of an FSDP layout at ``world_size`` processes: ``parallel.dp_shard``, or the
+    world over dp_replicate when that is null or does not fit this world (as dp does in the
+    replicated layout; ``resolve_layout`` says so). ConfigError naming the key when the
+    world does not split into dp_replicate x dp_shard with ep | dp_shard."""
     rep = par.dp_replicate
     if world_size % rep:
         raise ConfigError(f"config key 'parallel.dp_replicate' = {rep} is invalid: the number "
                           f"of processes ({world_size}) must be a multiple of it (world = "
                           "dp_replicate x dp_shard)")
-    dp_shard = par.dp_shard if par.dp_shard is not None else world_size // rep
-    if rep * dp_shard != world_size:
-        raise ConfigError(f"config keys parallel.dp_replicate = {rep} x parallel.dp_shard = "
-                          f"{dp_shard} = {rep * dp_shard} must equal the number of processes "
-                          f"({world_size}); leave dp_shard out to take the rest of the world")
+    dp_shard = world_size // rep
     if dp_shard % par.ep:
         raise ConfigError(f"config key 'parallel.ep' = {par.ep} is invalid: it must divide "
                           f"dp_shard = {dp_shard} (world {world_size} / dp_replicate {rep}): "

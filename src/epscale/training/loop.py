@@ -43,7 +43,7 @@ from ..placement.spill import apply_spill
 from ..sim.sizing import model_size
 from . import checkpoint as ckpt
 from .console import TrainConsole
-from .data import DataLoader, byte_unigram_entropy, load_splits
+from .data import DataLoader, load_data, unigram_entropy
 from .dist import LaunchEnv, init_process_group, make_dims, pick_device, set_threads, shutdown
 from .guard import SpikeGuard
 from .optim import build_optimizer, ensure_optimizer_state, grad_norm_and_flags, lr_at, set_lr
@@ -87,6 +87,8 @@ class Trainer:
         self._old_handlers: dict[int, Any] = {}
         self._verified: set[Path] = set()  # checkpoints hashed by this process
         self._save_failures = 0            # failed saves in a row
+        self._pending: ckpt.PendingSave | None = None   # an async save not finished yet
+        self._ckpt_group = None            # gloo group of the async saves' collectives
 
     # ================================================================== set-up
     def setup(self) -> None:
@@ -152,10 +154,12 @@ class Trainer:
                                          window=cfg.parallel.rebalance_window, optimizer=self.opt,
                                          num_groups=max(1, cfg.moe.num_groups))
 
-        self.splits = load_splits(cfg.data, cfg.model.vocab_size)
+        self.splits = load_data(cfg.data, cfg.model.vocab_size)  # opened, not read
         self.loader = DataLoader(self.splits, cfg.model.seq_len, cfg.train.micro_batch_size,
                                  cfg.train.grad_accum, self.rank, self.world, cfg.data.seed)
         self.val_batches = self.loader.val_batches(cfg.train.eval_batches)
+        if cfg.data.doc_masking:
+            self.model.set_document_masking(self.splits.eos_id)
 
         self.size = model_size(cfg)
         self.timers = StepTimers(self.device)
@@ -174,7 +178,7 @@ class Trainer:
         self.guard = SpikeGuard(cfg.train.spike_factor, cfg.train.spike_window,
                                 cfg.train.spike_patience)
         self.step, self.num_skipped, self.num_rollbacks = 0, 0, 0
-        self.unigram = byte_unigram_entropy(self.splits.train, cfg.model.vocab_size) if self.rank == 0 else None
+        self.unigram = unigram_entropy(self.splits, cfg.model.vocab_size) if self.rank == 0 else None
         self._print_start(layout_note, placement_note)
         self._resume()
 
@@ -254,8 +258,8 @@ class Trainer:
             f"per token, {s.flops_per_token / 1e6:.1f} MFLOPs/token (train); {m.num_layers} layers "
             f"({num_moe} MoE: {moe.num_experts} experts, top-{moe.top_k}), dim {m.dim}, "
             f"seq {m.seq_len}, vocab {m.vocab_size}",
-            f"data: {self.splits.description}: {self.splits.train.size / 1e6:.2f}M train / "
-            f"{self.splits.val.size / 1e6:.2f}M validation tokens; unigram entropy "
+            f"data: {self.splits.description}: {self.splits.train_tokens / 1e6:.2f}M train / "
+            f"{self.splits.val_tokens / 1e6:.2f}M validation tokens; unigram entropy "
             f"{self.unigram:.3f} nats",
             f"layout: {self.world} process(es), {self._layout_text()}, dispatcher "
             f"{cfg.parallel.dispatcher if self.dims.ep > 1 else 'local'}, {self.device.type} "
@@ -478,8 +482,11 @@ class Trainer:
         return float(total)
 
     # ================================================================== checkpoints
-    def save_checkpoint(self) -> Path | None:
-        """Save (collective); None when the save failed and training goes on."""
+    def save_checkpoint(self, blocking: bool = True) -> Path | None:
+        """Save (collective); None when the save failed and training goes on, or when it
+        was started in the background (``train.async_checkpoint`` and not ``blocking``:
+        :meth:`finish_checkpoint` ends it)."""
+        self.finish_checkpoint()
         meta = {"data": self.loader.state_dict(), "guard": self.guard.state_dict(),
                 "num_skipped": self.num_skipped, "num_rollbacks": self.num_rollbacks,
                 "config": to_dict(self.cfg)}
@@ -489,15 +496,34 @@ class Trainer:
             meta["placement"] = placement_to_dict(placement)
         if self.rebalancer is not None:
             extra[REBALANCER_FILE] = self.rebalancer.state_dict()
+        background = self.cfg.train.async_checkpoint and not blocking
+        if background and self._ckpt_group is None and dist.is_initialized():
+            self._ckpt_group = dist.new_group(backend="gloo")
         t0 = time.perf_counter()
+        pending = ckpt.save_async(self.run_dir, self.step, self.model, self.opt, self.dims, meta,
+                                  keep=self.cfg.train.ckpt_keep, extra_files=extra,
+                                  verified=self._verified, report=self._warn,
+                                  background=background, process_group=self._ckpt_group)
+        if background and pending.failed is None:
+            self._pending = pending
+            dt = time.perf_counter() - t0
+            self.writer.event("checkpoint_started", step=self.step, staging_seconds=dt)
+            self._log(f"checkpoint: step {self.step} staged in {dt:.2f}s, writing in the background")
+            return None
+        return self._finish(pending)
+
+    def finish_checkpoint(self) -> Path | None:
+        """Collective: wait for the background save, if one is running, and finish it."""
+        pending, self._pending = self._pending, None
+        return self._finish(pending) if pending is not None else None
+
+    def _finish(self, pending: ckpt.PendingSave) -> Path | None:
         try:
-            path = ckpt.save(self.run_dir, self.step, self.model, self.opt, self.dims, meta,
-                             keep=self.cfg.train.ckpt_keep, extra_files=extra,
-                             verified=self._verified, report=self._warn)
+            path = pending.wait()
         except ckpt.CheckpointSaveError as e:
             self._save_failures += 1
             limit = self.cfg.train.ckpt_fail_limit
-            self.writer.event("checkpoint_failed", step=self.step, error=str(e),
+            self.writer.event("checkpoint_failed", step=pending.step, error=str(e),
                               failures_in_a_row=self._save_failures, limit=limit)
             self._warn(f"{e} (failure {self._save_failures} of at most {limit} in a row; "
                        "training goes on)")
@@ -507,14 +533,16 @@ class Trainer:
                     f"(train.ckpt_fail_limit = {limit}); stopping. Last: {e}") from None
             return None
         self._save_failures = 0
-        dt = time.perf_counter() - t0
-        self.writer.event("checkpoint", step=self.step, path=str(path), seconds=dt)
-        self._log(f"checkpoint: {path} ({dt:.2f}s)")
+        dt = time.perf_counter() - pending.started
+        self.writer.event("checkpoint", step=pending.step, path=str(path), seconds=dt,
+                          background=pending.in_background)
+        self._log(f"checkpoint: {path} ({dt:.2f}s{', in the background' if pending.in_background else ''})")
         return path
 
     def _rollback(self, rec: dict[str, Any]) -> None:
         """Back to the newest checkpoint, keeping the data position (so the batches since
         then, the spiking ones included, are skipped)."""
+        self.finish_checkpoint()
         path = None
         if self.rank == 0:
             found = ckpt.latest_valid(self.run_dir, report=self._warn)
@@ -566,8 +594,12 @@ class Trainer:
                     continue
                 due = cfg.train.ckpt_every > 0 and self.step % cfg.train.ckpt_every == 0
                 path = None
-                if due or self.step == cfg.train.steps or self._stop_flag:
-                    path = self.save_checkpoint()
+                last = self.step == cfg.train.steps or self._stop_flag
+                if due or last:
+                    finished = self._pending.final if self._pending is not None else None
+                    path = self.save_checkpoint(blocking=last)
+                    if finished is not None and finished.is_dir():
+                        self.console.note(f"checkpoint {finished.name} saved (in the background)")
                     if path is not None:
                         self.console.note(f"checkpoint {path.name} saved")
                 if self._stop_flag and self.step < cfg.train.steps:

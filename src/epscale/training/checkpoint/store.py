@@ -3,6 +3,8 @@ resharding on load to whatever layout the run has now.
 
 A save goes to ``checkpoints/.tmp_step_.../`` and is renamed when complete, so a crash
 mid-save never touches the latest good checkpoint; only the newest ``keep`` are kept.
+:func:`save_async` writes the shards in DCP's background thread (``train.async_checkpoint``)
+and finishes the same way when waited for.
 """
 
 from __future__ import annotations
@@ -27,12 +29,15 @@ from .paths import (FORMAT_VERSION, CheckpointError, checkpoints_root, prune, re
 from .state import PlacedExperts, build_state, check_compatible, copy_back, copy_local, saved_keys
 
 
+SINGLE_PROCESS_WARNING = ".*assuming the intent is to.*single process.*"
+
+
 @contextlib.contextmanager
 def quiet():
     """DCP warns that it 'assumes a single process' whenever no process group exists;
     for a single-process run that is exactly the intent."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to.*single process.*")
+        warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
         yield
 
 
@@ -129,15 +134,98 @@ def save(run_dir: str | Path, step: int, model: nn.Module, opt, dims, meta: dict
     A failure to write (disk full, no permission, a missing directory) on any rank removes
     the partial directory and raises :class:`CheckpointSaveError` on every rank; the
     previous checkpoints stay as they were."""
-    root = checkpoints_root(run_dir)
-    final = step_dir(run_dir, step)
-    tmp = root / f".tmp_{final.name}"
-    rank = _rank()
+    return save_async(run_dir, step, model, opt, dims, meta, keep=keep, extra_files=extra_files,
+                      verified=verified, report=report, background=False).wait()
+
+
+class PendingSave:
+    """A save whose shards are being written (by DCP's background thread when started
+    with ``background``); :meth:`wait` (collective) finishes it: meta.json, the rename
+    to ``step_N``, pruning. Until then the directory is ``.tmp_step_N`` and the previous
+    checkpoints are untouched; a process killed before the rename leaves only that."""
+
+    def __init__(self, run_dir: Path, step: int, dims, meta: dict, keep: int,
+                 verified: set[Path] | None, report, future=None, failed: str | None = None):
+        self.run_dir, self.step, self.dims, self.meta = run_dir, step, dims, meta
+        self.keep, self.verified, self.report = keep, verified, report
+        self.future, self.failed = future, failed
+        self.final = step_dir(run_dir, step)
+        self.tmp = checkpoints_root(run_dir) / f".tmp_{self.final.name}"
+        self.started = time.perf_counter()
+
+    @property
+    def in_background(self) -> bool:
+        return self.future is not None
+
+    def wait(self) -> Path:
+        """Collective: block until every rank's shards are written, then finish the save;
+        the checkpoint's path, or :class:`CheckpointSaveError` on every rank."""
+        rank, failed = _rank(), self.failed
+        if self.future is not None and failed is None:
+            try:
+                with quiet():
+                    self.future.result()
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException
+                failed = _os_cause(e, self.tmp)
+        failed = _agree(failed)
+        if failed is None and rank == 0:
+            try:
+                self._commit()
+            except OSError as e:
+                failed = _os_cause(e, self.tmp)
+        failed = _agree(failed)
+        if failed is not None:
+            if rank == 0:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+            _barrier()
+            raise CheckpointSaveError(f"checkpoint '{self.final}' could not be saved: {failed}; "
+                                      "its partial files were removed, the previous checkpoints "
+                                      "are intact")
+        if rank == 0:
+            if self.verified is not None:
+                self.verified.add(self.final)  # hashed just now
+            prune(self.run_dir, self.keep, self.verified, self.report)
+        _barrier()
+        return self.final
+
+    def _commit(self) -> None:
+        """Rank 0: hash the files into meta.json, then rename the directory into place."""
+        files = {}
+        for f in sorted(self.tmp.iterdir()):
+            if f.is_file():
+                files[f.name] = {"size": f.stat().st_size, "sha256": sha256(f)}
+        full_meta = {"format": FORMAT_VERSION, "step": self.step, "time": time.time(),
+                     "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                     "dp": self.dims.dp, "ep": self.dims.ep, **self.meta, "files": files}
+        with open(self.tmp / "meta.json", "w") as f:
+            json.dump(full_meta, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        if self.final.exists():  # re-saving a step (after a rollback): replace it
+            shutil.rmtree(self.final)
+        os.replace(self.tmp, self.final)
+
+
+def save_async(run_dir: str | Path, step: int, model: nn.Module, opt, dims, meta: dict,
+               keep: int = 2, extra_files: dict[str, Any] | None = None,
+               verified: set[Path] | None = None, report=print, background: bool = True,
+               process_group=None) -> PendingSave:
+    """Collective: start saving ``step`` (see :func:`save`). ``background``: the state is
+    copied to CPU memory here and the shards are written by DCP's background thread
+    while training goes on (its collectives on ``process_group``: a group only
+    checkpointing uses, so they never interleave with training's); otherwise they are
+    written before this returns. Either way the save ends with :meth:`PendingSave.wait`."""
+    run_dir = Path(run_dir)
+    pending = PendingSave(run_dir, step, dims, meta, keep, verified, report)
+    root, tmp, rank = checkpoints_root(run_dir), pending.tmp, _rank()
     failed = None
     if rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
+            for stale in root.glob(".tmp_step_*"):   # left by a process killed mid-save
+                shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir()
         except OSError as e:
             failed = _os_cause(e, root)
@@ -146,7 +234,14 @@ def save(run_dir: str | Path, step: int, model: nn.Module, opt, dims, meta: dict
         state = build_state(model, opt, dims, PlacedExperts(model, opt, dims).for_save())
         try:
             with quiet():
-                dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+                if not background:
+                    dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+                else:
+                    if not dist.is_initialized():  # quiet() cannot reach DCP's own thread
+                        warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
+                    pending.future = dcp.async_save(
+                        state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized(),
+                        process_group=process_group if dist.is_initialized() else None)
             torch.save(rng_state(), tmp / f"rank_{rank}.pt")
             if rank == 0:
                 for name, obj in (extra_files or {}).items():
@@ -155,39 +250,8 @@ def save(run_dir: str | Path, step: int, model: nn.Module, opt, dims, meta: dict
             raise
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             failed = _os_cause(e, tmp)
-        failed = _agree(failed)
-    if failed is None and rank == 0:
-        try:
-            files = {}
-            for f in sorted(tmp.iterdir()):
-                if f.is_file():
-                    files[f.name] = {"size": f.stat().st_size, "sha256": sha256(f)}
-            full_meta = {"format": FORMAT_VERSION, "step": step, "time": time.time(),
-                         "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                         "dp": dims.dp, "ep": dims.ep, **meta, "files": files}
-            with open(tmp / "meta.json", "w") as f:
-                json.dump(full_meta, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            if final.exists():  # re-saving a step (after a rollback): replace it
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-        except OSError as e:
-            failed = _os_cause(e, tmp)
-    failed = _agree(failed)
-    if failed is not None:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        _barrier()
-        raise CheckpointSaveError(f"checkpoint '{final}' could not be saved: {failed}; its "
-                                  "partial files were removed, the previous checkpoints are "
-                                  "intact")
-    if rank == 0:
-        if verified is not None:
-            verified.add(final)  # hashed just now
-        prune(run_dir, keep, verified, report)
-    _barrier()
-    return final
+    pending.failed = failed
+    return pending
 
 
 def load(path: Path, model: nn.Module, opt, dims, restore_rng: bool = True) -> dict:

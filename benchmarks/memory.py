@@ -1,0 +1,203 @@
+"""The memory estimate (``epscale describe``, ``epscale.sim.memory``) against measurement,
+side by side in one run, on this machine's CPU (fp32: the CPU trainer's dtype).
+
+1. Activations: one process builds each model, runs a forward under each recomputation
+   mode, and the profiler's allocation record gives the bytes the forward leaves for
+   backward (``epscale.metrics.held.forward_kept_bytes``); next to it the estimate.
+2. Weights, gradients, AdamW state: the real trainer at replicated and FSDP layouts on
+   gloo processes runs a step; the largest rank's storages next to the estimate.
+3. At scale (estimate only): the 1T recipe replicated and sharded.
+
+    python benchmarks/memory.py [--nproc 4] [--json out.json]
+    python benchmarks/memory.py --device cuda     # part 1 in bf16 on one GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+
+MODELS = {
+    "mha swiglu": [],
+    "gqa + qk-norm + shared expert": ["model.num_kv_heads=2", "model.qk_norm=true",
+                                      "moe.num_shared_experts=1"],
+    "gelu": ["moe.activation=gelu"],
+    "mla": ["model.attention=mla", "model.q_lora_rank=64", "model.kv_lora_rank=64",
+            "model.qk_nope_head_dim=24", "model.qk_rope_head_dim=8", "model.v_head_dim=32"],
+}
+BASE = ["model.dim=128", "model.num_layers=4", "model.num_heads=4", "model.seq_len=256",
+        "model.dense_hidden_dim=256", "model.num_dense_layers=1", "model.vocab_size=512",
+        "moe.hidden_dim=192", "moe.num_experts=8", "moe.top_k=2", "train.micro_batch_size=2",
+        "parallel.ep=1", "parallel.dp=1"]
+LAYOUTS = {  # name -> overrides (the world is --nproc)
+    "replicated ep=2": ["parallel.ep=2"],
+    "FSDP ep=2": ["parallel.fsdp=true", "parallel.ep=2"],
+    "HSDP 2 x 2, ep=2": ["parallel.fsdp=true", "parallel.ep=2", "parallel.dp_replicate=2"],
+}
+
+
+def measure_activations(over: list[str], impl: str, ac: str, device: str = "cpu") -> tuple[int, float]:
+    """(bytes the forward leaves for backward, the estimate). CPU: fp32, the profiler's
+    record; CUDA: bf16 autocast, ``torch.cuda.memory_allocated`` before and after."""
+    import torch
+
+    from epscale.config import load_config
+    from epscale.metrics.held import forward_kept_bytes
+    from epscale.model import build_model
+    from epscale.moe.layer import moe_layers
+    from epscale.parallel.activation import apply_activation_checkpointing
+    from epscale.sim.memory import Layout, estimate
+
+    cfg = load_config(None, BASE + over + [f"moe.experts_impl={impl}"])
+    torch.manual_seed(0)
+    net = build_model(cfg, device=device)
+    apply_activation_checkpointing(net, ac)
+    for moe in moe_layers(net):
+        moe.drop_kept_buffers()
+    B, S, V = cfg.train.micro_batch_size, cfg.model.seq_len, cfg.model.vocab_size
+    x, y = (torch.randint(0, V, (B, S), device=device) for _ in range(2))
+    cuda = device.startswith("cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
+
+    def forward():
+        with torch.autocast(device_type=torch.device(device).type, dtype=dtype, enabled=cuda):
+            return net.loss(x, y) + net.aux_loss()
+
+    for _ in range(2):
+        forward().backward()
+        net.zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        loss = forward()
+        torch.cuda.synchronize()
+        kept = torch.cuda.memory_allocated() - before
+    else:
+        kept, loss = forward_kept_bytes(forward)
+    loss.backward()
+    lay = Layout.of(cfg, world=1, ep=1, compute_dtype="bfloat16" if cuda else "float32",
+                    experts_impl=impl, activation_checkpointing=ac)
+    return kept, estimate(cfg, lay).activations
+
+
+def _state_worker(rank, world, over, run_dir):
+    import torch
+    import torch.distributed as dist
+
+    from epscale.config import load_config
+    from epscale.metrics.held import state_bytes
+    from epscale.training.dist import LaunchEnv
+    from epscale.training.loop import Trainer
+
+    cfg = load_config(None, BASE + over + ["train.steps=1", "train.eval_every=0",
+                                           "train.ckpt_every=0", "train.preflight=false",
+                                           "parallel.dp=1" if "parallel.fsdp=true" in over
+                                           else f"parallel.dp={world // 2}"])
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+        t = Trainer(cfg, Path(run_dir), LaunchEnv("torchrun", world_size=world), checked=True)
+        clean = False
+        try:
+            t.setup()
+            t.run()
+            got = state_bytes(t.model, t.opt)
+            clean = True
+        finally:
+            t.close(clean)
+    v = torch.tensor([float(got[k]) for k in ("params", "grads", "optimizer")])
+    dist.all_reduce(v, op=dist.ReduceOp.MAX)
+    return dict(zip(("params", "grads", "optimizer"), v.tolist()))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nproc", type=int, default=4, help="processes for the layouts (default 4)")
+    ap.add_argument("--json", type=Path, default=None, help="write the figures here")
+    ap.add_argument("--device", default="cpu",
+                    help="cpu (default), or cuda: activations in bf16 on one GPU (the "
+                         "gloo layouts part is skipped)")
+    args = ap.parse_args()
+    sys.path.insert(0, str(REPO / "src"))
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from epscale.config import load_config, load_recipe
+    from epscale.sim.calibrate import spawn_local
+    from simulate import machine   # benchmarks/simulate.py: the machine line
+    from epscale.sim.memory import memory_per_rank
+
+    console = Console(width=150)
+    console.print(f"machine: {machine()}")
+    figures: dict = {"activations": [], "state": [], "scale": []}
+    cuda = args.device.startswith("cuda")
+    t = Table(title=f"Saved activations of one micro-batch (2 x 256 tokens, "
+                    f"{'bf16 on ' + args.device if cuda else 'fp32 on the CPU'}): measured vs estimate")
+    for col in ("model", "experts", "recompute", "measured", "estimate", "estimate / measured"):
+        t.add_column(col, justify="left" if col in ("model", "experts", "recompute") else "right")
+    impls = ("grouped_mm",) if cuda else ("cpu_fused", "grouped_mm")
+    runs = [(m, impl, ac) for m in MODELS for impl in impls for ac in ("none", "selective", "full")]
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("activations", total=len(runs))
+        for m, impl, ac in runs:
+            kept, est = measure_activations(MODELS[m], impl, ac, args.device)
+            t.add_row(m, impl, ac, f"{kept / 2 ** 20:.2f} MiB", f"{est / 2 ** 20:.2f} MiB",
+                      f"{est / kept:.3f}")
+            figures["activations"].append({"model": m, "experts_impl": impl, "ac": ac,
+                                           "measured": kept, "estimate": est})
+            bar.advance(task)
+    console.print(t)
+
+    if cuda:
+        if args.json:
+            args.json.write_text(json.dumps(figures, indent=2))
+        return 0
+    s = Table(title=f"Weights, gradients and AdamW state of the largest rank after a step, "
+                    f"{args.nproc} gloo processes: measured / estimate")
+    for col in ("layout", "weights", "gradients", "AdamW", "estimate / measured"):
+        s.add_column(col, justify="left" if col == "layout" else "right")
+    with tempfile.TemporaryDirectory(prefix="epscale-bench-memory-") as tmp, \
+            Progress(console=console, transient=True) as bar:
+        task = bar.add_task("layouts", total=len(LAYOUTS))
+        for name, over in LAYOUTS.items():
+            got = spawn_local(_state_worker, args.nproc,
+                              args=(over, str(Path(tmp) / name.replace(" ", "_"))))[0]
+            cfg = load_config(None, BASE + over + (["parallel.dp=1"] if "parallel.fsdp=true" in over
+                                                   else [f"parallel.dp={args.nproc // 2}"]))
+            est = memory_per_rank(cfg, world=args.nproc)
+            ratio = (est.params + est.grads + est.optimizer) / sum(got.values())
+            s.add_row(name, *(f"{got[k] / 2 ** 20:.2f} / {getattr(est, k) / 2 ** 20:.2f} MiB"
+                              for k in ("params", "grads", "optimizer")), f"{ratio:.3f}")
+            figures["state"].append({"layout": name, "measured": got,
+                                     "estimate": {k: getattr(est, k) for k in got}})
+            bar.advance(task)
+    console.print(s)
+
+    cfg = load_recipe("ref-1t-64e")
+    a = Table(title="ref-1t-64e per rank on 1,024 GPUs, bf16 compute (estimate)")
+    for col in ("layout", "recompute", "weights+grads+AdamW", "activations", "gathered", "total"):
+        a.add_column(col, justify="left" if col in ("layout", "recompute") else "right")
+    for label, kw in (("replicated dp=16 x ep=64", dict(fsdp=False)),
+                      ("FSDP 1024, ep=64", dict(fsdp=True, dp_replicate=1)),
+                      ("HSDP 2 x 512, ep=64", dict(fsdp=True, dp_replicate=2))):
+        for ac in ("none", "full"):
+            m = memory_per_rank(cfg, world=1024, ep=64, activation_checkpointing=ac, **kw)
+            gib = lambda b: f"{b / 2 ** 30:.1f} GiB"  # noqa: E731
+            a.add_row(label, ac, gib(m.params + m.grads + m.optimizer),
+                      gib(m.activations + m.recompute), gib(m.gathered), gib(m.total))
+            figures["scale"].append({"layout": label, "ac": ac, **m.as_dict()})
+    console.print(a)
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,360 @@
+"""Memory per rank of one training step, computed from the recipe and a layout (nothing is
+built): the weights, gradients and AdamW state a rank holds (replicated, or sharded by
+FSDP), the activations saved for backward (with or without recomputation), and the
+transient peaks of a step (the all-gathered block under FSDP, the dispatcher's rows).
+
+Legend: T tokens per micro-batch and rank, D model dim, F expert hidden dim, Fd dense FFN
+width, Fs shared-expert width, E experts, e = E/ep, K top-k, H heads, G key/value heads,
+hd head dim, V vocabulary, L layers.
+
+Held for the whole step (what ``benchmarks/memory.py`` measures):
+
+* parameters: fp32 master weights (the trainer keeps fp32 parameters; bf16 is a compute
+  dtype: FSDP mixed precision or autocast). Replicated: every non-expert weight plus this
+  rank's E/ep experts (and redundant slots). FSDP: each weight's share of dp_shard, split
+  along dim 0 in torch.chunk pieces of ceil(rows / dp_shard) rows (FSDP pads the last); an
+  expert slice's share of efsdp = dp_shard / ep (whole experts, or the hidden dim when
+  efsdp does not divide e).
+* gradients: the same shapes, fp32 (FSDP reduces in fp32).
+* optimizer: AdamW's two fp32 moments per parameter.
+* activations: the tensors autograd keeps for backward for one micro-batch, counted from
+  what each module saves (its inputs and intermediates; see ``_saved_per_token``); norms
+  and logits are kept in fp32, the rest in the compute dtype, index tensors in int64.
+  ``full`` recomputation keeps each block's input; ``selective`` keeps the block input and
+  the outputs of its matrix products and of the router's top-k. What a forward keeps is
+  ``activations``; ``recompute`` is the rest of one block's set, rebuilt during its
+  backward (the largest block's; 0 without recomputation).
+
+Transient (not measured by the benchmark; in the total): under FSDP the largest block's
+gathered weights in the compute dtype, twice (this block and the prefetched next one),
+plus its unsharded gradients before the reduce-scatter; the dispatcher's send and receive
+rows (T*K rows of D, twice).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from ..config import ConfigError, ModelConfig, MoEConfig, RunConfig
+
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
+               "float8": 1, "fp8": 1}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a run is laid out over ``world`` ranks (see ``epscale.config.ParallelConfig``)."""
+
+    world: int
+    ep: int
+    fsdp: bool = False
+    dp_replicate: int = 1
+    activation_checkpointing: str = "none"
+    micro_batch_size: int = 1
+    compute_dtype: str = "float32"
+    redundant_experts: int = 0
+    experts_impl: str = "grouped_mm"   # what runs the experts: sets what they save
+
+    @property
+    def dp_shard(self) -> int:
+        return self.world // self.dp_replicate if self.fsdp else 1
+
+    @property
+    def efsdp(self) -> int:
+        return self.dp_shard // self.ep if self.fsdp else 1
+
+    @staticmethod
+    def of(cfg: RunConfig, *, world: int | None = None, ep: int | None = None,
+           fsdp: bool | None = None, dp_replicate: int | None = None,
+           activation_checkpointing: str | None = None, micro_batch_size: int | None = None,
+           compute_dtype: str | None = None, experts_impl: str | None = None) -> Layout:
+        """The recipe's own layout, with any of the arguments replacing its keys."""
+        par, train = cfg.parallel, cfg.train
+        ep = par.ep if ep is None else ep
+        fsdp = par.fsdp if fsdp is None else fsdp
+        rep = (par.dp_replicate if dp_replicate is None else dp_replicate) if fsdp else 1
+        if world is None:
+            world = rep * (par.dp_shard or ep) if fsdp else par.dp * ep
+        dtype = compute_dtype or ("bfloat16" if train.dtype in ("bfloat16", "auto") else "float32")
+        impl = experts_impl or ("cpu_fused" if cfg.moe.experts_impl == "cpu_fused" else "grouped_mm")
+        lay = Layout(world, ep, fsdp, rep, activation_checkpointing or train.activation_checkpointing,
+                     micro_batch_size or train.micro_batch_size, dtype, par.redundant_experts, impl)
+        lay.check(cfg)
+        return lay
+
+    def check(self, cfg: RunConfig) -> None:
+        E = cfg.moe.num_experts
+        for key, v in (("world", self.world), ("ep", self.ep), ("dp_replicate", self.dp_replicate)):
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"layout {key} = {v!r} is invalid: must be a positive integer")
+        if E % self.ep:
+            raise ConfigError(f"parallel.ep = {self.ep} is invalid: must divide moe.num_experts ({E})")
+        if self.world % self.ep:
+            raise ConfigError(f"parallel.ep = {self.ep} is invalid: must divide the world ({self.world})")
+        if self.fsdp and (self.world % self.dp_replicate or self.dp_shard % self.ep):
+            raise ConfigError(f"parallel.dp_replicate = {self.dp_replicate} with ep = {self.ep} "
+                              f"does not split a world of {self.world} into dp_replicate x "
+                              "dp_shard with ep dividing dp_shard")
+
+    def describe(self) -> str:
+        if not self.fsdp:
+            return f"replicated dp={self.world // self.ep} x ep={self.ep}"
+        return (f"FSDP dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} "
+                f"(ep={self.ep}, efsdp={self.efsdp})")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one rank holds during a training step (see the module docstring)."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float          # kept for backward at the end of the forward
+    recompute: float            # rebuilt at once by recomputation during backward
+    gathered: float             # FSDP: gathered weights and unsharded grads of the largest block
+    comm: float                 # the dispatcher's row buffers
+    params_per_rank: float      # parameter count held by the rank (not bytes)
+
+    @property
+    def total(self) -> float:
+        return (self.params + self.grads + self.optimizer + self.activations + self.recompute
+                + self.gathered + self.comm)
+
+    def as_dict(self) -> dict[str, float]:
+        return {**asdict(self), "total": self.total}
+
+
+@dataclass(frozen=True)
+class ParamShape:
+    """One parameter of the model epscale builds: its name's role, full shape, and the
+    block it belongs to (-1: embedding, final norm, head)."""
+
+    name: str
+    shape: tuple[int, ...]
+    expert: bool = False
+    block: int = -1
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def _ffn(prefix: str, D: int, width: int, activation: str, block: int) -> list[ParamShape]:
+    mats = [ParamShape(f"{prefix}.w1.weight", (width, D), block=block),
+            ParamShape(f"{prefix}.w2.weight", (D, width), block=block)]
+    if activation == "swiglu":
+        mats.append(ParamShape(f"{prefix}.w3.weight", (width, D), block=block))
+    return mats
+
+
+def _attention(model: ModelConfig, i: int) -> list[ParamShape]:
+    D, H = model.dim, model.num_heads
+    p = f"layers.{i}.attention"
+    if model.attention == "mla":
+        qk = model.qk_nope_head_dim + model.qk_rope_head_dim
+        out = []
+        if model.q_lora_rank > 0:
+            out += [ParamShape(f"{p}.wq_a.weight", (model.q_lora_rank, D), block=i),
+                    ParamShape(f"{p}.q_norm.weight", (model.q_lora_rank,), block=i),
+                    ParamShape(f"{p}.wq_b.weight", (H * qk, model.q_lora_rank), block=i)]
+        else:
+            out.append(ParamShape(f"{p}.wq.weight", (H * qk, D), block=i))
+        return out + [
+            ParamShape(f"{p}.wkv_a.weight", (model.kv_lora_rank + model.qk_rope_head_dim, D), block=i),
+            ParamShape(f"{p}.kv_norm.weight", (model.kv_lora_rank,), block=i),
+            ParamShape(f"{p}.wkv_b.weight", (H * (model.qk_nope_head_dim + model.v_head_dim),
+                                             model.kv_lora_rank), block=i),
+            ParamShape(f"{p}.wo.weight", (D, H * model.v_head_dim), block=i)]
+    hd, G = model.head_dim or D // H, model.num_kv_heads or H
+    out = [ParamShape(f"{p}.wq.weight", (H * hd, D), block=i),
+           ParamShape(f"{p}.wk.weight", (G * hd, D), block=i),
+           ParamShape(f"{p}.wv.weight", (G * hd, D), block=i),
+           ParamShape(f"{p}.wo.weight", (D, H * hd), block=i)]
+    if model.qk_norm:
+        out += [ParamShape(f"{p}.q_norm.weight", (hd,), block=i),
+                ParamShape(f"{p}.k_norm.weight", (hd,), block=i)]
+    return out
+
+
+def param_shapes(model: ModelConfig, moe: MoEConfig) -> list[ParamShape]:
+    """Every parameter of ``epscale.model.Transformer(model, moe)`` with its full shape
+    (the routed experts stacked: [E, D, F] / [E, F, D])."""
+    D, V = model.dim, model.vocab_size
+    out = [ParamShape("tok_embeddings.weight", (V, D))]
+    for i in range(model.num_layers):
+        out.append(ParamShape(f"layers.{i}.attention_norm.weight", (D,), block=i))
+        out += _attention(model, i)
+        out.append(ParamShape(f"layers.{i}.ffn_norm.weight", (D,), block=i))
+        if model.is_moe_layer(i):
+            p = f"layers.{i}.ffn"
+            out.append(ParamShape(f"{p}.router.gate.weight", (moe.num_experts, D), block=i))
+            E, F = moe.num_experts, moe.hidden_dim
+            out += [ParamShape(f"{p}.experts.w1", (E, D, F), True, i),
+                    ParamShape(f"{p}.experts.w2", (E, F, D), True, i)]
+            if moe.activation == "swiglu":
+                out.append(ParamShape(f"{p}.experts.w3", (E, D, F), True, i))
+            if moe.num_shared_experts:
+                out += _ffn(f"{p}.shared_experts", D, moe.shared_width, moe.activation, i)
+        else:
+            out += _ffn(f"layers.{i}.ffn", D, model.dense_hidden_dim, moe.activation, i)
+    out.append(ParamShape("norm.weight", (D,)))
+    if not model.tie_embeddings:
+        out.append(ParamShape("output.weight", (V, D)))
+    return out
+
+
+def _chunk(rows: int, ways: int) -> int:
+    return -(-rows // ways)
+
+
+def local_numel(p: ParamShape, lay: Layout) -> int:
+    """Elements of ``p`` one rank holds at ``lay`` (the largest share, as FSDP pads)."""
+    if p.expert:
+        E, rest = p.shape[0], p.shape[1:]
+        slots = E + (lay.redundant_experts if lay.ep > 1 else 0)
+        e = slots // lay.ep
+        if lay.efsdp == 1:
+            return e * math.prod(rest)
+        if e % lay.efsdp == 0:
+            return (e // lay.efsdp) * math.prod(rest)
+        hidden = 1 if p.name.endswith("w2") else 2   # [e, F, D] / [e, D, F]
+        shape = [e, *rest]
+        shape[hidden] = _chunk(shape[hidden], lay.efsdp)
+        return math.prod(shape)
+    if not lay.fsdp:
+        return p.numel
+    return _chunk(p.shape[0], lay.dp_shard) * math.prod(p.shape[1:])
+
+
+def _dense_saved_per_token(model: ModelConfig, moe: MoEConfig, moe_layer: bool,
+                           impl: str) -> tuple[float, float, float]:
+    """(compute-dtype, fp32, int64) elements one block saves per token (no recomputation)."""
+    D, H, K = model.dim, model.num_heads, moe.top_k
+    m = 3 if moe.activation == "swiglu" else 2
+    acts = 4 if moe.activation == "swiglu" else 2      # per hidden unit: see the dense FFN
+    norms = 2 * (2 * D + 1)                       # RMSNorm keeps its fp32 input and output
+    if model.attention == "mla":
+        nope, rope, v = model.qk_nope_head_dim, model.qk_rope_head_dim, model.v_head_dim
+        q_lora, kv = model.q_lora_rank, model.kv_lora_rank
+        # the q/kv latents' norms (input, output, rstd) and up-projection inputs
+        lat = D + (3 * q_lora + 1 if q_lora else 0) + 3 * kv + 1 + kv + rope
+        rotary = 2 * H * rope + 2 * rope                  # RoPE's inputs (q_pe, k_pe, rotated)
+        attn = lat + rotary + H * (2 * (nope + rope) + 3 * v)   # q, k, v, sdpa out, wo input
+        lse = H
+    else:
+        hd, G = model.head_dim or D // H, model.num_kv_heads or H
+        attn = D + (H + 2 * G) * hd + 2 * H * hd           # qkv input, q/k/v, sdpa out, wo input
+        lse = H
+        if model.qk_norm:                                  # the q/k norms: fp32 in, out, rstd
+            lse += (H + G) * (2 * hd + 1)
+    fp32 = norms + lse
+    if not moe_layer:
+        ffn = D + acts * model.dense_hidden_dim           # w1 input; h1, h3, silu(h1), w2 input
+        return attn + ffn, fp32, 0.0
+    E, F = moe.num_experts, moe.hidden_dim
+    router_fp32 = E + K + 1                                # logits/scores, weights, renorm
+    ints = 3 * K                                           # chosen ids, kept rows, slots
+    if impl == "cpu_fused":                                # the chunked kernel keeps h1 (and h3)
+        experts = K * (D + (m - 1) * F)                    # its input rows, h1 (and h3)
+        ints += 4 * K
+        fp32 += K
+    else:                                                  # autograd over grouped GEMMs
+        experts = K * (D + acts * F + D)
+        ints += 2 * K
+    shared = acts * moe.shared_width if moe.num_shared_experts else 0   # input: the router's
+    return D + attn + experts + shared, fp32 + router_fp32, ints
+
+
+def _selective_per_token(model: ModelConfig, moe: MoEConfig, moe_layer: bool,
+                         impl: str) -> tuple[float, float, float]:
+    """Elements a block keeps under selective recomputation: its input and the outputs of
+    its matrix products and of the router's top-k (the grouped GEMMs' too; the CPU
+    kernel's products run into its own buffers and are recomputed)."""
+    D, H, K = model.dim, model.num_heads, moe.top_k
+    if model.attention == "mla":
+        nope, rope, v = model.qk_nope_head_dim, model.qk_rope_head_dim, model.v_head_dim
+        attn = (model.q_lora_rank or 0) + H * (nope + rope) + model.kv_lora_rank + rope \
+            + H * (nope + v) + H * v + D
+    else:
+        hd, G = model.head_dim or D // H, model.num_kv_heads or H
+        attn = (H + 2 * G) * hd + H * hd + D              # q/k/v projections, sdpa out, wo out
+    m = 3 if moe.activation == "swiglu" else 2
+    if not moe_layer:
+        return D + attn + (m - 1) * model.dense_hidden_dim + D, H, 0.0
+    shared = ((m - 1) * moe.shared_width + D) if moe.num_shared_experts else 0
+    experts = K * ((m - 1) * moe.hidden_dim + D) if impl != "cpu_fused" else 0
+    return D + attn + shared + experts, H + moe.num_experts + K, K
+
+
+def activation_bytes(cfg: RunConfig, lay: Layout) -> tuple[float, float]:
+    """(kept, rebuilt): bytes one micro-batch keeps for backward at the end of its forward
+    at ``lay``, and the most that recomputation rebuilds at once during backward (one
+    block's set beyond what it kept; 0 without recomputation)."""
+    model, moe = cfg.model, cfg.moe
+    T = lay.micro_batch_size * model.seq_len
+    cb = DTYPE_BYTES[lay.compute_dtype]
+
+    def nbytes(parts):
+        c, f, i = parts
+        return T * (c * cb + f * 4 + i * 8)
+
+    blocks = [nbytes(_dense_saved_per_token(model, moe, model.is_moe_layer(i), lay.experts_impl))
+              for i in range(model.num_layers)]
+    # final norm (fp32 input and output), head input, fp32 logits, the loss's statistics
+    head = T * ((2 * model.dim + 1) * 4 + model.dim * cb + model.vocab_size * 4 + 2 * 4 + 1 * 8)
+    embed = T * 8
+    if lay.activation_checkpointing == "full":
+        kept = [T * model.dim * cb] * model.num_layers
+    elif lay.activation_checkpointing == "selective":
+        kept = [nbytes(_selective_per_token(model, moe, model.is_moe_layer(i), lay.experts_impl))
+                for i in range(model.num_layers)]
+    else:
+        return embed + sum(blocks) + head, 0.0
+    return embed + sum(kept) + head, max(b - k for b, k in zip(blocks, kept))
+
+
+def estimate(cfg: RunConfig, lay: Layout) -> MemoryEstimate:
+    """Memory per rank of ``cfg`` trained at ``lay``."""
+    shapes = param_shapes(cfg.model, cfg.moe)
+    n = sum(local_numel(p, lay) for p in shapes)
+    cb = DTYPE_BYTES[lay.compute_dtype]
+    gathered = 0.0
+    if lay.fsdp:
+        by_block: dict[int, int] = {}
+        for p in shapes:
+            full = p.numel if not p.expert else local_numel(p, Layout(lay.world, lay.ep))
+            by_block[p.block] = by_block.get(p.block, 0) + full
+        # this block and the prefetched next one gathered, plus the block's unsharded grads
+        gathered = max(by_block.values()) * cb * 3
+    T = lay.micro_batch_size * cfg.model.seq_len
+    comm = 2 * T * cfg.moe.top_k * cfg.model.dim * cb if lay.ep > 1 else 0.0
+    kept, rebuilt = activation_bytes(cfg, lay)
+    return MemoryEstimate(params=n * 4, grads=n * 4, optimizer=n * 8, activations=kept,
+                          recompute=rebuilt, gathered=gathered, comm=comm, params_per_rank=n)
+
+
+def resolve(run_cfg: RunConfig, *, dp: int | None = None, ep: int | None = None,
+            world: int | None = None, fsdp: bool | None = None, dp_replicate: int | None = None,
+            activation_checkpointing: str | None = None, micro_batch_size: int | None = None,
+            compute_dtype: str | None = None, experts_impl: str | None = None) -> Layout:
+    """The recipe's layout with any of these replacing its keys (``dp`` x ``ep`` sets the
+    world of a replicated layout; ``world`` any layout's)."""
+    ep = run_cfg.parallel.ep if ep is None else ep
+    fsdp_on = run_cfg.parallel.fsdp if fsdp is None else fsdp
+    if world is None and (dp is not None or not fsdp_on):
+        world = (run_cfg.parallel.dp if dp is None else dp) * ep
+    if compute_dtype is not None and compute_dtype not in DTYPE_BYTES:
+        raise ConfigError(f"compute dtype {compute_dtype!r} is invalid: must be one of "
+                          f"{', '.join(sorted(DTYPE_BYTES))}")
+    return Layout.of(run_cfg, world=world, ep=ep, fsdp=fsdp_on, dp_replicate=dp_replicate,
+                     activation_checkpointing=activation_checkpointing,
+                     micro_batch_size=micro_batch_size, compute_dtype=compute_dtype,
+                     experts_impl=experts_impl)
+
+
+def memory_per_rank(run_cfg: RunConfig, **layout) -> MemoryEstimate:
+    """Memory per rank of ``run_cfg`` at its own layout, or with the keywords of
+    :func:`resolve` replacing its keys."""
+    return estimate(run_cfg, resolve(run_cfg, **layout))

@@ -1,0 +1,166 @@
+"""The memory estimate (``epscale.sim.memory``) against what epscale builds and keeps: the
+parameter shapes are the built model's, one by one; the bytes a forward keeps for
+backward are what torch's profiler sees it leave allocated (within 5%), for each
+recomputation mode and both expert paths; the layout arithmetic (EP, redundant slots,
+FSDP's shares, dtypes) holds. FSDP's real shards are checked against the estimate in
+tests/test_fsdp.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from epscale.config import ConfigError, ParallelConfig, RunConfig, load_config
+from epscale.metrics.held import forward_kept_bytes
+from epscale.model import Transformer, build_model
+from epscale.moe.layer import moe_layers
+from epscale.parallel.activation import apply_activation_checkpointing
+from epscale.sim.memory import Layout, estimate, local_numel, memory_per_rank, param_shapes
+from epscale.sim.sizing import model_size
+from test_sizing import CASES, _cfg
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_param_shapes_are_the_built_models(case):
+    cfg = _cfg(*CASES[case])
+    net = Transformer(cfg.model, cfg.moe)
+    built = {n: tuple(p.shape) for n, p in net.named_parameters()}
+    assert {p.name: p.shape for p in param_shapes(cfg.model, cfg.moe)} == built
+
+
+def test_layout_arithmetic():
+    cfg = _cfg({}, dict(num_experts=8))
+    size = model_size(cfg)
+    one = memory_per_rank(cfg, world=1, ep=1, compute_dtype="float32")
+    four = memory_per_rank(cfg, world=4, ep=4)
+    assert one.params_per_rank == size.total_params
+    assert four.params_per_rank == size.total_params - size.expert_params * 3 / 4
+    # fp32 master weights and gradients, two fp32 AdamW moments, whatever the compute dtype
+    for m in (one, memory_per_rank(cfg, world=1, ep=1, compute_dtype="bfloat16")):
+        assert m.params == m.grads == 4 * m.params_per_rank and m.optimizer == 8 * m.params_per_rank
+    bf = memory_per_rank(cfg, world=1, ep=1, compute_dtype="bfloat16")
+    assert one.activations > bf.activations > one.activations / 2   # norms and logits stay fp32
+    # 4 redundant slots over ep=4: one more expert copy per rank
+    red = RunConfig(model=cfg.model, moe=cfg.moe, parallel=ParallelConfig(ep=4, redundant_experts=4))
+    assert memory_per_rank(red, world=4).params_per_rank == four.params_per_rank + size.expert_params / 8
+    # FSDP over 4 ranks: each holds about a quarter (whole rows: a little more), plus the
+    # gathered block; HSDP 2 x 2 holds half
+    f4 = memory_per_rank(cfg, world=4, ep=4, fsdp=True)
+    assert size.total_params / 4 <= f4.params_per_rank < size.total_params / 4 * 1.1
+    assert f4.gathered > 0 and one.gathered == 0
+    h = memory_per_rank(cfg, world=4, ep=2, fsdp=True, dp_replicate=2)
+    assert size.total_params / 2 <= h.params_per_rank < size.total_params / 2 * 1.1
+    # recomputation keeps less after the forward and rebuilds one block in backward
+    full = memory_per_rank(cfg, world=1, ep=1, activation_checkpointing="full", compute_dtype="float32")
+    sel = memory_per_rank(cfg, world=1, ep=1, activation_checkpointing="selective",
+                          compute_dtype="float32")
+    assert full.activations < sel.activations < one.activations
+    assert full.recompute > 0 and one.recompute == 0
+    with pytest.raises(ConfigError, match="parallel.ep = 3"):
+        memory_per_rank(cfg, world=3, ep=3)
+    with pytest.raises(ConfigError, match="compute dtype 'int3'"):
+        memory_per_rank(cfg, compute_dtype="int3")
+    with pytest.raises(ConfigError, match="dp_replicate = 3"):
+        memory_per_rank(cfg, world=4, ep=2, fsdp=True, dp_replicate=3)
+
+
+def test_expert_shares_split_whole_experts_or_the_hidden_dim():
+    cfg = _cfg({}, dict(num_experts=6, hidden_dim=24))
+    w1 = next(p for p in param_shapes(cfg.model, cfg.moe) if p.name.endswith("experts.w1"))
+    # ep=2: 3 experts per rank; efsdp=3 splits them whole, efsdp=2 splits the hidden dim
+    assert local_numel(w1, Layout(world=6, ep=2, fsdp=True)) == 1 * 32 * 24
+    assert local_numel(w1, Layout(world=4, ep=2, fsdp=True)) == 3 * 32 * 12
+    assert local_numel(w1, Layout(world=2, ep=2)) == 3 * 32 * 24
+
+
+MEASURE = ["model.dim=64", "model.num_layers=3", "model.num_heads=4", "model.seq_len=128",
+           "model.dense_hidden_dim=128", "model.num_dense_layers=1", "model.vocab_size=256",
+           "moe.hidden_dim=96", "moe.num_experts=8", "moe.top_k=2", "train.micro_batch_size=2"]
+
+
+@pytest.mark.parametrize("impl", ["cpu_fused", "grouped_mm"])
+@pytest.mark.parametrize("ac", ["none", "selective", "full"])
+def test_kept_activations_are_what_a_forward_keeps(impl, ac):
+    cfg = load_config(None, MEASURE + [f"moe.experts_impl={impl}"])
+    torch.manual_seed(0)
+    net = build_model(cfg)
+    apply_activation_checkpointing(net, ac)
+    for moe in moe_layers(net):
+        moe.drop_kept_buffers()       # fresh buffers each step: allocated inside the forward
+    B, S = cfg.train.micro_batch_size, cfg.model.seq_len
+    x, y = torch.randint(0, 256, (B, S)), torch.randint(0, 256, (B, S))
+    for _ in range(2):                # warm-up: lazily built tables and caches
+        (net.loss(x, y) + net.aux_loss()).backward()
+        net.zero_grad(set_to_none=True)
+    kept, loss = forward_kept_bytes(lambda: net.loss(x, y) + net.aux_loss())
+    loss.backward()
+    lay = Layout.of(cfg, world=1, ep=1, compute_dtype="float32", experts_impl=impl,
+                    activation_checkpointing=ac)
+    est = estimate(cfg, lay)
+    assert est.activations == pytest.approx(kept, rel=0.05), (kept, est.activations)
+
+
+def test_recipes_at_scale_fit_by_the_estimate():
+    """The 1T recipe replicated needs hundreds of GiB per rank; sharded with FSDP over its
+    1,024 GPUs and recomputing, under 80 GiB."""
+    from epscale.config import load_recipe
+
+    cfg = load_recipe("ref-1t-64e")
+    rep = memory_per_rank(cfg, world=1024, ep=64, fsdp=False, activation_checkpointing="none")
+    assert rep.total > 400 * 2 ** 30
+    fsdp = memory_per_rank(cfg, world=1024, ep=64, fsdp=True, dp_replicate=1,
+                           activation_checkpointing="full")
+    assert fsdp.total < 80 * 2 ** 30
+    assert fsdp.params_per_rank == pytest.approx(model_size(cfg).total_params / 1024, rel=0.01)
+
+
+def test_fit_lists_the_layouts_that_fit_fastest_first(capsys):
+    import json
+
+    from epscale.cli import main as cli_main
+    from epscale.config import load_recipe
+
+    assert cli_main(["describe", "ref-1t-64e", "--fit", "80GiB", "--json", "--top", "50"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["world"] == 1024 and 0 < info["fitting"] < info["tried"]
+    times = [round(r["step_time_s"], 3) for r in info["layouts"]]
+    assert times == sorted(times) and len(times) == info["fitting"]
+    for r in info["layouts"]:
+        assert r["memory"]["total"] <= 80 * 2 ** 30
+        cfg = load_recipe("ref-1t-64e", r["overrides"])          # the overrides give the layout
+        assert memory_per_rank(cfg, world=1024).total == r["memory"]["total"]
+    # replicated, no layout of the 1T recipe fits; the recipe's own is among those that do
+    assert all(r["layout"]["fsdp"] for r in info["layouts"])
+    own = load_recipe("ref-1t-64e").parallel
+    assert any(r["layout"].get("dp_replicate") == own.dp_replicate and r["layout"]["ep"] == own.ep
+               for r in info["layouts"])
+    # 8 nodes: nothing fits, and it says what would help
+    assert cli_main(["describe", "ref-1t-64e", "--fit", "80GiB", "--nodes", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "none of the" in out and "fits" in out and "More nodes" in out
+    assert cli_main(["describe", "ref-1t-64e", "--fit", "80"]) == 2
+    assert "--fit = '80' is invalid" in capsys.readouterr().err
+    # --gpus sets the world (whole nodes of the cluster): DeepSeek-V3 on its 2,048 GPUs
+    assert cli_main(["describe", "deepseek-v3", "--fit", "80GiB", "--gpus", "2048", "--json",
+                     "--top", "1"]) == 0
+    ds = json.loads(capsys.readouterr().out)
+    assert ds["world"] == 2048 and ds["layouts"][0]["memory"]["total"] <= 80 * 2 ** 30
+    assert cli_main(["describe", "deepseek-v3", "--fit", "80GiB", "--gpus", "2047"]) == 2
+    assert "give whole nodes" in capsys.readouterr().err
+
+
+def test_describe_takes_a_layout(capsys):
+    import json
+
+    from epscale.cli import main as cli_main
+
+    assert cli_main(["describe", "ref-1t-64e", "--json", "--no-fsdp", "--dp", "16", "--ac", "none"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["layout"]["world"] == 1024 and rep["layout"]["dp"] == 16
+    assert cli_main(["describe", "ref-1t-64e", "--json"]) == 0
+    own = json.loads(capsys.readouterr().out)
+    assert own["layout"]["fsdp"] and own["layout"]["dp_shard"] == 512
+    assert rep["memory"]["total"] > 5 * own["memory"]["total"]
+    assert own["memory"]["gathered"] > 0 and rep["memory"]["gathered"] == 0
+    assert cli_main(["describe", "ref-1t-64e", "--world", "1000"]) == 2
+    assert "parallel.ep = 64 is invalid: must divide the world (1000)" in capsys.readouterr().err
