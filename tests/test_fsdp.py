@@ -114,6 +114,16 @@ def _trainer_case(corpus_dir, run_dir, world, over, inspect=None, stop_at=None) 
         t.close(clean)
 
 
+def _copy_checkpoint(src_run: Path, step: int, dst_run: Path, rank: int) -> None:
+    """Rank 0 copies ``src_run``'s step checkpoint into a new run directory; all wait."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        (dst_run / "checkpoints").mkdir(parents=True)
+        shutil.copytree(ckpt.step_dir(src_run, step), ckpt.step_dir(dst_run, step))
+    dist.barrier()
+
+
 def _worker(rank, world, corpus_dir, tmp, cases, resume):
     import torch.distributed as dist
 
@@ -149,10 +159,7 @@ def _worker(rank, world, corpus_dir, tmp, cases, resume):
             out["uninterrupted"] = _trainer_case(corpus_dir, full_run, world,
                                                  {**over, "train.steps": 4, "train.ckpt_every": 2})
             resumed = tmp / "resumed"
-            if rank == 0:
-                (resumed / "checkpoints").mkdir(parents=True)
-                shutil.copytree(ckpt.step_dir(full_run, 2), ckpt.step_dir(resumed, 2))
-            dist.barrier()
+            _copy_checkpoint(full_run, 2, resumed, rank)
             out["resumed"] = _trainer_case(corpus_dir, resumed, world, {**over, "train.steps": 4})
             # written in the background (DCP async_save over its own gloo group), then
             # resumed from: the same as the blocking saves
@@ -161,24 +168,15 @@ def _worker(rank, world, corpus_dir, tmp, cases, resume):
                                          {**over, "train.steps": 4, "train.ckpt_every": 2,
                                           "train.async_checkpoint": True})
             from_async = tmp / "from_async"
-            if rank == 0:
-                (from_async / "checkpoints").mkdir(parents=True)
-                shutil.copytree(ckpt.step_dir(async_run, 2), ckpt.step_dir(from_async, 2))
-            dist.barrier()
+            _copy_checkpoint(async_run, 2, from_async, rank)
             out["resumed from async"] = _trainer_case(corpus_dir, from_async, world,
                                                       {**over, "train.steps": 4})
             replicated = tmp / "replicated"
-            if rank == 0:
-                (replicated / "checkpoints").mkdir(parents=True)
-                shutil.copytree(ckpt.step_dir(full_run, 2), ckpt.step_dir(replicated, 2))
-            dist.barrier()
+            _copy_checkpoint(full_run, 2, replicated, rank)
             out["replicated dp2 x ep2 from fsdp"] = _trainer_case(
                 corpus_dir, replicated, world, {"parallel.ep": 2, "train.steps": 4}, stop_at=3)
             back = tmp / "fsdp_from_replicated"
-            if rank == 0:
-                (back / "checkpoints").mkdir(parents=True)
-                shutil.copytree(ckpt.step_dir(replicated, 3), ckpt.step_dir(back, 3))
-            dist.barrier()
+            _copy_checkpoint(replicated, 3, back, rank)
             out["fsdp from replicated"] = _trainer_case(corpus_dir, back, world,
                                                         {**over, "train.steps": 4})
     return runner.failures, out

@@ -92,8 +92,15 @@ def test_kept_activations_are_what_a_forward_keeps(impl, ac):
     for _ in range(2):                # warm-up: lazily built tables and caches
         (net.loss(x, y) + net.aux_loss()).backward()
         net.zero_grad(set_to_none=True)
-    kept, loss = forward_kept_bytes(lambda: net.loss(x, y) + net.aux_loss())
-    loss.backward()
+    # the median of three forwards: one run in the full suite once measured 56 KB less
+    # (of 660 KB) on the CPU kernel under full recomputation, not seen again
+    samples = []
+    for _ in range(3):
+        kept, loss = forward_kept_bytes(lambda: net.loss(x, y) + net.aux_loss())
+        loss.backward()
+        net.zero_grad(set_to_none=True)
+        samples.append(kept)
+    kept = sorted(samples)[1]
     lay = Layout.of(cfg, world=1, ep=1, compute_dtype="float32", experts_impl=impl,
                     activation_checkpointing=ac)
     est = estimate(cfg, lay)
