@@ -124,3 +124,35 @@ def test_upcycle_errors_name_the_problem(dense_dirs, tmp_path):
         upcycle(tmp_path / "moe", tmp_path / "b", 4, 2, report=lambda m: None)
     with pytest.raises(Exception, match="top_k.*must be <= moe.num_experts"):
         upcycle(hf_dir, tmp_path / "c", 2, 4, report=lambda m: None)
+
+
+def test_train_init_from_imports_and_trains_in_one_step(token_file, tmp_path):
+    """train.init_from=HF_DIR: the model and moe sections from config.json (the command
+    line's overrides last), the hub weights as step 0 (the same as import-hf writes), then
+    training; run again, it resumes from its own checkpoint, not from the hub."""
+    from epscale.training import checkpoint as ckpt
+
+    cls, hf_cfg = CASES["mixtral"]()
+    torch.manual_seed(0)
+    randomize(cls(hf_cfg).eval()).save_pretrained(tmp_path / "hf")
+    run = tmp_path / "run"
+    args = ["train", "--config", "tiny", "--run-dir", str(run), *TRAIN,
+            f"data.source={token_file}", f"train.init_from={tmp_path / 'hf'}", "parallel.ep=1",
+            "parallel.dp=1", "moe.aux_loss_coeff=0.02"]
+    assert main(args) == 0
+    model, cfg, path = load_model(run)
+    assert path.name == "step_00000003"
+    assert (cfg.model.dim, cfg.model.num_layers, cfg.moe.num_experts) == (32, 2, 4)   # config.json's
+    assert cfg.moe.aux_loss_coeff == 0.02 and cfg.model.seq_len == 16                 # the overrides
+    # step 0 holds the weights import-hf writes (plus tiny.yaml's loss-free balancing
+    # state: the recipe keeps the moe keys config.json does not set)
+    imported = tmp_path / "imported"
+    import_hf(tmp_path / "hf", imported, ["model.seq_len=16"], report=lambda m: None)
+    ckpt.export_full(ckpt.step_dir(run, 0), tmp_path / "ours.pt")
+    ckpt.export_full(ckpt.step_dir(imported, 0), tmp_path / "theirs.pt")
+    a, b = (torch.load(tmp_path / f"{n}.pt")["model"] for n in ("ours", "theirs"))
+    assert set(b) <= set(a) and all(torch.equal(a[k], b[k]) for k in b)
+    assert all(".router.expert_bias_" in k for k in set(a) - set(b))
+    # again with more steps: resumes at step 3 (the hub is not read again)
+    assert main([*args, "train.steps=4"]) == 0
+    assert load_model(run)[2].name == "step_00000004"

@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, RunConfig, load_config, recipe_path
+from ..config.io import apply_overrides
+from ..config.validate import from_dict, to_dict
 from ..launch.agent import kill_tree, parent_death_preexec
 from ..training.dist import detect_env
 from ..training.loop import STOP_FILE, train
@@ -55,7 +57,54 @@ def resolve_config(args) -> RunConfig:
     path = args.config
     if path is None and args.run_dir and (Path(args.run_dir) / "config.yaml").is_file():
         path = Path(args.run_dir) / "config.yaml"
-    return load_config(recipe_path(path) if path is not None else None, args.overrides)
+    cfg = load_config(recipe_path(path) if path is not None else None, args.overrides)
+    return with_init_from(cfg, args.overrides)
+
+
+def with_init_from(cfg: RunConfig, overrides: list[str]) -> RunConfig:
+    """``train.init_from``: the model and moe sections as the Hugging Face config.json
+    there maps them, the command line's ``key=value`` overrides applied last (the same on
+    every process: config.json is read, not the weights)."""
+    if not cfg.train.init_from:
+        return cfg
+    from ..interop.hf import read_hf
+
+    mapped, _ = read_hf(cfg.train.init_from)
+    data = to_dict(cfg)
+    for section in ("model", "moe"):
+        data[section].update(mapped.data[section])
+    return from_dict(RunConfig, apply_overrides(data, list(overrides)))
+
+
+def import_init_weights(cfg: RunConfig, run_dir: Path, timeout_s: float = 1800.0) -> None:
+    """``train.init_from`` into a run directory without a checkpoint: rank 0 (the only
+    process, or the launcher of --nproc) writes the Hugging Face weights as step 0; under
+    an outside launcher (srun, torchrun) the other ranks wait for it on the shared run
+    directory. A run directory with a checkpoint resumes from it as usual."""
+    from ..training import checkpoint as ckpt
+
+    if not cfg.train.init_from or ckpt.list_checkpoints(run_dir):
+        return
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        from ..interop.hf import read_hf, state_from_hf, write_run
+
+        hf_dir = Path(cfg.train.init_from)
+        mapped, _ = read_hf(hf_dir)
+        state = state_from_hf(hf_dir, mapped, cfg,
+                              lambda m: print(f"epscale train: note: {m}", file=sys.stderr))
+        path = write_run(run_dir, cfg, state, hf_dir, {"hf_family": mapped.family,
+                                                       "init_from": str(hf_dir)})
+        print(f"epscale train: train.init_from: {hf_dir} ({mapped.family}) imported as {path}",
+              file=sys.stderr)
+        return
+    deadline = time.monotonic() + timeout_s
+    while not ckpt.list_checkpoints(run_dir):
+        if time.monotonic() > deadline:
+            raise ConfigError(f"rank {rank}: waited {timeout_s:.0f} s for rank 0 to import "
+                              f"train.init_from = '{cfg.train.init_from}' into '{run_dir}' "
+                              "(is the run directory on a file system every node shares?)")
+        time.sleep(1.0)
 
 
 @contextlib.contextmanager
@@ -86,10 +135,12 @@ def run(args) -> int:
             raise ConfigError(f"--nproc {nproc} is invalid: must be >= 1")
         # Before any process starts or any file is written: one message, exit status 2.
         check_run(cfg, run_dir, nproc)
+        import_init_weights(cfg, run_dir)
         if nproc > 1:
             with _environ(CHECKED_ENV, "1"):  # the workers need not check again
                 return launch_local(args, nproc, run_dir)
         return 0 if train(cfg, run_dir, env, stop_at=args.stop_at, checked=True) else 1
+    import_init_weights(cfg, run_dir)
     result = train(cfg, run_dir, env, stop_at=args.stop_at)
     return 0 if result is not None else 1
 

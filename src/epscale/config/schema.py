@@ -494,6 +494,11 @@ class TrainConfig:
     # next checkpoint, a rollback or the end. A crash before that leaves the previous
     # checkpoint the latest. The last step's and a pre-emption's saves always block.
     async_checkpoint: bool = False
+    # A Hugging Face model directory (config.json + safetensors: Mixtral, Qwen3-MoE,
+    # DeepSeek-V3) to start from: its config.json sets the model and moe sections (the
+    # command line's key=value overrides still apply last), and a run directory with no
+    # checkpoint yet gets its weights as step 0 (epscale checkpoint import-hf, in one step).
+    init_from: str | None = None
     spike_factor: float = 0.0
     spike_window: int = 50
     spike_patience: int = 3
