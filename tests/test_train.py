@@ -217,8 +217,10 @@ def epscale_train(tmp_path: Path, run_dir: Path, nproc: int, *overrides: str, st
     cmd = [sys.executable, "-m", "epscale", "train", "--nproc", str(nproc), "--run-dir", str(run_dir)]
     if stop_at is not None:
         cmd += ["--stop-at", str(stop_at)]
+    # No preflight: tests/test_launch.py covers it, and it costs every launch a second.
     cmd += tiny_overrides(tmp_path, **{"train.steps": 4, "train.ckpt_every": 0,
-                                       "train.eval_every": 0}) + list(overrides)
+                                       "train.eval_every": 0, "train.preflight": False})
+    cmd += list(overrides)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -264,17 +266,28 @@ def assert_loads_exactly(tmp_path: Path, step_dir: Path, **overrides) -> None:
             assert torch.equal(opt.state[params[name]][key], t), (name, key)
 
 
+EP2 = ("parallel.ep=2", "train.micro_batch_size=2")
+
+
+@pytest.fixture(scope="module")
+def plain_ep2(tmp_path_factory) -> list[dict]:
+    """The step records of one uninterrupted (dp=1, ep=2) run of 2 processes x 2 sequences,
+    the reference of the tests below (the corpus is the same text in every tmp_path)."""
+    tmp = tmp_path_factory.mktemp("plain_ep2")
+    epscale_train(tmp, tmp / "run", 2, *EP2)
+    return read_metrics(tmp / "run")[0]
+
+
 @pytest.mark.timeout(900)
-def test_ep2_resume_is_bitwise_and_reshards_to_ep1(tmp_path):
+def test_ep2_resume_is_bitwise_and_reshards_to_ep1(tmp_path, plain_ep2):
     """(dp=1, ep=2), 2 processes x 2 sequences: stopped at step 2 and resumed equals the
     uninterrupted run bit for bit; the step-2 checkpoint loaded by one process (ep=1,
     4 sequences: the same global batch) gives the same losses up to summation order."""
-    ep2 = ("parallel.ep=2", "train.micro_batch_size=2")
-    epscale_train(tmp_path, tmp_path / "full", 2, *ep2)
+    ep2 = EP2
     epscale_train(tmp_path, tmp_path / "part", 2, *ep2, stop_at=2)
     shutil.copytree(tmp_path / "part", tmp_path / "one")
     epscale_train(tmp_path, tmp_path / "part", 2, *ep2)
-    full, _ = read_metrics(tmp_path / "full")
+    full = plain_ep2
     part, events = read_metrics(tmp_path / "part")
     assert losses_by_step(full) == losses_by_step(part)  # bitwise, steps 1-4
     assert [r["step"] for r in part] == [1, 2, 3, 4]
@@ -319,7 +332,7 @@ def test_dp2_ep2_checkpoint_loads_at_ep2_and_ep1(tmp_path):
 
 
 @pytest.mark.timeout(900)
-def test_redundant_experts_train_like_plain_ep_resume_and_reshard(tmp_path):
+def test_redundant_experts_train_like_plain_ep_resume_and_reshard(tmp_path, plain_ep2):
     """parallel.redundant_experts: 8 experts in 10 slots over ep=2, re-placed after every
     step (weights and AdamW state move between ranks). Training matches one process
     without copies (same global batch) up to summation order; stopped at step 2 and
@@ -344,8 +357,7 @@ def test_redundant_experts_train_like_plain_ep_resume_and_reshard(tmp_path):
     meta = json.loads((tmp_path / "one" / "checkpoints" / "step_00000002" / "meta.json").read_text())
     assert len(meta["placement"]["phy2log"][0]) == 10
     assert (tmp_path / "one" / "checkpoints" / "step_00000002" / "rebalancer.pt").is_file()
-    epscale_train(tmp_path, tmp_path / "plain", 2, "parallel.ep=2", "train.micro_batch_size=2")
-    ref = losses_by_step(read_metrics(tmp_path / "plain")[0])
+    ref = losses_by_step(plain_ep2)
     assert_losses_close(losses_by_step(full), ref, same_weights=(1,))
     # Another slot count: the placement is re-planned from the saved load window.
     proc = epscale_train(tmp_path, tmp_path / "more", 2, "parallel.ep=2",

@@ -16,9 +16,9 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -27,6 +27,7 @@ from ..config import ConfigError, RunConfig, load_config, recipe_path
 from ..config.io import apply_overrides
 from ..config.validate import from_dict, to_dict
 from ..launch.agent import kill_tree, parent_death_preexec
+from ..launch.agent import main as agent_main
 from ..training.dist import detect_env
 from ..training.loop import STOP_FILE, train
 from ..training.prelaunch import CHECKED_ENV, check_run
@@ -152,29 +153,61 @@ def launch_local(args, nproc: int, run_dir: Path) -> int:
     second SIGINT/SIGTERM kills torchrun and every worker, and the exit status is then
     128 + the signal (130, 143). If this launcher is killed outright, torchrun gets SIGTERM
     (its parent-death signal) and stops the workers itself."""
-    cmd = [sys.executable, "-m", "epscale.launch.agent", "--standalone",
-           f"--nproc-per-node={nproc}", "-m", "epscale", "train", "--run-dir", str(run_dir)]
+    argv = ["--standalone", f"--nproc-per-node={nproc}", "-m", "epscale", "train",
+            "--run-dir", str(run_dir)]
     if args.config:
-        cmd += ["--config", str(args.config)]
+        argv += ["--config", str(args.config)]
     if args.stop_at is not None:
-        cmd += ["--stop-at", str(args.stop_at)]
-    cmd += list(args.overrides)
+        argv += ["--stop-at", str(args.stop_at)]
+    argv += list(args.overrides)
     env = dict(os.environ)
     if not torch.cuda.is_available():
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / STOP_FILE).unlink(missing_ok=True)  # a stale one would stop the new run
-    # Own session: a terminal's Ctrl-C reaches only us (and becomes a graceful stop).
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True,
-                            preexec_fn=parent_death_preexec(signal.SIGTERM))
-    handler = _StopThenKill(proc.pid, run_dir)
+    pid = _fork_agent(argv, env)
+    handler = _StopThenKill(pid, run_dir)
     old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     try:
-        code = proc.wait()
+        _, status = os.waitpid(pid, 0)  # retried after a signal handler runs (PEP 475)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-    return 128 + handler.killed_by if handler.killed_by else code
+    return 128 + handler.killed_by if handler.killed_by else os.waitstatus_to_exitcode(status)
+
+
+def _fork_agent(argv: list[str], env: dict[str, str]) -> int:
+    """Start the torchrun agent (:func:`epscale.launch.agent.main` with ``argv``) in a
+    forked child, which has torch imported already (a new interpreter would spend seconds
+    importing it again before the workers start). The child leads a session of its own
+    (a terminal's Ctrl-C reaches only this launcher, which makes it a graceful stop) and
+    gets SIGTERM when this process dies. This process runs nothing in threads at this
+    point, so the fork copies no lock held by another thread."""
+    preexec = parent_death_preexec(signal.SIGTERM)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        os.setsid()
+        if preexec is not None:
+            preexec()
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_DFL)
+        os.environ.clear()
+        os.environ.update(env)
+        agent_main(argv)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 - the child must never return into the launcher
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 class _StopThenKill:
