@@ -249,7 +249,7 @@ def test_worker_error_exit_2_is_not_restarted(tmp_path, corpus):
     out = r.stdout + r.stderr
     assert r.returncode == 2, out[-4000:]
     assert "restart 1 of" not in out, out[-4000:]
-    assert re.search(r"epscale launch: rank \d \(pid \d+\) exited with status 2.*a restart "
+    assert re.search(r"epscale launch: \[[0-9:.]+\] rank \d \(pid \d+\) exited with status 2.*a restart "
                      r"cannot fix: not restarting", out), out[-4000:]
     # one attempt: at most one message per rank
     assert 1 <= out.count("missing.txt' does not exist") <= 2, out[-4000:]

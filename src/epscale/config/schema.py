@@ -466,6 +466,12 @@ class TrainConfig:
     steps: int = 300
     micro_batch_size: int = 8
     grad_accum: int = 1
+    # Sequences per optimizer step over all ranks, kept at every world size: grad_accum is
+    # then derived (global_batch_size / (processes x micro_batch_size)) and must be left
+    # at 1. An elastic launch (epscale launch --nnodes MIN:MAX) sets it from the largest
+    # layout, so a run that loses ranks keeps its batch by accumulating more. null: the
+    # global batch is processes x grad_accum x micro_batch_size.
+    global_batch_size: int | None = None
     lr: float = 3e-3
     min_lr: float = 3e-4
     warmup_steps: int = 30
@@ -522,6 +528,17 @@ class TrainConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 fail(f"train.{name}", v, "must be a positive integer")
+        g = self.global_batch_size
+        if g is not None:
+            if not isinstance(g, int) or isinstance(g, bool) or g < 1:
+                fail("train.global_batch_size", g, "must be a positive integer or null")
+            if g % self.micro_batch_size:
+                fail("train.global_batch_size", g, f"must be a multiple of "
+                     f"train.micro_batch_size = {self.micro_batch_size}")
+            if self.grad_accum != 1:
+                fail("train.grad_accum", self.grad_accum, "is derived from "
+                     f"train.global_batch_size = {g} (over processes x micro_batch_size); "
+                     "leave it out, or set train.global_batch_size: null")
         for name in ("warmup_steps", "eval_every", "ckpt_every"):
             if getattr(self, name) < 0:
                 fail(f"train.{name}", getattr(self, name), "must be >= 0 (0 disables)")

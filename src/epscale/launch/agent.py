@@ -204,7 +204,9 @@ def explain_failure(agent, failures: dict) -> None:
                "the latest checkpoint)")
     else:
         nxt = f"no restarts left (--max-restarts {total}); stopping"
-    print(f"epscale launch: {what}; {nxt}", file=sys.stderr, flush=True)
+    now = time.time()
+    stamp = time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1000):03d}"
+    print(f"epscale launch: [{stamp}] {what}; {nxt}", file=sys.stderr, flush=True)
 
 
 def parent_death_preexec(sig: int):

@@ -5,6 +5,13 @@ The command runs ``python -m epscale.launch.agent`` (torchrun that forwards SIGU
 ``--max-restarts``: when a rank dies (a crash, an OOM kill, SIGKILL) torchrun stops the
 others, starts the whole group again and the trainer resumes from the latest complete
 checkpoint in the run directory.
+
+With ``--nnodes MIN:MAX`` and ``--rdzv-endpoint`` the job is elastic (one such launch per
+node, all naming the same endpoint and run directory): a node that is lost and not back
+within ``--rejoin-timeout`` leaves the survivors to restart at the smaller world, a node
+that joins makes every node restart at the larger one, and the trainer keeps the global
+batch (``train.global_batch_size``, set here from the largest layout) by changing
+``grad_accum`` (:mod:`epscale.training.elastic`).
 """
 
 from __future__ import annotations
@@ -37,17 +44,41 @@ def train_args(config: str, run_dir: str | None = None,
     return args + list(overrides or [])
 
 
+def parse_nnodes(text: str | int) -> tuple[int, int]:
+    """``--nnodes`` as (min, max): '4' -> (4, 4), '2:4' -> (2, 4); ConfigError otherwise."""
+    parts = str(text).split(":")
+    try:
+        lo, hi = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, -1)
+    except ValueError:
+        lo, hi = 0, -1
+    if not 1 <= lo <= hi:
+        raise ConfigError(f"--nnodes = {text!r} is invalid: give a node count N or a range "
+                          "MIN:MAX with 1 <= MIN <= MAX (e.g. 2:4: train on 2 to 4 nodes)")
+    return lo, hi
+
+
 def torchrun_args(*, nproc_per_node: int, max_restarts: int = 0, nnodes: int | str = 1,
                   rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
-                  log_dir: str | None = None, monitor_interval: float = 1.0) -> list[str]:
+                  log_dir: str | None = None, monitor_interval: float = 1.0,
+                  rejoin_timeout_s: float | None = None,
+                  join_timeout_s: float | None = None,
+                  node_timeout_s: float | None = None) -> list[str]:
     """torchrun options. Without ``rdzv_endpoint`` the rendezvous is standalone (this
     machine, a free port); with it, a c10d rendezvous hosted at that ``host:port``.
 
     nproc_per_node: worker processes per node (one per GPU, or CPU processes).
     max_restarts: how often torchrun restarts the whole group after a worker fails.
+    nnodes: a count, or 'MIN:MAX' for an elastic job (torchrun's elastic rendezvous).
+    rejoin_timeout_s: once MIN nodes are in a rendezvous, how long it waits for more
+        (torchrun's ``last_call_timeout``): a lost node that returns within it is part of
+        the next layout, else the survivors go on without it.
+    join_timeout_s: how long a rendezvous waits for MIN nodes at all (``join_timeout``).
+    node_timeout_s: a node whose rendezvous heartbeat is this old is taken as gone
+        (torchrun's keep-alive: an interval of a third of it, three misses; default 15 s).
     """
     _positive("--nproc", nproc_per_node)
     _positive("--max-restarts", max_restarts, allow_zero=True)
+    parse_nnodes(nnodes)
     args = [f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}",
             f"--monitor-interval={monitor_interval}"]
     if rdzv_endpoint is None:
@@ -55,6 +86,13 @@ def torchrun_args(*, nproc_per_node: int, max_restarts: int = 0, nnodes: int | s
     else:
         args += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
                  f"--rdzv-id={rdzv_id or 'epscale'}"]
+        conf = {"last_call_timeout": rejoin_timeout_s, "join_timeout": join_timeout_s}
+        if node_timeout_s is not None:
+            conf.update(keep_alive_interval=max(1, round(node_timeout_s / 3)),
+                        keep_alive_max_attempt=3)
+        conf_text = ",".join(f"{k}={v:g}" for k, v in conf.items() if v is not None)
+        if conf_text:
+            args += [f"--rdzv-conf={conf_text}"]
     if log_dir:
         args += [f"--log-dir={log_dir}"]
     return args
@@ -62,9 +100,13 @@ def torchrun_args(*, nproc_per_node: int, max_restarts: int = 0, nnodes: int | s
 
 def launch_command(config: str, *, nproc: int, max_restarts: int = 0,
                    run_dir: str | None = None, overrides: list[str] | None = None,
-                   log_dir: str | None = None, python: str | None = None) -> list[str]:
-    """The full command ``epscale launch`` runs (a list for ``subprocess``)."""
+                   log_dir: str | None = None, python: str | None = None,
+                   **rendezvous) -> list[str]:
+    """The full command ``epscale launch`` runs (a list for ``subprocess``); ``rendezvous``
+    (nnodes, rdzv_endpoint, rdzv_id, rejoin_timeout_s, join_timeout_s, node_timeout_s) goes to
+    :func:`torchrun_args`."""
     config = str(recipe_path(config))
     return [python or sys.executable, "-m", "epscale.launch.agent",
-            *torchrun_args(nproc_per_node=nproc, max_restarts=max_restarts, log_dir=log_dir),
+            *torchrun_args(nproc_per_node=nproc, max_restarts=max_restarts, log_dir=log_dir,
+                           **rendezvous),
             "-m", "epscale", *train_args(config, run_dir, overrides)]

@@ -458,9 +458,50 @@ def rule_checkpoint_failed(run: RunLog) -> list[Alert]:
                   f"disk space, the permissions of {run.run_dir}/checkpoints)")]
 
 
+def _layout_text(lay: dict[str, Any]) -> str:
+    if lay.get("fsdp"):
+        return f"FSDP {lay.get('dp_replicate')} x {lay.get('dp_shard')}, ep={lay.get('ep')}"
+    return f"dp={lay.get('dp')} x ep={lay.get('ep')}"
+
+
+def rule_layout_change(run: RunLog, r: AlertRules) -> list[Alert]:
+    """An elastic restart changed the layout (a 'layout_change' event within the last
+    ``recent_records`` records): ranks lost or joined, the grad_accum that keeps the
+    global batch, the steps trained again and how long the resume took."""
+    recent = run.steps[-r.recent_records:]
+    first_recent = recent[0]["step"] if recent else None
+    out = []
+    for ev in run.events:
+        if ev.get("event") != "layout_change" or not isinstance(ev.get("step"), int):
+            continue
+        if first_recent is not None and ev["step"] < first_recent:
+            continue
+        old, new = ev.get("old") or {}, ev.get("new") or {}
+        lost = num(ev.get("ranks_lost")) or 0
+        hosts = ev.get("hosts_lost" if lost > 0 else "hosts_gained") or {}
+        where = f" ({', '.join(f'{h} x{n}' for h, n in hosts.items())})" if hosts else ""
+        who = (f"{int(lost)} rank(s) lost{where}" if lost > 0 else
+               f"{int(-lost)} rank(s) joined{where}" if lost < 0 else "same size")
+        timing = ""
+        if num(ev.get("resume_s")) is not None:
+            parts = ", ".join(f"{k[:-2].replace('_', ' ')} {ev[k]:.1f}" for k in
+                              ("outage_s", "setup_s", "load_s", "first_step_s")
+                              if num(ev.get(k)) is not None)
+            timing = f"; back {ev['resume_s']:.1f} s after the last step ({parts} s)"
+        again = ev.get("steps_lost")
+        out.append(Alert(
+            "layout_change", "run", ev["step"],
+            f"step {ev['step']}: layout {old.get('world_size')} -> {new.get('world_size')} "
+            f"processes ({_layout_text(old)} -> {_layout_text(new)}), {who}; grad_accum "
+            f"{old.get('grad_accum')} -> {new.get('grad_accum')} keeps the global batch of "
+            f"{new.get('global_batch')}; {again if again is not None else '?'} step(s) since "
+            f"the checkpoint trained again{timing}"))
+    return out
+
+
 RULES = ("imbalance", "dead_experts", "drop_rate", "loss_spike", "nonfinite", "throughput",
          "straggler", "comm_share", "bias_saturation", "silent_rank", "no_steps", "crashed",
-         "checkpoint_failed")
+         "checkpoint_failed", "layout_change")
 
 
 def run_over(run: RunLog, job_over: bool = False) -> str | None:
@@ -486,6 +527,7 @@ def evaluate(run: RunLog, rules: AlertRules | None = None, now: float | None = N
     alerts += rule_crashed(run, over)
     alerts += rule_no_steps(run, over)
     alerts += rule_checkpoint_failed(run)
+    alerts += rule_layout_change(run, r)
     alerts += rule_nonfinite(run, r)
     alerts += rule_loss_spike(run, r)
     alerts += rule_imbalance(run, r)

@@ -45,6 +45,8 @@ from . import checkpoint as ckpt
 from .console import TrainConsole
 from .data import DataLoader, load_data, unigram_entropy
 from .dist import LaunchEnv, init_process_group, make_dims, pick_device, set_threads, shutdown
+from .elastic import (check_memory, fit_batch, layout_change, layout_record, layout_text, no_layout_message,
+                      previous_attempt, process_start_time)
 from .guard import SpikeGuard
 from .optim import build_optimizer, ensure_optimizer_state, grad_norm_and_flags, lr_at, set_lr
 from .prelaunch import CHECKED_ENV, check_run
@@ -89,6 +91,7 @@ class Trainer:
         self._save_failures = 0            # failed saves in a row
         self._pending: ckpt.PendingSave | None = None   # an async save not finished yet
         self._ckpt_group = None            # gloo group of the async saves' collectives
+        self._layout_change: dict | None = None  # an elastic restart's, until its first step
 
     # ================================================================== set-up
     def setup(self) -> None:
@@ -96,12 +99,30 @@ class Trainer:
         self.device = pick_device(env)
         set_threads(env, self.device)
         self._owns_group = init_process_group(env, self.device, single=cfg.parallel.fsdp)
-        self.dims, layout_note = make_dims(cfg.parallel, env, cfg.moe.num_experts)
-        self.rank, self.world = self.dims.rank, self.dims.world_size
+        self.rank, self.world = env.rank, env.world_size
         if self.world > 1:  # every rank uses rank 0's run directory
-            box = [str(self.run_dir)]
-            dist.broadcast_object_list(box, src=0)
-            self.run_dir = Path(box[0])
+            self.run_dir = Path(self._broadcast(str(self.run_dir)))
+        self.hosts = [socket.gethostname()] * self.world
+        if self.world > 1:
+            dist.all_gather_object(self.hosts, socket.gethostname())
+        # The previous attempt's layout, from its 'start' event (an elastic restart may
+        # have changed the world size since).
+        self.previous = self._broadcast(
+            previous_attempt(self.run_dir / "metrics.jsonl") if self.rank == 0 else None)
+        try:
+            self.dims, layout_note = make_dims(cfg.parallel, env, cfg.moe.num_experts)
+            cfg, batch_note = fit_batch(cfg, self.world)  # train.global_batch_size kept
+            shrunk = self.previous and int(self.previous.get("world_size") or 0) > self.world
+            if shrunk and self.device.type == "cuda":  # fewer shards each: does it still fit?
+                props = torch.cuda.get_device_properties(self.device)
+                check_memory(cfg, self.world, props.total_memory, f"one {props.name}")
+        except ConfigError as e:
+            if self.rank != 0:
+                raise ReportedByRankZero("rank 0 reported a configuration error") from None
+            raise ConfigError(no_layout_message(cfg, self.world, str(e), self.previous,
+                                                self.hosts)) from None
+        self.cfg = cfg
+        layout_note = "; ".join(n for n in (layout_note, batch_note) if n) or None
         self.console = TrainConsole(self.rank == 0, cfg.train.steps)
         self._check_before_writing()
         if self.rank == 0:
@@ -289,14 +310,30 @@ class Trainer:
     def _resume(self) -> None:
         """Continue from the newest complete checkpoint of the run directory, if any."""
         path = str(self._resume_from[0]) if self._resume_from else None
-        event = {"world_size": self.world, "dp": self.dims.dp, "ep": self.dims.ep,
-                 "total_params": self.size.total_params, "active_params": self.size.active_params,
+        layout = layout_record(self.dims, self.cfg, self.hosts)
+        event = {**layout, "total_params": self.size.total_params,
+                 "active_params": self.size.active_params,
                  "flops_per_token": self.size.flops_per_token, "host": socket.gethostname()}
         self.writer.event("start", step=0, **event)
+        t_load = time.time()
+        if path is not None:
+            meta = ckpt.load(Path(path), self.model, self.opt, self.dims)
+            self._restore_meta(meta)
+        change = layout_change(self.previous, layout, self.step)
+        if change is not None:  # written once the first step at the new layout is done
+            change.update(process_start=process_start_time(), load_start=t_load,
+                          load_end=time.time(), resumed_from=path)
+            self._layout_change = change
+            old = layout_text(change["old"])
+            lost = (f"{change['ranks_lost']} rank(s) lost" if change["ranks_lost"] > 0 else
+                    f"{-change['ranks_lost']} rank(s) joined" if change["ranks_lost"] < 0
+                    else "same size")
+            self.console.print(f"layout changed: {old} -> {layout_text(layout)} ({lost}; "
+                               f"{change['steps_lost'] or 0} step(s) since the checkpoint "
+                               "are trained again)")
+            self._log(f"layout change: {old} -> {layout_text(layout)}")
         if path is None:
             return
-        meta = ckpt.load(Path(path), self.model, self.opt, self.dims)
-        self._restore_meta(meta)
         self.writer.event("resume", step=self.step, path=path,
                           from_world_size=meta.get("world_size"), from_dp=meta.get("dp"),
                           from_ep=meta.get("ep"))
@@ -462,6 +499,22 @@ class Trainer:
         self._log(f"re-placement at step {step}: planned max/mean rank load "
                   f"{before:.3f} -> {after:.3f}")
 
+    def _write_layout_change(self, rec: dict[str, Any]) -> None:
+        """The 'layout_change' event, after the first step at the new layout: what changed
+        and the time to resume, split into the outage (the previous layout's last step ->
+        this process's start: detection, rendezvous, process start), set-up, checkpoint
+        load and the first step."""
+        ev, self._layout_change = self._layout_change, None
+        now, last = time.time(), ev.pop("last_step_time", None)
+        start, load_start, load_end = (ev.pop(k) for k in ("process_start", "load_start",
+                                                          "load_end"))
+        timing = {"setup_s": load_start - start, "load_s": load_end - load_start,
+                  "first_step_s": now - load_end}
+        if isinstance(last, (int, float)):
+            timing = {"outage_s": start - last, **timing, "resume_s": now - last}
+        self.writer.event("layout_change", step=rec["step"], **ev,
+                          **{k: round(v, 3) for k, v in timing.items()})
+
     def _eval_due(self) -> bool:
         every = self.cfg.train.eval_every
         return self.step == self.cfg.train.steps or (every > 0 and self.step % every == 0)
@@ -577,6 +630,8 @@ class Trainer:
             while self.step < cfg.train.steps:
                 rec = self.train_step()
                 records.append(rec)
+                if self._layout_change is not None:
+                    self._write_layout_change(rec)
                 last_val = rec.get("val_loss", last_val)
                 self.writer.write(rec)
                 self.console.step(rec)

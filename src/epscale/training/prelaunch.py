@@ -21,6 +21,7 @@ from ..model import Transformer
 from . import checkpoint as ckpt
 from .data import DataLoader, load_data
 from .dist import resolve_layout
+from .elastic import fit_batch
 
 # Set by a launcher that ran the checks, so its workers need not repeat them.
 CHECKED_ENV = "EPSCALE_PRELAUNCH_CHECKED"
@@ -40,6 +41,8 @@ def check_run(cfg: RunConfig, run_dir: str | Path | None, world_size: int) -> Ch
     for a checkpoint) naming the key, file or directory when ``cfg`` cannot train at
     ``world_size`` processes in ``run_dir``; writes nothing."""
     _, ep, note = resolve_layout(cfg.parallel, world_size, cfg.moe.num_experts)
+    cfg, batch_note = fit_batch(cfg, world_size)  # grad_accum from train.global_batch_size
+    note = "; ".join(n for n in (note, batch_note) if n) or None
     if ep > 1:
         check_choice(cfg.parallel.dispatcher, cfg.parallel.payload, cfg.parallel.overlap_chunks)
     check_data(cfg, world_size)
@@ -101,12 +104,20 @@ def check_checkpoint(cfg: RunConfig, run_dir: Path) -> Path | None:
     """The checkpoint a run in ``run_dir`` would resume from, checked against the model
     ``cfg`` builds (parameter names and shapes, on the meta device: nothing is
     allocated); None for a fresh run. Corrupt checkpoints are reported, not moved (the
-    trainer moves them aside when it starts)."""
-    found = ckpt.latest_valid(run_dir, report=lambda _msg: None)
-    if found is None:
-        return None
-    path, _meta = found
+    trainer moves them aside when it starts). A live run may rotate the checkpoint away
+    while it is read (a node joining an elastic job): then the newest one is taken again."""
     with torch.device("meta"):
         model = Transformer(cfg.model, cfg.moe)
-    ckpt.check_compatible(path, {"model": model.state_dict()})
-    return path
+    for attempt in range(5):
+        found = ckpt.latest_valid(run_dir, report=lambda _msg: None)
+        if found is None:
+            return None
+        path, _meta = found
+        try:
+            ckpt.check_compatible(path, {"model": model.state_dict()})
+        except FileNotFoundError:
+            if path.exists() or attempt == 4:  # not a rotation: a checkpoint missing a file
+                raise
+            continue
+        return path
+    return None
