@@ -184,3 +184,105 @@ def test_a_world_no_layout_fits_names_the_missing_ranks(tmp_path):
     assert "the smallest layout this config allows is 1 processes (allowed: 1, 2, 4" in out
     assert "the largest at or below 3: 2" in out
     assert "restart 1 of" not in out
+
+
+# --------------------------------------------------------------------------------------
+# the pieces, in process
+# --------------------------------------------------------------------------------------
+
+
+def test_global_batch_size_derives_grad_accum_or_names_the_key(tmp_path):
+    from epscale.config import ConfigError, load_config
+    from epscale.training.elastic import fit_batch, valid_worlds
+
+    cfg = load_config(TINY, ["train.micro_batch_size=2", "train.global_batch_size=16"])
+    assert fit_batch(cfg, 8)[0].train.grad_accum == 1
+    fitted, note = fit_batch(cfg, 2)
+    assert fitted.train.grad_accum == 4 and cfg.train.grad_accum == 1  # a copy
+    assert "train.grad_accum = 4" in note
+    with pytest.raises(ConfigError, match=r"'train.global_batch_size' = 16 cannot be kept at "
+                                          r"3 processes.*multiple of .* 3 x 2 = 6"):
+        fit_batch(cfg, 3)
+    assert valid_worlds(cfg, 8) == [2, 4, 8]  # tiny's ep=2 needs an even world
+    with pytest.raises(ConfigError, match="train.global_batch_size.*multiple of "
+                                          "train.micro_batch_size = 3"):
+        load_config(TINY, ["train.micro_batch_size=3", "train.global_batch_size=16"])
+    with pytest.raises(ConfigError, match="'train.grad_accum'.*derived from "
+                                          "train.global_batch_size"):
+        load_config(TINY, ["train.grad_accum=2", "train.global_batch_size=16"])
+
+
+def test_layout_change_and_the_previous_attempt(tmp_path):
+    from epscale.training.elastic import layout_change, no_layout_message, previous_attempt
+    from epscale.config import load_config
+
+    old = {"event": "start", "step": 0, "world_size": 4, "dp": 2, "ep": 2, "fsdp": False,
+           "dp_replicate": 1, "dp_shard": 1, "grad_accum": 1, "global_batch": 8,
+           "hosts": ["n1", "n1", "n2", "n2"]}
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"event": "start", "world_size": 2}) + "\n" + json.dumps(old)
+                    + "\n" + json.dumps({"step": 7, "time": 100.0}) + "\n{broken\n"
+                    + json.dumps({"step": 9, "time": 110.0}) + "\n")
+    prev = previous_attempt(path)
+    assert prev["world_size"] == 4 and (prev["last_step"], prev["last_step_time"]) == (9, 110.0)
+    assert previous_attempt(tmp_path / "none.jsonl") is None
+    new = {**old, "world_size": 2, "dp": 1, "grad_accum": 2, "hosts": ["n1", "n1"]}
+    ev = layout_change(prev, new, resumed_step=6)
+    assert ev["ranks_lost"] == 2 and ev["hosts_lost"] == {"n2": 2} and ev["hosts_gained"] == {}
+    assert ev["steps_lost"] == 3 and ev["old"]["grad_accum"] == 1 and ev["new"]["dp"] == 1
+    assert layout_change(prev, {**old}, resumed_step=6) is None  # same layout: no event
+    cfg = load_config(TINY, ["train.micro_batch_size=2", "train.global_batch_size=8"])
+    text = no_layout_message(cfg, 3, "the reason", prev, ["n1", "n1", "n2"])
+    assert "the reason" in text and "missing: 1 of the 4 ranks" in text and "n2 x1" in text
+    assert "smallest layout this config allows is 2 processes (allowed: 2, 4; the largest at " \
+           "or below 3: 2)" in text
+
+
+def test_elastic_launch_command_and_its_checks(tmp_path, capsys):
+    from epscale.cli import main as cli_main
+    from epscale.launch.local import parse_nnodes, torchrun_args
+
+    assert parse_nnodes("2:4") == (2, 4) and parse_nnodes(3) == (3, 3)
+    for bad in ("0:2", "4:2", "a", "1:2:3"):
+        with pytest.raises(Exception, match="--nnodes"):
+            parse_nnodes(bad)
+    args = torchrun_args(nproc_per_node=8, nnodes="2:4", rdzv_endpoint="h:29400",
+                         rejoin_timeout_s=30, node_timeout_s=15)
+    assert "--nnodes=2:4" in args and "--rdzv-endpoint=h:29400" in args
+    assert ("--rdzv-conf=last_call_timeout=30,keep_alive_interval=5,keep_alive_max_attempt=3"
+            in args)
+    # an elastic launch needs the rendezvous and a shared run directory
+    assert cli_main(["launch", "--nnodes", "1:2", "--nproc", "2", TINY, "--dry-run"]) == 2
+    assert "needs --rdzv-endpoint HOST:PORT and --run-dir" in capsys.readouterr().err
+    rc = cli_main(["launch", "--nnodes", "1:2", "--nproc", "2", "--rdzv-endpoint", "h:1",
+                   "--run-dir", str(tmp_path / "r"), TINY, "--dry-run",
+                   "train.micro_batch_size=2", "train.grad_accum=3"])
+    assert rc == 0
+    cmd = capsys.readouterr().out.split()
+    # the largest layout's batch, 2 nodes x 2 x 3 x 2, is kept at every size
+    assert cmd[-2:] == ["train.grad_accum=1", "train.global_batch_size=24"]
+    assert "--nnodes=1:2" in cmd and "--rdzv-backend=c10d" in cmd
+
+
+def test_monitor_check_reports_a_layout_change(tmp_path):
+    from epscale.monitor import evaluate, load_run
+
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = [{"step": s, "time": 100.0 + s, "loss": 3.0, "world_size": 4 if s < 5 else 2}
+             for s in range(1, 9)]
+    lines.insert(5, {"event": "layout_change", "step": 5, "time": 120.0,
+                     "old": {"world_size": 4, "dp": 2, "ep": 2, "grad_accum": 1,
+                             "global_batch": 8},
+                     "new": {"world_size": 2, "dp": 1, "ep": 2, "grad_accum": 2,
+                             "global_batch": 8},
+                     "ranks_lost": 2, "hosts_lost": {"n2": 2}, "hosts_gained": {},
+                     "steps_lost": 1, "outage_s": 9.5, "setup_s": 3.0, "load_s": 0.2,
+                     "first_step_s": 0.5, "resume_s": 13.2})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    alerts = [a for a in evaluate(load_run(run)) if a.rule == "layout_change"]
+    assert len(alerts) == 1 and alerts[0].since_step == 5
+    msg = alerts[0].message
+    assert "layout 4 -> 2 processes (dp=2 x ep=2 -> dp=1 x ep=2), 2 rank(s) lost (n2 x2)" in msg
+    assert "grad_accum 1 -> 2 keeps the global batch of 8" in msg
+    assert "1 step(s) since the checkpoint trained again" in msg and "back 13.2 s" in msg
