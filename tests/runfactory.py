@@ -18,6 +18,8 @@ silent_rank: that rank's heartbeat stops ``silent_for_s`` seconds before ``now``
 ended: write the end event (default True unless silent_rank / truncate is set).
 truncate_last: cut the last line in the middle (a crash mid-write).
 minimal: write only step, time, loss, lr, tokens_per_s and per-layer tokens_per_expert.
+layout_change_at: [steps] where an elastic restart changed the layout (a layout_change
+    event: half the ranks lost, then back).
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ def make_run(path: str | Path, *, steps: int = 60, layers: int = 2, experts: int
              comm_share: float = 0.2, bias_growth: float = 0.0, drop_frac: float = 0.0,
              silent_rank: int | None = None, silent_for_s: float = 3600.0,
              ended: bool | None = None, truncate_last: bool = False,
-             minimal: bool = False, name: str = "synthetic") -> Path:
+             minimal: bool = False, layout_change_at: tuple[int, ...] = (),
+             name: str = "synthetic") -> Path:
     run = Path(path)
     (run / "heartbeats").mkdir(parents=True, exist_ok=True)
     (run / "checkpoints").mkdir(exist_ok=True)
@@ -132,6 +135,19 @@ def make_run(path: str | Path, *, steps: int = 60, layers: int = 2, experts: int
         lines.append(json.dumps(rec))
         if step in nan_at:
             lines.append(json.dumps({"event": "skip_nonfinite", "step": step, "time": t}))
+        if step in layout_change_at:
+            k = layout_change_at.index(step)
+            old, new = (world, world // 2) if k % 2 == 0 else (world // 2, world)
+            lines.append(json.dumps({
+                "event": "layout_change", "step": step, "time": t,
+                "old": {"world_size": old, "dp": max(1, old // ep), "ep": ep,
+                        "grad_accum": world // old, "global_batch": 8 * world},
+                "new": {"world_size": new, "dp": max(1, new // ep), "ep": ep,
+                        "grad_accum": world // new, "global_batch": 8 * world},
+                "ranks_lost": old - new, "hosts_lost": {"node2": old - new} if old > new else {},
+                "hosts_gained": {"node2": new - old} if new > old else {}, "steps_lost": 2,
+                "outage_s": 9.0, "setup_s": 4.0, "load_s": 0.3, "first_step_s": 0.6,
+                "resume_s": 13.9}))
         if step % 25 == 0:
             lines.append(json.dumps({"event": "checkpoint", "step": step, "time": t,
                                      "path": f"checkpoints/step{step:06d}"}))

@@ -82,7 +82,8 @@ def _report(tmp_path: Path, name: str, **scenario) -> Path:
 
 SCENARIOS = {
     "pathological": dict(collapse_layer=1, dead={0: [2]}, straggler_rank=2, straggler_from=40,
-                         nan_at=(30,), spike_at=(50,), layers=3, ep=4, steps=80),
+                         nan_at=(30,), spike_at=(50,), layers=3, ep=4, steps=80,
+                         dp=2, layout_change_at=(44, 70)),
     "healthy": dict(),
     "minimal_truncated": dict(minimal=True, truncate_last=True),
     "many_experts_long": dict(steps=1500, experts=64, layers=1, ep=8, dp=4),

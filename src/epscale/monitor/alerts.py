@@ -5,7 +5,8 @@
 (imbalance, dead experts, drops, throughput, stragglers, communication share, bias
 saturation, silent ranks) look at the condition's current streak: it must hold in the
 latest records, for at least the configured number of records. "Event" rules (loss
-spikes, non-finite values) report occurrences within the last ``recent_records`` records.
+spikes, non-finite values, elastic layout changes) report occurrences within the last
+``recent_records`` records.
 "Run" rules look at the run as a whole: it never trained a step (no_steps), it is over
 without an 'end' event (crashed: known from ``evaluate(..., job_over=True)``, what
 ``--check --ended`` passes in a Slurm epilog, or from heartbeats whose processes have all
@@ -489,13 +490,17 @@ def rule_layout_change(run: RunLog, r: AlertRules) -> list[Alert]:
                               if num(ev.get(k)) is not None)
             timing = f"; back {ev['resume_s']:.1f} s after the last step ({parts} s)"
         again = ev.get("steps_lost")
+        batch = ""
+        if old.get("grad_accum") is not None and new.get("grad_accum") is not None:
+            batch = (f"; grad_accum {old['grad_accum']} -> {new['grad_accum']} keeps the "
+                     f"global batch of {new.get('global_batch', '?')}")
+        lost_steps = (f"; {again} step(s) since the checkpoint trained again"
+                      if again is not None else "")
         out.append(Alert(
             "layout_change", "run", ev["step"],
             f"step {ev['step']}: layout {old.get('world_size')} -> {new.get('world_size')} "
-            f"processes ({_layout_text(old)} -> {_layout_text(new)}), {who}; grad_accum "
-            f"{old.get('grad_accum')} -> {new.get('grad_accum')} keeps the global batch of "
-            f"{new.get('global_batch')}; {again if again is not None else '?'} step(s) since "
-            f"the checkpoint trained again{timing}"))
+            f"processes ({_layout_text(old)} -> {_layout_text(new)}), {who}{batch}"
+            f"{lost_steps}{timing}"))
     return out
 
 

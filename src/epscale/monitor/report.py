@@ -97,6 +97,10 @@ def build_data(run: RunLog, alerts: list[Alert], rules: AlertRules,
             breakdown[sec] = _reduce(vals, bk)
     bad_steps = [r["step"] for r in recs if r.get("skipped") is True or any(
         (num(r.get(k)) is not None and not math.isfinite(num(r.get(k)))) for k in ("loss", "grad_norm"))]
+    layout_changes = [{"step": ev["step"], "label": f"{(ev.get('old') or {}).get('world_size')} "
+                                                     f"-> {(ev.get('new') or {}).get('world_size')} proc"}
+                      for ev in run.events
+                      if ev.get("event") == "layout_change" and isinstance(ev.get("step"), int)]
     val_loss = [[r["step"], num(r.get("val_loss"))] for r in recs
                 if num(r.get("val_loss")) is not None and math.isfinite(num(r.get("val_loss")))]
 
@@ -187,7 +191,8 @@ def build_data(run: RunLog, alerts: list[Alert], rules: AlertRules,
         ranks["time_is_busy"] = any(isinstance(r.get("rank_wait_frac"), list) for r in recs)
     return _clean({
         "x": x, "layer_x": layer_x, "scalars": scalars, "breakdown": breakdown,
-        "val_loss": val_loss, "bad_steps": bad_steps, "layers": layers_out, "ranks": ranks,
+        "val_loss": val_loss, "bad_steps": bad_steps, "layout_changes": layout_changes,
+        "layers": layers_out, "ranks": ranks,
         "rules": asdict(rules), "alerts": [a.as_dict() for a in alerts],
     })
 
@@ -275,7 +280,8 @@ def render_html(run: RunLog, data: dict[str, Any], alerts: list[Alert], now: flo
     out.append("<h2>Training</h2><div class=\"grid\">")
     if "loss" in sc:
         panels.append(_panel("Loss", "loss", "train loss (line), validation loss (dots); red "
-                                             "lines mark skipped / non-finite steps"))
+                                             "lines mark skipped / non-finite steps, blue "
+                                             "dashed ones a change of layout (elastic restart)"))
     if "grad_norm" in sc:
         panels.append(_panel("Gradient norm", "grad_norm"))
     if "lr" in sc:

@@ -217,7 +217,10 @@ JS = r"""
     });
     (o.marks || []).forEach(function (mk) {
       if (mk.x < xlo || mk.x > xhi) return;
-      svgEl("line", { x1: sx(mk.x), x2: sx(mk.x), y1: m.t, y2: H - m.b, stroke: "#b42318", "stroke-opacity": 0.5 }, svg);
+      var c = mk.color || "#b42318";
+      svgEl("line", { x1: sx(mk.x), x2: sx(mk.x), y1: m.t, y2: H - m.b, stroke: c, "stroke-opacity": mk.label ? 0.9 : 0.5,
+        "stroke-dasharray": mk.label ? "4 3" : "" }, svg);
+      if (mk.label) svgEl("text", { x: sx(mk.x) + 3, y: m.t + 12, "font-size": 11, fill: c }, svg).textContent = mk.label;
     });
     if (!drawn) throw new Error("nothing was drawn");
     var cursor = svgEl("line", { y1: m.t, y2: H - m.b, stroke: "#344054", "stroke-opacity": 0, "pointer-events": "none" }, svg);
@@ -311,11 +314,14 @@ JS = r"""
         return S("layer " + L.layer, L[key], i); }) }, opts || {}));
     };
   }
+  // elastic restarts: a labelled line where the layout changed ("4 -> 2 proc")
+  function layoutMarks() { return (D.layout_changes || []).map(function (c) {
+    return { x: c.step, label: c.label, color: "#1f5fbf" }; }); }
   var KINDS = {
     loss: function (box) {
       return lineChart(box, { x: X, series: [S("train loss", T.loss, 0)],
         points: D.val_loss.map(function (p) { return { x: p[0], y: p[1], name: "validation loss", color: "#d62728" }; }),
-        marks: D.bad_steps.map(function (s) { return { x: s }; }) });
+        marks: D.bad_steps.map(function (s) { return { x: s }; }).concat(layoutMarks()) });
     },
     grad_norm: function (box) {
       return lineChart(box, { x: X, series: [S("grad norm", T.grad_norm, 2)], ymin: 0,
@@ -324,7 +330,7 @@ JS = r"""
     lr: function (box) { return lineChart(box, { x: X, series: [S("learning rate", T.lr, 4)], ymin: 0 }); },
     throughput: function (box) {
       var s = [S("tokens/s (all processes)", T.tokens_per_s, 0)];
-      return lineChart(box, { x: X, series: s, ymin: 0 });
+      return lineChart(box, { x: X, series: s, ymin: 0, marks: layoutMarks() });
     },
     mfu: function (box) { return lineChart(box, { x: X, series: [S("MFU", T.mfu, 1)], ymin: 0, yfmt: "pct", tipfmt: pct }); },
     comm: function (box) {
