@@ -286,3 +286,21 @@ def test_monitor_check_reports_a_layout_change(tmp_path):
     assert "layout 4 -> 2 processes (dp=2 x ep=2 -> dp=1 x ep=2), 2 rank(s) lost (n2 x2)" in msg
     assert "grad_accum 1 -> 2 keeps the global batch of 8" in msg
     assert "1 step(s) since the checkpoint trained again" in msg and "back 13.2 s" in msg
+
+
+def test_a_smaller_world_that_does_not_fit_memory_is_refused_with_the_numbers():
+    """What the trainer checks on CUDA when an elastic restart shrank the world: the
+    memory model's per-rank total against the GPU's memory."""
+    from epscale.config import ConfigError, load_config, recipe_path
+    from epscale.sim.memory import memory_per_rank
+    from epscale.training.elastic import check_memory
+
+    cfg = load_config(recipe_path("ref-1t-64e"))
+    gib = 2.0 ** 30
+    check_memory(cfg, 1024, 80 * gib, "one H100")  # the recipe's own layout fits
+    need = memory_per_rank(cfg, world=512).total
+    assert need > 80 * gib
+    with pytest.raises(ConfigError, match=rf"at 512 processes each rank needs "
+                                          rf"{need / gib:.1f} GiB.*epscale describe CONFIG "
+                                          rf"--world 512.*more than the 80.0 GiB of one H100"):
+        check_memory(cfg, 512, 80 * gib, "one H100")
