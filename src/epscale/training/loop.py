@@ -99,7 +99,9 @@ class Trainer:
         self.device = pick_device(env)
         set_threads(env, self.device)
         self._owns_group = init_process_group(env, self.device, single=cfg.parallel.fsdp)
-        self.rank, self.world = env.rank, env.world_size
+        # from the process group where there is one (a caller may have created it)
+        self.rank, self.world = ((dist.get_rank(), dist.get_world_size())
+                                 if dist.is_initialized() else (env.rank, env.world_size))
         if self.world > 1:  # every rank uses rank 0's run directory
             self.run_dir = Path(self._broadcast(str(self.run_dir)))
         self.hosts = [socket.gethostname()] * self.world
