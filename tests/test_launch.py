@@ -94,7 +94,35 @@ def test_render_cpu_mode_has_no_gpu_request(tmp_path):
     assert "--nproc-per-node=2" in text and "GLOO_SOCKET_IFNAME" in text
 
 
+def test_render_elastic_script(tmp_path, capsys):
+    """--min-nodes: the job and its step survive a node (--no-kill), torchrun's rendezvous
+    runs MIN:MAX with the rejoin window, the full allocation's global batch is pinned; the
+    node counts it can shrink to are printed, and the script is valid bash."""
+    job = _job(tmp_path, nodes=4, min_nodes=2, gpus_per_node=0, procs_per_node=2,
+               rejoin_timeout=45, overrides=["train.micro_batch_size=2"])
+    text = slurm.render(job)
+    assert "#SBATCH --no-kill" in text and "srun --no-kill --kill-on-bad-exit=0" in text
+    assert "--nnodes=2:4 --nproc-per-node=2" in text  # training; the preflight needs all 4
+    assert "--nnodes=4 --nproc-per-node=2" in text
+    assert "--rdzv-conf=last_call_timeout=45" in text
+    assert "train.grad_accum=1 train.global_batch_size=16" in text  # 4 x 2 x 1 x 2
+    plain = slurm.render(_job(tmp_path, nodes=4, gpus_per_node=0, procs_per_node=2))
+    assert "#SBATCH --no-kill" not in plain and "srun --kill-on-bad-exit=1" in plain
+    assert "--rdzv-conf" not in plain and "global_batch_size" not in plain
+    out = tmp_path / "e.sbatch"
+    assert cli_main(["slurm", "render", TINY, "--nodes", "4", "--min-nodes", "2",
+                     "--gpus-per-node", "0", "--procs-per-node", "2", "-o", str(out),
+                     "--run-dir", str(tmp_path / "run"), "parallel.ep=4"]) == 0
+    err = capsys.readouterr().err
+    assert "elastic over 2..4 nodes x 2 process(es)" in err and "trains at 4, 2 node(s)" in err
+    assert "not at 3 node(s): config key 'parallel.ep' = 4 is invalid" in err
+    r = subprocess.run(["bash", "-n", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
 @pytest.mark.parametrize("kw, match", [
+    (dict(nodes=2, min_nodes=3), "--min-nodes = 3 is invalid: must be an integer in [1, "
+                                 "--nodes = 2]"),
     (dict(time="1:00:00", signal_before=3600), "--signal-before = 3600 is invalid: must be "
                                                "shorter than the time limit"),
     (dict(time="soon"), "--time = 'soon' is invalid"),

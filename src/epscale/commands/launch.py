@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 from ..config import ConfigError, load_config, recipe_path
-from ..launch.local import launch_command, parse_nnodes
-from ..training.elastic import check_elastic, pin_global_batch
+from ..launch.local import launch_command, parse_nnodes, pin_global_batch
+from ..training.elastic import check_elastic
 from ..training.prelaunch import CHECKED_ENV, check_run
 from .args import allow_intermixed
 from .train import default_run_dir

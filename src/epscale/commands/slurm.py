@@ -15,9 +15,11 @@ import sys
 from pathlib import Path
 
 from ..config import ConfigError, RunConfig
+from ..launch.local import pin_global_batch
 from ..launch.slurm import SlurmJob, bad_option, render, submit, write_script
 from ..sim.memory import memory_per_rank
 from ..training.dist import resolve_layout
+from ..training.elastic import check_elastic
 from .args import allow_intermixed, parse_size
 
 DEFAULT_GPU_MEM = "80GiB"  # an H100/A100-80GB
@@ -27,6 +29,12 @@ def _add_job_options(p) -> None:
     p.add_argument("config", help="recipe YAML, e.g. configs/tiny.yaml")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="trainer config overrides")
     p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    p.add_argument("--min-nodes", type=int, default=None,
+                   help="elastic: when nodes fail, train on with the rest down to this many "
+                        "(torchrun --nnodes=MIN:NODES; the job survives a node, --no-kill); "
+                        "the global batch is kept by raising grad_accum")
+    p.add_argument("--rejoin-timeout", type=int, default=30, metavar="SECONDS",
+                   help="elastic: how long the survivors wait for a lost node (default 30)")
     p.add_argument("--gpus-per-node", type=int, required=True,
                    help="GPUs per node; 0 = CPU mode (gloo, no GPU request)")
     p.add_argument("--procs-per-node", "--ntasks-per-node", type=int, default=None,
@@ -82,7 +90,8 @@ def _job_from_args(args) -> SlurmJob:
                     time=args.time, exclude=args.exclude, account=args.account, qos=args.qos,
                     exclusive=args.exclusive, job_name=args.job_name, run_dir=args.run_dir,
                     log_root=args.log_root, python=args.python, max_restarts=args.max_restarts,
-                    signal_before=args.signal_before, preflight=args.preflight, env=args.env)
+                    signal_before=args.signal_before, preflight=args.preflight, env=args.env,
+                    min_nodes=args.min_nodes, rejoin_timeout=args.rejoin_timeout)
 
 
 def _gib(n: float) -> str:
@@ -177,6 +186,17 @@ def check_job(args, job: SlurmJob) -> None:
         print(f"epscale slurm: note: {note}", file=sys.stderr)
     if job.gpus_per_node and args.memory_check:
         check_memory(cfg, dp, ep, args.gpu_mem)
+    if job.elastic:  # the node counts it can shrink to; the smallest must fit memory too
+        pinned, _ = pin_global_batch(cfg, job.world_size)
+        ok = check_elastic(pinned, job.min_nodes, job.nodes, job.procs_per_node,
+                           who="epscale slurm")
+        if job.gpus_per_node and args.memory_check:
+            smallest = min(ok) * job.procs_per_node
+            dp_min, ep_min, _ = resolve_layout(cfg.parallel, smallest, cfg.moe.num_experts)
+            try:
+                check_memory(cfg, dp_min, ep_min, args.gpu_mem)
+            except ConfigError as e:
+                raise ConfigError(f"--min-nodes {job.min_nodes}: at {min(ok)} node(s) {e}") from None
 
 
 def run(args) -> int:

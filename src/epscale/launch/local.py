@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import socket
 import sys
+from dataclasses import replace
 
-from ..config import ConfigError, recipe_path
+from ..config import ConfigError, RunConfig, recipe_path
 
 
 def _positive(key: str, value: int, allow_zero: bool = False) -> None:
@@ -55,6 +56,18 @@ def parse_nnodes(text: str | int) -> tuple[int, int]:
         raise ConfigError(f"--nnodes = {text!r} is invalid: give a node count N or a range "
                           "MIN:MAX with 1 <= MIN <= MAX (e.g. 2:4: train on 2 to 4 nodes)")
     return lo, hi
+
+
+def pin_global_batch(cfg: RunConfig, max_world: int) -> tuple[RunConfig, list[str]]:
+    """For an elastic launch: ``cfg`` with ``train.global_batch_size`` fixed at the
+    largest layout's batch (``max_world`` x grad_accum x micro_batch_size) unless it is set
+    already, and the overrides that say so to every attempt's trainer."""
+    t = cfg.train
+    if t.global_batch_size is not None:
+        return cfg, []
+    g = max_world * t.grad_accum * t.micro_batch_size
+    return (replace(cfg, train=replace(t, global_batch_size=g, grad_accum=1)),
+            ["train.grad_accum=1", f"train.global_batch_size={g}"])
 
 
 def torchrun_args(*, nproc_per_node: int, max_restarts: int = 0, nnodes: int | str = 1,

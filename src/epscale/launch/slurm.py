@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import ConfigError, RunConfig, load_config, recipe_path
-from .local import train_args
+from .local import pin_global_batch, train_args
 from .watchdog import NCCL_FLIGHT_RECORDER_ENV
 
 TEMPLATE = Path(__file__).parent / "templates" / "sbatch.sh.in"
@@ -93,6 +93,12 @@ class SlurmJob:
     max_restarts: torchrun group restarts after a rank fails, within one job attempt.
     preflight: before training, run ``epscale preflight`` on every rank of the allocation
     (timed all-reduce/all-to-all); a missing or failing rank ends the job with its host named.
+    min_nodes: elastic (``min_nodes < nodes``): a node that fails leaves the others to
+    restart at the smaller layout, down to this many (torchrun ``--nnodes=MIN:MAX``; the
+    job and its step survive the node, ``--no-kill``); the global batch is kept
+    (``train.global_batch_size``, pinned at the full allocation's). A lost node does not
+    return within the job: the requeued job starts on a full allocation again.
+    rejoin_timeout: elastic: how long the survivors wait for a lost node before going on.
     """
 
     config: str
@@ -113,6 +119,8 @@ class SlurmJob:
     chdir: str | None = None
     python: str = field(default_factory=lambda: sys.executable)
     max_restarts: int = 3
+    min_nodes: int | None = None
+    rejoin_timeout: int = 30
     signal_before: int = 300
     preflight: bool = True
     env: list[str] = field(default_factory=list)
@@ -130,6 +138,12 @@ class SlurmJob:
                             ("--signal-before", self.signal_before, 1)):
             if not isinstance(v, int) or v < low:
                 raise bad_option(opt, v, f"must be an integer >= {low}")
+        if self.min_nodes is not None and not (isinstance(self.min_nodes, int)
+                                               and 1 <= self.min_nodes <= self.nodes):
+            raise bad_option("--min-nodes", self.min_nodes,
+                             f"must be an integer in [1, --nodes = {self.nodes}]")
+        if self.rejoin_timeout < 0:
+            raise bad_option("--rejoin-timeout", self.rejoin_timeout, "must be >= 0 seconds")
         if self.signal_before > 65535:
             raise bad_option("--signal-before", self.signal_before, "Slurm allows at most 65535 s")
         if self.procs_per_node is None:
@@ -166,6 +180,16 @@ class SlurmJob:
     @property
     def world_size(self) -> int:
         return self.nodes * self.procs_per_node
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_nodes is not None and self.min_nodes < self.nodes
+
+
+ELASTIC_SBATCH = """\
+# Elastic: a node that fails does not end the job (--no-kill); the other nodes' torchrun
+# agents restart their workers at the smaller layout, which resume the newest checkpoint.
+#SBATCH --no-kill"""
 
 
 def _export_block(presets: list[tuple[str, str, str]]) -> list[str]:
@@ -235,6 +259,8 @@ def render(job: SlurmJob, script_name: str = "job.sbatch") -> str:
 
     # The script's own preflight step already checked every rank: the trainer skips its own.
     overrides = job.overrides + (["train.preflight=false"] if job.preflight else [])
+    if job.elastic:  # the full allocation's global batch, kept at every node count
+        overrides += pin_global_batch(job.run_config, job.world_size)[1]
     tr = train_args(job.config, job.run_dir, overrides)
     values = {
         "script_name": script_name, "job_name": job.job_name, "nodes": str(job.nodes),
@@ -248,6 +274,11 @@ def render(job: SlurmJob, script_name: str = "job.sbatch") -> str:
         # one torchrun task every CPU the job holds there, else its workers share one core.
         "preflight_block": _preflight_block(job),
         "srun_cpus": str(job.cpus_per_node) if job.cpus_per_node else "$SLURM_CPUS_ON_NODE",
+        "nnodes": f"{job.min_nodes}:{job.nodes}" if job.elastic else str(job.nodes),
+        "elastic_sbatch": ELASTIC_SBATCH if job.elastic else "",
+        "srun_kill": ("--no-kill --kill-on-bad-exit=0" if job.elastic else "--kill-on-bad-exit=1"),
+        "rdzv_conf": (f" --rdzv-conf=last_call_timeout={job.rejoin_timeout}"
+                      if job.elastic else ""),
     }
     text = TEMPLATE.read_text()
     for key, value in values.items():

@@ -28,7 +28,6 @@ import os
 import sys
 import time
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -81,19 +80,8 @@ def check_memory(cfg: RunConfig, world: int, capacity_bytes: float, what: str) -
             f" GiB of {what}")
 
 
-def pin_global_batch(cfg: RunConfig, max_world: int) -> tuple[RunConfig, list[str]]:
-    """For an elastic launch: ``cfg`` with ``train.global_batch_size`` fixed at the
-    largest layout's batch (``max_world`` x grad_accum x micro_batch_size) unless it is set
-    already, and the overrides that say so to every attempt's trainer."""
-    t = cfg.train
-    if t.global_batch_size is not None:
-        return cfg, []
-    g = max_world * t.grad_accum * t.micro_batch_size
-    return (replace(cfg, train=replace(t, global_batch_size=g, grad_accum=1)),
-            ["train.grad_accum=1", f"train.global_batch_size={g}"])
-
-
-def check_elastic(cfg: RunConfig, min_nodes: int, max_nodes: int, per_node: int) -> list[int]:
+def check_elastic(cfg: RunConfig, min_nodes: int, max_nodes: int, per_node: int,
+                  who: str = "epscale launch") -> list[int]:
     """The node counts in ``min_nodes..max_nodes`` at which ``cfg`` trains (each node runs
     ``per_node`` processes), printed on stderr with the reason for the others. ConfigError
     when none is left (the largest is checked before, with its own error)."""
@@ -105,11 +93,11 @@ def check_elastic(cfg: RunConfig, min_nodes: int, max_nodes: int, per_node: int)
             refused.append(f"{n} node(s): {e}")
             continue
         ok.append(n)
-    print(f"epscale launch: elastic over {min_nodes}..{max_nodes} nodes x {per_node} "
+    print(f"{who}: elastic over {min_nodes}..{max_nodes} nodes x {per_node} "
           f"process(es), global batch {cfg.train.global_batch_size} sequences kept; trains at "
           f"{', '.join(map(str, ok)) or 'no'} node(s)", file=sys.stderr, flush=True)
     for line in refused:
-        print(f"epscale launch:   not at {line}", file=sys.stderr, flush=True)
+        print(f"{who}:   not at {line}", file=sys.stderr, flush=True)
     if not ok:
         raise ConfigError(f"--nnodes {min_nodes}:{max_nodes}: no node count in that range "
                           "can train this config (reasons above)")
