@@ -36,12 +36,13 @@ def _env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
-def _node(tmp_path: Path, run_dir: Path, port: int, name: str) -> subprocess.Popen:
-    """One 'node': an elastic launch of 2 processes at the shared rendezvous."""
-    cmd = [sys.executable, "-m", "epscale", "launch", "--nnodes", "1:2", "--nproc", "2",
+def _node(tmp_path: Path, run_dir: Path, port: int, name: str, nnodes: str = "1:2",
+          nproc: int = 2, rejoin: float = 4, **over) -> subprocess.Popen:
+    """One 'node': an elastic launch of ``nproc`` processes at the shared rendezvous."""
+    cmd = [sys.executable, "-m", "epscale", "launch", "--nnodes", nnodes, "--nproc", str(nproc),
            "--rdzv-endpoint", f"127.0.0.1:{port}", "--run-dir", str(run_dir),
-           "--rejoin-timeout", "4", "--node-timeout", "3", "--max-restarts", "3",
-           TINY, *tiny_overrides(tmp_path, **ELASTIC)]
+           "--rejoin-timeout", str(rejoin), "--node-timeout", "3", "--max-restarts", "3",
+           TINY, *tiny_overrides(tmp_path, **{**ELASTIC, **over})]
     log = open(tmp_path / f"{name}.log", "w")
     return subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True)
@@ -155,6 +156,35 @@ def test_lose_a_node_train_on_and_grow_back(tmp_path):
     out = subprocess.run([sys.executable, "-m", "epscale", "monitor", str(run), "--check"],
                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
     assert "layout_change" in out.stdout and "4 -> 2 processes" in out.stdout, out.stdout
+
+
+@pytest.mark.timeout(300)
+def test_ranks_past_the_usable_world_stand_by(tmp_path):
+    """Three 1-process nodes, a global batch of 4: 3 processes cannot split it, so the
+    largest world of whole nodes that can (2) trains and the third rank stands by (no
+    process group) until the attempt ends; every node exits 0."""
+    run, port = tmp_path / "run", free_port()
+    over = {"train.steps": 6, "train.global_batch_size": 4, "parallel.ranks_per_node": "null"}
+    nodes = [_node(tmp_path, run, port, "n0", nnodes="1:3", nproc=1, rejoin=8, **over)]
+    try:
+        _wait_listening(port, nodes[0])
+        nodes += [_node(tmp_path, run, port, f"n{i}", nnodes="1:3", nproc=1, rejoin=8, **over)
+                  for i in (1, 2)]
+        codes = [p.wait(timeout=240) for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    logs = "".join(_log(tmp_path, f"n{i}") for i in range(3))
+    assert codes == [0, 0, 0], logs[-4000:]
+    steps, events = read_metrics(run)
+    starts = [e for e in events if e["event"] == "start"]
+    assert starts[-1]["world_size"] == 2 and starts[-1]["standby"] == 1, starts
+    assert "stands by: this config trains at 2 of the 3 processes" in logs
+    assert "the number of processes (3) must be a multiple of it" in logs  # tiny's ep=2
+    assert "1 more rank(s) of this elastic attempt stand by" in logs
+    assert {r["step"] for r in steps} == set(range(1, 7)) and events[-1]["event"] == "end"
+    assert steps[-1]["world_size"] == 2
 
 
 @pytest.mark.timeout(300)

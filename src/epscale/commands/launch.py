@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from ..config import ConfigError, load_config, recipe_path
-from ..launch.local import launch_command, parse_nnodes, pin_global_batch
+from ..launch.local import ELASTIC_ENV, launch_command, parse_nnodes, pin_global_batch
 from ..training.elastic import check_elastic
 from ..training.prelaunch import CHECKED_ENV, check_run
 from .args import allow_intermixed
@@ -86,11 +86,13 @@ def run(args) -> int:
         print(shlex.join(cmd))
         return 0
     if not os.environ.get(CHECKED_ENV):  # set: a launcher around this one ran the checks
-        check_run(cfg, run_dir, hi * args.nproc)
-        if lo < hi:
-            check_elastic(cfg, lo, hi, args.nproc)
+        # elastic: checked at the largest node count that trains (the others are listed)
+        nodes = max(check_elastic(cfg, lo, hi, args.nproc)) if lo < hi else hi
+        check_run(cfg, run_dir, nodes * args.nproc)
     print(f"epscale launch: {shlex.join(cmd)}", file=sys.stderr, flush=True)
     env = dict(os.environ, **{CHECKED_ENV: "1"})  # the workers need not check again
+    if lo < hi:
+        env[ELASTIC_ENV] = "1"  # ranks past the usable world stand by
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
     # exec, not a child: signals sent to this process (Ctrl-C, SIGTERM, SIGUSR1) reach
     # torchrun directly, which stops or forwards them to the workers.

@@ -45,6 +45,11 @@ def train_args(config: str, run_dir: str | None = None,
     return args + list(overrides or [])
 
 
+# Set for the workers of an elastic job (``--nnodes MIN:MAX``): ranks past the largest world
+# the config can train at stand by instead of failing (epscale.training.elastic).
+ELASTIC_ENV = "EPSCALE_ELASTIC"
+
+
 def parse_nnodes(text: str | int) -> tuple[int, int]:
     """``--nnodes`` as (min, max): '4' -> (4, 4), '2:4' -> (2, 4); ConfigError otherwise."""
     parts = str(text).split(":")

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import ConfigError, RunConfig, load_config, recipe_path
-from .local import pin_global_batch, train_args
+from .local import ELASTIC_ENV, pin_global_batch, train_args
 from .watchdog import NCCL_FLIGHT_RECORDER_ENV
 
 TEMPLATE = Path(__file__).parent / "templates" / "sbatch.sh.in"
@@ -190,6 +190,9 @@ ELASTIC_SBATCH = """\
 # Elastic: a node that fails does not end the job (--no-kill); the other nodes' torchrun
 # agents restart their workers at the smaller layout, which resume the newest checkpoint.
 #SBATCH --no-kill"""
+ELASTIC_EXPORT = f"""\
+# Elastic: ranks past the largest world the config can train at stand by (whole nodes).
+export {ELASTIC_ENV}=1"""
 
 
 def _export_block(presets: list[tuple[str, str, str]]) -> list[str]:
@@ -256,6 +259,8 @@ def render(job: SlurmJob, script_name: str = "job.sbatch") -> str:
         env += _export_block(GLOO_PRESETS)
     extra = [f"export {shlex.quote(e.split('=', 1)[0])}={shlex.quote(e.split('=', 1)[1])}"
              for e in job.env]
+    if job.elastic:
+        extra.append(ELASTIC_EXPORT)
 
     # The script's own preflight step already checked every rank: the trainer skips its own.
     overrides = job.overrides + (["train.preflight=false"] if job.preflight else [])

@@ -16,8 +16,14 @@ makes at such a start:
   step (the start of the outage). The trainer writes it as a 'layout_change' event, with
   the time to resume split into outage, checkpoint load and first step.
 
-When no layout fits the survivors, :func:`no_layout_message` says so with the ranks that
-are missing and the smallest world the config allows.
+When the survivors' world does not fit the config but a smaller one of whole nodes does
+(3 nodes left where ep needs an even count), :func:`split_standby` trains on the largest
+such world and the ranks past it stand by (:func:`stand_by`: no process group, they wait
+for the attempt to end or the next restart, which includes them again). Only in an elastic
+launch (``EPSCALE_ELASTIC``, set by ``epscale launch --nnodes MIN:MAX`` and the elastic
+sbatch script); elsewhere a world that does not fit is an error. When no layout fits at
+all, :func:`no_layout_message` says so with the ranks that are missing and the smallest
+world the config allows.
 """
 
 from __future__ import annotations
@@ -25,15 +31,18 @@ from __future__ import annotations
 import copy
 import json
 import os
+import socket
 import sys
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, RunConfig
+from ..launch.local import ELASTIC_ENV
 from ..sim.memory import memory_per_rank
-from .dist import resolve_layout
+from .dist import LaunchEnv, resolve_layout
 
 
 def fit_batch(cfg: RunConfig, world: int) -> tuple[RunConfig, str | None]:
@@ -56,6 +65,87 @@ def fit_batch(cfg: RunConfig, world: int) -> tuple[RunConfig, str | None]:
     fitted, fitted.train = copy.copy(cfg), copy.copy(t)
     fitted.train.grad_accum = accum
     return fitted, note
+
+
+STANDBY_RELEASE = "standby_release.json"  # in RUN_DIR/heartbeats: the attempt is over
+
+
+def usable_world(cfg: RunConfig, world: int, per_node: int) -> int | None:
+    """The largest world of whole nodes (multiples of ``per_node``) up to ``world`` at
+    which ``cfg`` trains, or None."""
+    for w in range(world - world % per_node, 0, -per_node):
+        try:
+            check_world(cfg, w)
+        except ConfigError:
+            continue
+        return w
+    return None
+
+
+def split_standby(cfg: RunConfig, env: LaunchEnv) -> tuple[LaunchEnv, int, bool]:
+    """(the env this process trains in, how many ranks stand by, whether this one does).
+    In an elastic launch whose world the config cannot train at, the largest usable world
+    of whole nodes (:func:`usable_world`) trains: its ranks get that world size, the ranks
+    past it stand by. Otherwise nothing changes (a world no layout fits is then the
+    trainer's error, with :func:`no_layout_message`)."""
+    if not os.environ.get(ELASTIC_ENV) or env.launcher != "torchrun" or env.world_size < 2:
+        return env, 0, False
+    try:
+        check_world(cfg, env.world_size)
+        return env, 0, False
+    except ConfigError:
+        pass
+    used = usable_world(cfg, env.world_size, max(1, env.local_world_size))
+    if used is None:
+        return env, 0, False
+    idle = env.world_size - used
+    if env.rank >= used:
+        return env, idle, True
+    os.environ["WORLD_SIZE"] = str(used)
+    return replace(env, world_size=used), idle, False
+
+
+def attempt_token() -> str:
+    """What every worker of one torchrun attempt shares (the rendezvous picks the master
+    address and port of each attempt)."""
+    return (f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('MASTER_ADDR', '')}:"
+            f"{os.environ.get('MASTER_PORT', '')}")
+
+
+def release_standby(run_dir: Path) -> None:
+    """Rank 0, when its attempt ends: the standing-by ranks of this attempt may exit."""
+    path = Path(run_dir) / "heartbeats" / STANDBY_RELEASE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"attempt": attempt_token(), "time": time.time()}))
+    os.replace(tmp, path)
+
+
+def why_not(cfg: RunConfig, world: int) -> str:
+    """The reason ``cfg`` cannot train at ``world`` processes ('' when it can)."""
+    try:
+        check_world(cfg, world)
+    except ConfigError as e:
+        return str(e)
+    return ""
+
+
+def stand_by(run_dir: Path, env: LaunchEnv, used: int, reason: str,
+             poll_s: float = 1.0) -> None:
+    """A rank past the usable world: say so, then wait (no process group, no memory) until
+    rank 0 releases this attempt (its training ended) or torchrun stops this process for
+    the next restart, which counts it in again."""
+    print(f"epscale train: rank {env.rank} ({socket.gethostname()}) stands by: this config "
+          f"trains at {used} of the {env.world_size} processes, the largest world of whole "
+          f"nodes it can ({reason}); it joins again at the next restart",
+          file=sys.stderr, flush=True)
+    path, token = Path(run_dir) / "heartbeats" / STANDBY_RELEASE, attempt_token()
+    while True:
+        try:
+            if json.loads(path.read_text()).get("attempt") == token:
+                return
+        except (OSError, ValueError):
+            pass
+        time.sleep(poll_s)
 
 
 def check_world(cfg: RunConfig, world: int) -> None:

@@ -45,7 +45,7 @@ from . import checkpoint as ckpt
 from .console import TrainConsole
 from .data import DataLoader, load_data, unigram_entropy
 from .dist import LaunchEnv, init_process_group, make_dims, pick_device, set_threads, shutdown
-from .elastic import (check_memory, fit_batch, layout_change, layout_record, layout_text, no_layout_message,
+from .elastic import (check_memory, fit_batch, release_standby, split_standby, stand_by, why_not, layout_change, layout_record, layout_text, no_layout_message,
                       previous_attempt, process_start_time)
 from .guard import SpikeGuard
 from .optim import build_optimizer, ensure_optimizer_state, grad_norm_and_flags, lr_at, set_lr
@@ -92,6 +92,7 @@ class Trainer:
         self._pending: ckpt.PendingSave | None = None   # an async save not finished yet
         self._ckpt_group = None            # gloo group of the async saves' collectives
         self._layout_change: dict | None = None  # an elastic restart's, until its first step
+        self.standby = 0  # ranks of this attempt past the world it trains at (elastic)
 
     # ================================================================== set-up
     def setup(self) -> None:
@@ -124,7 +125,11 @@ class Trainer:
             raise ConfigError(no_layout_message(cfg, self.world, str(e), self.previous,
                                                 self.hosts)) from None
         self.cfg = cfg
-        layout_note = "; ".join(n for n in (layout_note, batch_note) if n) or None
+        idle = (f"{self.standby} more rank(s) of this elastic attempt stand by: the largest "
+                f"world of whole nodes the config trains at is {self.world} (not "
+                f"{self.world + self.standby}: {why_not(cfg, self.world + self.standby)})"
+                if self.standby else None)
+        layout_note = "; ".join(n for n in (layout_note, batch_note, idle) if n) or None
         self.console = TrainConsole(self.rank == 0, cfg.train.steps)
         self._check_before_writing()
         if self.rank == 0:
@@ -312,7 +317,7 @@ class Trainer:
     def _resume(self) -> None:
         """Continue from the newest complete checkpoint of the run directory, if any."""
         path = str(self._resume_from[0]) if self._resume_from else None
-        layout = layout_record(self.dims, self.cfg, self.hosts)
+        layout = {**layout_record(self.dims, self.cfg, self.hosts), "standby": self.standby}
         event = {**layout, "total_params": self.size.total_params,
                  "active_params": self.size.active_params,
                  "flops_per_token": self.size.flops_per_token, "host": socket.gethostname()}
@@ -684,6 +689,8 @@ class Trainer:
                 (obj.stop if part == "watchdog" else obj.close)()
         if getattr(self, "rank", None) == 0:
             (self.run_dir / STOP_FILE).unlink(missing_ok=True)
+            if self.standby:
+                release_standby(self.run_dir)
         shutdown(clean, destroy=getattr(self, "_owns_group", True))
 
 
@@ -691,7 +698,12 @@ def train(cfg: RunConfig, run_dir: str | Path, env: LaunchEnv | None = None,
           stop_at: int | None = None, checked: bool = False) -> RunResult:
     """Set up, train, tear down. ``env`` None means a single process. ``checked``: the
     caller ran :func:`epscale.training.prelaunch.check_run` already."""
-    trainer = Trainer(cfg, run_dir, env or LaunchEnv("none"), stop_at=stop_at, checked=checked)
+    env, standby, idle = split_standby(cfg, env or LaunchEnv("none"))
+    if idle:  # an elastic world larger than the config can use: this rank waits it out
+        stand_by(Path(run_dir), env, env.world_size - standby, why_not(cfg, env.world_size))
+        return RunResult(Path(run_dir), 0, True, summary={"standby": True})
+    trainer = Trainer(cfg, run_dir, env, stop_at=stop_at, checked=checked)
+    trainer.standby = standby
     clean = False
     try:
         trainer.setup()
