@@ -133,9 +133,10 @@ def test_lose_a_node_train_on_and_grow_back(tmp_path):
     # The reference: 4 processes, never interrupted, over the same steps and batches.
     ref_dir = tmp_path / "ref"
     over = tiny_overrides(tmp_path, **ELASTIC, **{"train.global_batch_size": 4})
+    horizon = range(shrink["step"], shrink["step"] + 6)  # compared to 5e-4 (below)
     ref = subprocess.run([sys.executable, "-m", "epscale", "train", "--nproc", "4",
-                          "--config", TINY, "--run-dir", str(ref_dir), "--stop-at", str(last),
-                          *over],
+                          "--config", TINY, "--run-dir", str(ref_dir), "--stop-at",
+                          str(min(last, horizon[-1])), *over],
                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-2000:]
     ref_losses = {r["step"]: r["loss"] for r in read_metrics(ref_dir)[0]}
@@ -144,18 +145,17 @@ def test_lose_a_node_train_on_and_grow_back(tmp_path):
     assert all(kept[s]["loss"] == ref_losses[s] for s in before)  # the same layout: bitwise
     # At 2 processes x grad_accum 2 the same batches are summed in another order: the
     # first step (the checkpoint's weights) agrees to 1e-5, the next ones as the other
-    # layout tests' do; later, the rounding differences compound as they would between any
-    # two layouts, so the rest of the run is held to 5%.
-    horizon = range(shrink["step"], shrink["step"] + 6)
+    # layout tests' do (later, the rounding differences compound as between any two
+    # layouts, so the comparison stops there).
     assert_losses_close({s: kept[s]["loss"] for s in horizon if s in kept}, ref_losses,
                         same_weights=(shrink["step"],))
-    for s in kept:
-        assert kept[s]["loss"] == pytest.approx(ref_losses[s], rel=0.05), s
     assert grow["steps_lost"] == 0  # the growth restart stops the workers with SIGTERM: saved
-    # monitor --check names the change
-    out = subprocess.run([sys.executable, "-m", "epscale", "monitor", str(run), "--check"],
-                         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
-    assert "layout_change" in out.stdout and "4 -> 2 processes" in out.stdout, out.stdout
+    # monitor --check names both changes
+    from epscale.monitor import evaluate, load_run
+
+    said = [a.message for a in evaluate(load_run(run)) if a.rule == "layout_change"]
+    assert len(said) == 2 and "layout 4 -> 2 processes" in said[0], said
+    assert "2 rank(s) joined" in said[1], said
 
 
 @pytest.mark.timeout(300)
