@@ -334,3 +334,25 @@ def test_a_smaller_world_that_does_not_fit_memory_is_refused_with_the_numbers():
                                           rf"{need / gib:.1f} GiB.*epscale describe CONFIG "
                                           rf"--world 512.*more than the 80.0 GiB of one H100"):
         check_memory(cfg, 512, 80 * gib, "one H100")
+
+
+def test_the_run_directory_keeps_the_config_as_given(tmp_path):
+    """A run with train.global_batch_size derives grad_accum (here 2 at one process), but
+    its config.yaml and its checkpoints keep the config as given, so both load again (at
+    any world: the derived value would be refused next to global_batch_size)."""
+    from epscale.config import RunConfig, from_dict, load_config
+    from epscale.training.loop import train
+    from test_train import tiny_cfg
+
+    cfg = tiny_cfg(tmp_path, **{"train.global_batch_size": 8, "train.steps": 2,
+                                "train.ckpt_every": 2})
+    result = train(cfg, tmp_path / "run")
+    assert result.step == 2 and result.records[-1]["world_size"] == 1
+    steps, events = read_metrics(tmp_path / "run")
+    start = [e for e in events if e["event"] == "start"][-1]
+    assert (start["grad_accum"], start["global_batch"]) == (2, 8)
+    again = load_config(tmp_path / "run" / "config.yaml")
+    assert (again.train.global_batch_size, again.train.grad_accum) == (8, 1)
+    meta = json.loads((tmp_path / "run" / "checkpoints" / "step_00000002" / "meta.json")
+                      .read_text())
+    assert from_dict(RunConfig, meta["config"]).train.grad_accum == 1

@@ -124,7 +124,9 @@ class Trainer:
                 raise ReportedByRankZero("rank 0 reported a configuration error") from None
             raise ConfigError(no_layout_message(cfg, self.world, str(e), self.previous,
                                                 self.hosts)) from None
-        self.cfg = cfg
+        # The config as given (train.grad_accum not derived), for config.yaml and the
+        # checkpoints: it loads again at any world; self.cfg is this attempt's.
+        self.given_cfg, self.cfg = self.cfg, cfg
         idle = (f"{self.standby} more rank(s) of this elastic attempt stand by: the largest "
                 f"world of whole nodes the config trains at is {self.world} (not "
                 f"{self.world + self.standby}: {why_not(cfg, self.world + self.standby)})"
@@ -135,7 +137,7 @@ class Trainer:
         if self.rank == 0:
             for sub in ("checkpoints", "logs", "heartbeats"):
                 (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
-            dump_yaml(cfg, self.run_dir / "config.yaml")
+            dump_yaml(self.given_cfg, self.run_dir / "config.yaml")
         self._barrier()
         self._log_file = open(self.run_dir / "logs" / f"rank{self.rank}.log", "a")
         self.watchdog = None
@@ -549,7 +551,7 @@ class Trainer:
         self.finish_checkpoint()
         meta = {"data": self.loader.state_dict(), "guard": self.guard.state_dict(),
                 "num_skipped": self.num_skipped, "num_rollbacks": self.num_rollbacks,
-                "config": to_dict(self.cfg)}
+                "config": to_dict(self.given_cfg)}
         extra = {}
         placement = get_placement(self.model)
         if placement is not None:
