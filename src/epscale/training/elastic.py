@@ -173,8 +173,8 @@ def check_memory(cfg: RunConfig, world: int, capacity_bytes: float, what: str) -
 def check_elastic(cfg: RunConfig, min_nodes: int, max_nodes: int, per_node: int,
                   who: str = "epscale launch") -> list[int]:
     """The node counts in ``min_nodes..max_nodes`` at which ``cfg`` trains (each node runs
-    ``per_node`` processes), printed on stderr with the reason for the others. ConfigError
-    when none is left (the largest is checked before, with its own error)."""
+    ``per_node`` processes), printed on stderr with the reason for the others; ConfigError
+    when none is (the launch then checks the run at the largest that trains)."""
     ok, refused = [], []
     for n in range(max_nodes, min_nodes - 1, -1):
         try:
