@@ -356,3 +356,25 @@ def test_the_run_directory_keeps_the_config_as_given(tmp_path):
     meta = json.loads((tmp_path / "run" / "checkpoints" / "step_00000002" / "meta.json")
                       .read_text())
     assert from_dict(RunConfig, meta["config"]).train.grad_accum == 1
+
+
+def test_the_validation_set_is_the_same_at_every_world_of_one_global_batch(tmp_path):
+    """4 ranks x 1 micro-batch and 2 ranks x grad_accum 2 (the same global batch) see the
+    same validation samples; so does one process accumulating 4."""
+    from epscale.config import DataConfig
+    from epscale.training.data import DataLoader, load_data
+    from test_train import corpus
+
+    splits = load_data(DataConfig(source=str(corpus(tmp_path))), 256)
+
+    def val_set(world: int, accum: int) -> list[bytes]:
+        rows = []
+        for rank in range(world):
+            loader = DataLoader(splits, 32, 2, accum, rank, world, seed=0)
+            for x_BS, _y in loader.val_batches(3):
+                rows += [row.numpy().tobytes() for row in x_BS]
+        return sorted(rows)
+
+    four = val_set(4, 1)
+    assert len(four) == 3 * 4 * 2
+    assert val_set(2, 2) == four and val_set(1, 4) == four

@@ -486,6 +486,9 @@ class TrainConfig:
     # bf16 autocast over fp32 weights.
     dtype: str = "auto"
     eval_every: int = 100
+    # Validation global batches (of the step's global batch size each): the same set at
+    # every world that keeps the global batch, so validation losses of an elastic run
+    # compare across its layouts.
     eval_batches: int = 8
     log_every: int = 1
     ckpt_every: int = 100

@@ -273,12 +273,15 @@ class DataLoader:
         self._micro = 0
 
     def val_batches(self, num_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's share of the fixed validation set: the same batches at every eval."""
-        total = num_batches * self.world * self.B
+        """This rank's share of the fixed validation set, ``num_batches`` global batches
+        (``samples_per_step`` samples each): the same batches at every eval, and the same
+        set at every world size that keeps the global batch (an elastic restart), split into
+        ``num_batches x grad_accum`` micro-batches per rank."""
+        total = num_batches * self.samples_per_step
         choice = self.choose(0, total, salt=_VAL_SALT)
         within = self._within(choice, np.zeros(len(self.samplers), dtype=np.int64))
         out = []
-        for i in range(num_batches):
+        for i in range(num_batches * self.accum):
             lo = (i * self.world + self.rank) * self.B
             out.append(self._read(self.val_samplers, choice[lo:lo + self.B],
                                   within[lo:lo + self.B]))
