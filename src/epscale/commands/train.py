@@ -181,8 +181,9 @@ def _fork_agent(argv: list[str], env: dict[str, str]) -> int:
     forked child, which has torch imported already (a new interpreter would spend seconds
     importing it again before the workers start). The child leads a session of its own
     (a terminal's Ctrl-C reaches only this launcher, which makes it a graceful stop) and
-    gets SIGTERM when this process dies. This process runs nothing in threads at this
-    point, so the fork copies no lock held by another thread."""
+    gets SIGTERM when this process dies. No Python thread runs here at this point (the
+    native BLAS/OpenMP pools of numpy and torch may, but the agent does no tensor math),
+    so the fork copies no Python-level lock held by another thread."""
     preexec = parent_death_preexec(signal.SIGTERM)
     sys.stdout.flush()
     sys.stderr.flush()

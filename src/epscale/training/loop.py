@@ -685,15 +685,17 @@ class Trainer:
 
     def close(self, clean: bool = True) -> None:
         """Tear down whatever setup got to (it may have failed half-way)."""
-        for part in ("watchdog", "collector", "writer", "_log_file"):
-            obj = getattr(self, part, None)
-            if obj is not None:
-                (obj.stop if part == "watchdog" else obj.close)()
-        if getattr(self, "rank", None) == 0:
-            (self.run_dir / STOP_FILE).unlink(missing_ok=True)
-            if self.standby:
-                release_standby(self.run_dir)
-        shutdown(clean, destroy=getattr(self, "_owns_group", True))
+        try:
+            for part in ("watchdog", "collector", "writer", "_log_file"):
+                obj = getattr(self, part, None)
+                if obj is not None:
+                    (obj.stop if part == "watchdog" else obj.close)()
+            if getattr(self, "rank", None) == 0:
+                (self.run_dir / STOP_FILE).unlink(missing_ok=True)
+        finally:
+            if getattr(self, "rank", None) == 0 and self.standby:
+                release_standby(self.run_dir)  # even after a failed teardown: they would wait
+            shutdown(clean, destroy=getattr(self, "_owns_group", True))
 
 
 def train(cfg: RunConfig, run_dir: str | Path, env: LaunchEnv | None = None,
