@@ -97,6 +97,21 @@ def test_errors_name_the_path(tmp_path, case):
     assert str(path) in str(info.value)
 
 
+def global_batches(loaders: list, steps: int, accum: int) -> list[torch.Tensor]:
+    """``steps`` global batches drawn through one DataLoader per rank (micro-batch by
+    micro-batch, rank by rank), each the concatenation of every rank's inputs."""
+    out = []
+    for _step in range(steps):
+        rows = []
+        for _m in range(accum):
+            for ld in loaders:
+                rows.append(ld.next_micro_batch()[0])
+        for ld in loaders:
+            ld.end_step()
+        out.append(torch.cat(rows))
+    return out
+
+
 def _splits(n=20000, seed=0):
     rng = np.random.default_rng(seed)
     return Splits(rng.integers(0, 256, n, dtype=np.uint8), rng.integers(0, 256, 3000, dtype=np.uint8), "rand")
@@ -107,16 +122,7 @@ def test_ranks_read_disjoint_windows_and_resharding_keeps_the_global_batch():
 
     def step_batches(world, B, accum=1):
         loaders = [DataLoader(s, 32, B, accum, r, world, seed=5) for r in range(world)]
-        out = []
-        for _step in range(3):
-            rows = []
-            for _m in range(accum):
-                for ld in loaders:
-                    rows.append(ld.next_micro_batch()[0])
-            for ld in loaders:
-                ld.end_step()
-            out.append(torch.cat(rows))
-        return out
+        return global_batches(loaders, 3, accum)
 
     two = step_batches(2, 2)
     one = step_batches(1, 4)

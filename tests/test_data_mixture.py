@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_data import global_batches
 from test_data_prepare import stdlib_texts
 
 from epscale.config import ConfigError, DataConfig, load_config
@@ -71,16 +72,7 @@ def _steps(mix, world, B, steps, accum=1, start_state=None):
     if start_state is not None:
         for ld in loaders:
             ld.load_state_dict(start_state)
-    out = []
-    for _ in range(steps):
-        rows = []
-        for _m in range(accum):
-            for ld in loaders:
-                rows.append(ld.next_micro_batch()[0])
-        for ld in loaders:
-            ld.end_step()
-        out.append(torch.cat(rows))
-    return out, loaders[0]
+    return global_batches(loaders, steps, accum), loaders[0]
 
 
 def test_mixture_proportions_and_no_repeats_within_an_epoch():
