@@ -101,6 +101,15 @@ class ParallelDims:
         else:
             self.dp_shard, self.efsdp, self.replica_rank, self.efsdp_rank = 1, 1, 0, 0
 
+    def background_group(self):
+        """A gloo group over the whole world for the collectives of background checkpoint
+        saves (DCP ``async_save`` runs them in a thread beside training's; a group of their
+        own keeps the two apart). Created on first use: every rank calls this at the same
+        save."""
+        if getattr(self, "_background_group", None) is None:
+            self._background_group = dist.new_group(backend="gloo")
+        return self._background_group
+
     def _build_fsdp_meshes(self, ranks: torch.Tensor, rep: int) -> None:
         if not isinstance(rep, int) or rep < 1 or self.dp % rep:
             raise ConfigError(f"parallel key 'dp_replicate' = {rep!r} is invalid: it must divide "

@@ -144,6 +144,10 @@ class SingleProcessDims:
     ep_group = dp_group = mesh = None
     fsdp, dp_replicate, dp_shard, efsdp = False, 1, 1, 1
 
+    @staticmethod
+    def background_group():
+        return None  # one process: background saves need no collectives
+
 
 def resolve_layout(par: ParallelConfig, world_size: int, num_experts: int) -> tuple[int, int, str | None]:
     """(dp, ep, note) for ``world_size`` processes: dp is the number of ranks that hold a

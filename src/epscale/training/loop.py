@@ -90,7 +90,6 @@ class Trainer:
         self._verified: set[Path] = set()  # checkpoints hashed by this process
         self._save_failures = 0            # failed saves in a row
         self._pending: ckpt.PendingSave | None = None   # an async save not finished yet
-        self._ckpt_group = None            # gloo group of the async saves' collectives
         self._layout_change: dict | None = None  # an elastic restart's, until its first step
         self.standby = 0  # ranks of this attempt past the world it trains at (elastic)
 
@@ -559,13 +558,12 @@ class Trainer:
         if self.rebalancer is not None:
             extra[REBALANCER_FILE] = self.rebalancer.state_dict()
         background = self.cfg.train.async_checkpoint and not blocking
-        if background and self._ckpt_group is None and dist.is_initialized():
-            self._ckpt_group = dist.new_group(backend="gloo")
         t0 = time.perf_counter()
         pending = ckpt.save_async(self.run_dir, self.step, self.model, self.opt, self.dims, meta,
                                   keep=self.cfg.train.ckpt_keep, extra_files=extra,
                                   verified=self._verified, report=self._warn,
-                                  background=background, process_group=self._ckpt_group)
+                                  background=background,
+                                  process_group=self.dims.background_group() if background else None)
         if background and pending.failed is None:
             self._pending = pending
             dt = time.perf_counter() - t0
