@@ -53,7 +53,7 @@ def token_file(tmp_path_factory):
 
 
 def experts_w1(model, layer):
-    return model.layers[layer].ffn.experts.w1.detach()
+    return model.layers[str(layer)].ffn.experts.w1.detach()
 
 
 @pytest.mark.parametrize("name", list(DENSE))
@@ -74,10 +74,10 @@ def test_upcycled_logits_equal_the_dense_model_at_step_0(name, dense_dirs, tmp_p
     drop = tmp_path / "drop"
     upcycle(hf_dir, drop, 4, 2, drop_ratio=0.5, report=lambda m: None)
     dm, _, _ = load_model(drop)
-    d1, d2 = experts_w1(dm, 0), dm.layers[0].ffn.experts.w2.detach()
+    d1, d2 = experts_w1(dm, 0), dm.layers["0"].ffn.experts.w2.detach()
     changed_cols = [(d1[e] != w1[e]).any(0) for e in range(4)]
     assert all(int(c.sum()) == 24 for c in changed_cols)                    # 0.5 x F=48
-    assert all(torch.equal((d2[e] != model.layers[0].ffn.experts.w2[e]).any(1), changed_cols[e])
+    assert all(torch.equal((d2[e] != model.layers["0"].ffn.experts.w2[e]).any(1), changed_cols[e])
                for e in range(4))
     assert not torch.equal(changed_cols[0], changed_cols[1])
     with torch.no_grad():

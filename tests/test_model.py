@@ -26,9 +26,9 @@ def cfg(*over: str):
 def test_glam_layer_pattern():
     c = cfg("model.num_dense_layers=1", "model.moe_every=2")
     m = Transformer(c.model, c.moe)
-    kinds = [type(b.ffn) for b in m.layers]
+    kinds = [type(b.ffn) for b in m.layers.values()]
     assert kinds == [FeedForward, MoE, FeedForward, MoE]
-    assert [b.layer_id for b in m.layers if b.is_moe] == [1, 3]
+    assert [b.layer_id for b in m.layers.values() if b.is_moe] == [1, 3]
     assert len(m.moe_layers()) == 2
 
 
@@ -177,7 +177,7 @@ def test_cached_forward_equals_the_full_forward(over):
 
 def test_qk_norm_normalises_each_head_before_rope():
     c = cfg("model.qk_norm=true", "model.num_kv_heads=2")
-    attn = Transformer(c.model, c.moe).layers[0].attention
+    attn = Transformer(c.model, c.moe).layers["0"].attention
     assert attn.q_norm.weight.shape == (8,) and attn.k_norm.weight.shape == (8,)
     x = torch.randn(1, 5, 32)
     with torch.no_grad():

@@ -194,7 +194,7 @@ def test_update_expert_biases_moves_toward_balance():
                              "moe.hidden_dim=16", "moe.num_experts=4"])
     model = Transformer(cfg.model, cfg.moe)
     update_expert_biases(model, SingleProcessDims(), 0.1, {0: [10, 0, 5, 5]})
-    bias = model.layers[0].ffn.router.expert_bias
+    bias = model.layers["0"].ffn.router.expert_bias
     assert bias.tolist() == pytest.approx([-0.1, 0.1, 0.0, 0.0])
 
 

@@ -343,7 +343,9 @@ class Transformer(nn.Module):
             raise ValueError(f"moe.dim={moe_cfg.dim} must equal model.dim={cfg.dim}")
         self.cfg, self.moe_cfg = cfg, moe_cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg, moe_cfg, i) for i in range(cfg.num_layers))
+        # keyed by layer index (names layers.{i}. as a list would): a pipeline stage keeps
+        # only its own blocks, under the same names (epscale.parallel.pipeline)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, moe_cfg, i) for i in range(cfg.num_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.doc_eos_id: int | None = None  # set_document_masking
@@ -382,11 +384,11 @@ class Transformer(nn.Module):
 
     def moe_layers(self) -> list[MoE]:
         """The MoE layers, in depth order."""
-        return [b.ffn for b in self.layers if isinstance(b.ffn, MoE)]
+        return [b.ffn for b in self.layers.values() if isinstance(b.ffn, MoE)]
 
     def set_timer(self, timer: Callable[[str], ContextManager]) -> None:
         """Route the 'attention' and MoE ('router', 'dispatch', ...) sections to ``timer``."""
-        for block in self.layers:
+        for block in self.layers.values():
             block.timer = timer
         for moe in self.moe_layers():
             moe.timer = timer
@@ -404,11 +406,16 @@ class Transformer(nn.Module):
         mask_B1SS = None
         if self.doc_eos_id is not None and cache is None:
             mask_B1SS = document_mask(tokens_BS, self.doc_eos_id)
-        for i, block in enumerate(self.layers):
+        for block in self.layers.values():
             if cache is not None:
-                h_BSD = block(h_BSD, cache.layers[i])
+                h_BSD = block(h_BSD, cache.layers[block.layer_id])
             else:
                 h_BSD = block(h_BSD) if mask_B1SS is None else block(h_BSD, None, mask_B1SS)
+        return self.logits(h_BSD)
+
+    def logits(self, h_BSD: torch.Tensor) -> torch.Tensor:
+        """The final norm and the output head: fp32 logits [B, S, V] of the last block's
+        output."""
         h_BSD = self.norm(h_BSD)
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight
         return F.linear(h_BSD, weight.to(h_BSD.dtype)).float()
@@ -417,7 +424,7 @@ class Transformer(nn.Module):
         logits_BSV = self(tokens_BS)
         if self.doc_eos_id is not None:  # no loss across the EOS -> next-document join
             targets_BS = targets_BS.masked_fill(tokens_BS == self.doc_eos_id, -100)
-        return F.cross_entropy(logits_BSV.view(-1, logits_BSV.shape[-1]), targets_BS.reshape(-1))
+        return next_token_loss(logits_BSV, targets_BS)
 
     def aux_loss(self) -> torch.Tensor:
         """Sum of the MoE layers' router losses from the last forward (0-dim tensor)."""
@@ -425,6 +432,11 @@ class Transformer(nn.Module):
         for moe in self.moe_layers():
             total = total + moe.aux_loss.to(total.device)
         return total
+
+
+def next_token_loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of the logits against the next tokens (targets -100 skipped)."""
+    return F.cross_entropy(logits_BSV.view(-1, logits_BSV.shape[-1]), targets_BS.reshape(-1))
 
 
 def iter_named_expert_params(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
@@ -454,11 +466,15 @@ def build_meta_model(cfg: RunConfig) -> Transformer:
         return Transformer(cfg.model, cfg.moe)
 
 
-def materialize(model: Transformer, device: torch.device | str, seed: int, dims=None) -> None:
+def materialize(model: Transformer, device: torch.device | str, seed: int, dims=None,
+                roots: list[nn.Module] | None = None) -> None:
     """Allocate a (parallelized, possibly FSDP-sharded) meta-device ``model`` on
     ``device`` and fill each rank's shard of every parameter with the values a
-    single-process :func:`build_model` of ``seed`` holds there; buffers are set again."""
-    model.to_empty(device=device)
+    single-process :func:`build_model` of ``seed`` holds there; buffers are set again.
+    ``roots``: the modules FSDP was applied to last, when not ``model`` itself (the
+    pipeline stages of a rank: together they hold all of its parameters)."""
+    for root in roots or [model]:
+        root.to_empty(device=device)
     mark_all_expert_params(model)  # to_empty registered new parameter objects
     initialize_(model, model.param_init, seed, dims)
     reset_buffers_(model)

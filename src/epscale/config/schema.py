@@ -339,9 +339,21 @@ class ParallelConfig:
     redundant_experts: int = 0
     rebalance_every: int = 100
     rebalance_window: int | None = None
+    # Pipeline parallelism (torch.distributed.pipelining): pp stages of consecutive layers,
+    # world = pp x (the layout above, inside each stage); train.grad_accum (or what
+    # train.global_batch_size derives) is the number of micro-batches each step pipelines.
+    # pp_schedule: 1f1b | gpipe (one stage per rank) | interleaved_1f1b | zero_bubble
+    # (pp_virtual_stages >= 2 stages per rank, looped) | zbv | dualpipev (two stages per
+    # rank in a V). pp_layers_per_stage: layers of each of the pp x virtual stages, in
+    # order (null: balanced by compute).
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_virtual_stages: int = 1
+    pp_layers_per_stage: list[int] | None = None
 
     def __post_init__(self) -> None:
         choice("parallel.payload", self.payload, ("auto", "bf16", "fp8"))
+        self._check_pipeline()
         for name in ("redundant_experts", "rebalance_every"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
@@ -366,6 +378,30 @@ class ParallelConfig:
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             fail("parallel.ranks_per_node", self.ranks_per_node, "must be >= 1 or null")
         self._check_fsdp()
+
+    def _check_pipeline(self) -> None:
+        for name in ("pp", "pp_virtual_stages"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                fail(f"parallel.{name}", v, "must be a positive integer")
+        choice("parallel.pp_schedule", self.pp_schedule, tuple(PP_SCHEDULES))
+        if self.pp > 1:
+            pp_stages_per_rank(self.pp_schedule, self.pp_virtual_stages)  # names the keys
+            if self.redundant_experts:
+                fail("parallel.redundant_experts", self.redundant_experts,
+                     "cannot be combined with parallel.pp > 1 yet (re-placement plans all "
+                     "MoE layers together, and a pipeline stage holds only some of them); "
+                     "set it to 0, or parallel.pp: 1")
+            if self.spill_threshold is not None:
+                fail("parallel.spill_threshold", self.spill_threshold,
+                     "cannot be combined with parallel.pp > 1 yet (not tested with pipeline "
+                     "stages); set it to null, or parallel.pp: 1")
+        if self.pp_layers_per_stage is not None:
+            v = self.pp_layers_per_stage
+            if not isinstance(v, list) or not v or any(
+                    not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in v):
+                fail("parallel.pp_layers_per_stage", v, "must be a list of positive layer "
+                     "counts, one per pipeline stage (pp x stages per rank), or null")
 
     def _check_fsdp(self) -> None:
         if not isinstance(self.dp_replicate, int) or self.dp_replicate < 1:
@@ -398,6 +434,32 @@ class ParallelConfig:
                  "cannot be combined with parallel.fsdp: true yet (spill-over ships an "
                  "expert's whole weights to a helper rank, and FSDP holds only shards of "
                  "them outside the experts' forward); set it to null, or parallel.fsdp: false")
+
+
+# parallel.pp_schedule -> how its stages sit on the ranks: "single" (one stage per rank),
+# "loop" (pp_virtual_stages >= 2 per rank, stage s on rank s mod pp) or "v" (two per rank:
+# stages r and 2 pp - 1 - r).
+PP_SCHEDULES = {"1f1b": "single", "gpipe": "single", "interleaved_1f1b": "loop",
+                "zero_bubble": "loop", "zbv": "v", "dualpipev": "v"}
+
+
+def pp_stages_per_rank(schedule: str, virtual_stages: int) -> int:
+    """Stages each pipeline rank holds under ``schedule`` (ConfigError naming the keys when
+    parallel.pp_virtual_stages does not suit it)."""
+    kind = PP_SCHEDULES[schedule]
+    if kind == "single" and virtual_stages != 1:
+        fail("parallel.pp_virtual_stages", virtual_stages,
+             f"must be 1 with parallel.pp_schedule: {schedule} (one stage per rank); "
+             "interleaved_1f1b and zero_bubble take 2 or more")
+    if kind == "loop" and virtual_stages < 2:
+        fail("parallel.pp_virtual_stages", virtual_stages,
+             f"must be 2 or more with parallel.pp_schedule: {schedule} (it interleaves "
+             "several stages per rank); for one stage per rank use 1f1b")
+    if kind == "v" and virtual_stages not in (1, 2):
+        fail("parallel.pp_virtual_stages", virtual_stages,
+             f"must be 2 (or 1, read as 2) with parallel.pp_schedule: {schedule}: each rank "
+             "holds two stages in a V")
+    return 2 if kind == "v" else virtual_stages
 
 
 @dataclass
@@ -598,5 +660,34 @@ class RunConfig:
         if self.moe.dim != self.model.dim:
             fail("moe.dim", self.moe.dim, f"must equal model.dim ({self.model.dim})")
         choice("scale", self.scale, ("full", "tiny"))
+        if self.scale == "full":  # a 'tiny' recipe is checked once it is shrunk
+            self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        par, m = self.parallel, self.model
+        if par.pp == 1:
+            if par.pp_layers_per_stage is not None and par.pp_layers_per_stage != [m.num_layers]:
+                fail("parallel.pp_layers_per_stage", par.pp_layers_per_stage,
+                     "splits the layers into stages, and parallel.pp is 1: set parallel.pp, "
+                     "or drop the key")
+            return
+        stages = par.pp * pp_stages_per_rank(par.pp_schedule, par.pp_virtual_stages)
+        if m.num_layers < stages:
+            fail("parallel.pp", par.pp, f"x {stages // par.pp} stage(s) per rank "
+                 f"(parallel.pp_schedule: {par.pp_schedule}) = {stages} pipeline stages needs "
+                 f"at least as many layers; model.num_layers is {m.num_layers}")
+        split = par.pp_layers_per_stage
+        if split is not None and (len(split) != stages or sum(split) != m.num_layers):
+            fail("parallel.pp_layers_per_stage", split,
+                 f"must hold {stages} layer counts (parallel.pp = {par.pp} x {stages // par.pp} "
+                 f"stage(s) per rank) that add up to model.num_layers = {m.num_layers}")
+        if m.tie_embeddings:
+            fail("model.tie_embeddings", True, "cannot be combined with parallel.pp > 1 (the "
+                 "embedding sits on the first stage and the output head on the last); set "
+                 "model.tie_embeddings: false, or parallel.pp: 1")
+        if self.data.doc_masking:
+            fail("data.doc_masking", True, "cannot be combined with parallel.pp > 1 yet (the "
+                 "later stages do not see the token ids the mask is made from); set "
+                 "data.doc_masking: false, or parallel.pp: 1")
 
 

@@ -82,12 +82,18 @@ class StepStatsCollector:
         records is listed in its layer's ``dead_experts``.
     flops_per_token / peak_flops: for MFU (see ``epscale.metrics.flops``); MFU is 0.0 when
         flops_per_token is not given. peak_flops None: ``flops.peak_flops(device)``.
+    all_layers / pp: under pipeline parallelism a rank holds only its stages' MoE layers;
+        ``all_layers`` lists every MoE layer of the whole model as (layer id, experts,
+        top-k), so that every rank packs the same slots (zeros for the layers it does not
+        hold) and the record lists each layer once under its global id; ``pp`` stages
+        each count the step's tokens, so the token total is divided by it.
     """
 
     def __init__(self, model: nn.Module, *, ep: int = 1, group: Any = None,
                  device: torch.device | str | None = None,
                  expert_to_rank: Sequence[int] | None = None, dead_after_steps: int = 50,
-                 flops_per_token: float | None = None, peak_flops: float | None = None):
+                 flops_per_token: float | None = None, peak_flops: float | None = None,
+                 all_layers: Sequence[tuple[int, int, int]] | None = None, pp: int = 1):
         self.layers = named_moe_layers(model)
         if device is None:
             p = next(model.parameters(), None)
@@ -105,8 +111,17 @@ class StepStatsCollector:
         self.dead_after_steps = dead_after_steps
         self.flops_per_token = float(flops_per_token or 0.0)
         self.peak_flops = float(peak_flops) if peak_flops else _peak_flops(self.device)
-        self.num_experts = [m.cfg.num_experts for _i, _n, m in self.layers]
-        self.top_k = [m.cfg.top_k for _i, _n, m in self.layers]
+        self.pp = pp
+        local = {lid: i for i, (lid, _n, _m) in enumerate(self.layers)}
+        if all_layers is None:
+            all_layers = [(lid, m.cfg.num_experts, m.cfg.top_k) for lid, _n, m in self.layers]
+        elif not set(local) <= {lid for lid, _e, _k in all_layers}:
+            raise ValueError(f"StepStatsCollector: the model's MoE layers {sorted(local)} are "
+                             f"not all in all_layers {[lid for lid, _e, _k in all_layers]}")
+        # one slot per MoE layer of the whole model: (layer id, index among this rank's or None)
+        self.slots = [(lid, local.get(lid)) for lid, _e, _k in all_layers]
+        self.num_experts = [E for _lid, E, _k in all_layers]
+        self.top_k = [k for _lid, _E, k in all_layers]
         self.expert_to_rank: list[np.ndarray] = []
         for E in self.num_experts:
             if expert_to_rank is not None:
@@ -120,8 +135,8 @@ class StepStatsCollector:
                 placement = np.arange(E) // (E // ep)
             self.expert_to_rank.append(placement)
         self.placement = None
-        self._dev_acc = [torch.zeros(E + len(_LAYER_DEV), dtype=torch.float64, device=self.device)
-                         for E in self.num_experts]
+        self._dev_acc = [torch.zeros(m.cfg.num_experts + len(_LAYER_DEV), dtype=torch.float64,
+                                     device=self.device) for _lid, _n, m in self.layers]
         self._host_acc = [[0, 0] for _ in self.layers]
         self._zero_streak = [np.zeros(E, dtype=np.int64) for E in self.num_experts]
         self._hooks = [m.register_forward_hook(self._make_hook(i))
@@ -164,11 +179,11 @@ class StepStatsCollector:
         None returns to ``expert_to_rank``. Call again after every re-placement."""
         if placement is not None:
             L, E = placement.replica_count.shape
-            if L != len(self.layers) or placement.num_ranks != self.ep or \
+            if L != len(self.slots) or placement.num_ranks != self.ep or \
                     any(n != E for n in self.num_experts):
                 raise ValueError(f"StepStatsCollector.set_placement: the placement is for {L} "
                                  f"layers x {E} experts over {placement.num_ranks} ranks; the "
-                                 f"collector has {len(self.layers)} layers over ep={self.ep}")
+                                 f"collector has {len(self.slots)} layers over ep={self.ep}")
         self.placement = placement
 
     def attach_timer(self, timers: Any) -> None:
@@ -209,23 +224,31 @@ class StepStatsCollector:
         import time as _time
 
         bd = dict(breakdown or {})
-        L = len(self.layers)
+        L = len(self.slots)
         # Host part: globals, breakdown, per-layer host counters, per-rank slots.
         loss_t = loss.detach().double().reshape(()) if isinstance(loss, torch.Tensor) else None
         host: list[float] = [0.0 if loss is None or loss_t is not None else float(loss),
                              0.0 if loss is None else 1.0, float(num_tokens)]
         host += [float(bd.get(k, 0.0)) for k in STANDARD_SECTIONS]
-        for idx, (_lid, _name, m) in enumerate(self.layers):
-            host += [float(v) for v in self._host_acc[idx]]
+        for _lid, idx in self.slots:
+            host += [0.0, 0.0] if idx is None else [float(v) for v in self._host_acc[idx]]
         rank_slots = np.zeros((self.world, len(_RANK_FIELDS)))
         mem = process_memory_mb(self.device) if mem_mb is None else float(mem_mb)
         rank_slots[self.rank] = [step_time_s, mem, float(bd.get("sync", 0.0)), num_tokens]
         host_t = torch.tensor(host + rank_slots.reshape(-1).tolist(), dtype=torch.float64)
         # Device part: per-layer counters, expert-bias ranges, the loss tensor.
-        dev_parts = [acc for acc in self._dev_acc]
+        def absent(n: int) -> torch.Tensor:  # a layer another pipeline stage holds
+            return torch.zeros(n, dtype=torch.float64, device=self.device)
+
+        dev_parts = [absent(E + len(_LAYER_DEV)) if idx is None else self._dev_acc[idx]
+                     for (_lid, idx), E in zip(self.slots, self.num_experts)]
         with torch.no_grad():
-            for _lid, _name, m in self.layers:
-                bias = m.router.expert_bias.detach().to(self.device, torch.float64)
+            for _lid, idx in self.slots:
+                if idx is None:
+                    dev_parts.append(absent(2))
+                    continue
+                bias = self.layers[idx][2].router.expert_bias.detach().to(self.device,
+                                                                          torch.float64)
                 dev_parts.append(torch.stack([bias.min(), bias.max()]))
             # Always one loss slot, so every rank packs the same layout.
             dev_parts.append(loss_t.to(self.device).reshape(1) if loss_t is not None
@@ -246,13 +269,14 @@ class StepStatsCollector:
             dropped.append(vals[pos + E + 2])
             pos += E + len(_LAYER_DEV)
         bias_rng = []
+        holders = self.world / self.pp  # the ranks that hold each layer
         for _ in range(L):
-            bias_rng.append((vals[pos] / self.world, vals[pos + 1] / self.world))
+            bias_rng.append((vals[pos] / holders, vals[pos + 1] / holders))
             pos += 2
         loss_sum = vals[pos]  # the tensor-loss slot
         pos += 1
         loss_sum += vals[pos]
-        loss_n, tokens_total = vals[pos + 1], vals[pos + 2]
+        loss_n, tokens_total = vals[pos + 1], vals[pos + 2] / self.pp
         pos += 3
         bd_sum = vals[pos:pos + len(STANDARD_SECTIONS)]
         pos += len(STANDARD_SECTIONS)
@@ -280,7 +304,7 @@ class StepStatsCollector:
         idle_by_rank = np.zeros(self.ep)
         placed_loads_LR = (self.placement.rank_loads(np.asarray(counts_by_layer, dtype=np.float64))
                         if self.placement is not None and self.layers else None)
-        for idx, (lid, _name, m) in enumerate(self.layers):
+        for idx, (lid, _local) in enumerate(self.slots):
             counts = counts_by_layer[idx]
             n_tok, n_fwd = layer_host[idx]
             n_drop = dropped[idx]

@@ -83,6 +83,9 @@ class MoE(nn.Module):
         # Step-time breakdown hook: the trainer sets this to its timer's ``section(name)``;
         # sections used here: 'router', 'dispatch', 'experts', 'combine'.
         self.timer: Callable[[str], ContextManager] = lambda name: contextlib.nullcontext()
+        # the ranks the global-batch balance loss (aux_loss_scope: global) reduces over:
+        # None is the default group; epscale.parallelize sets this pipeline stage's ranks
+        self.balance_group = None
 
     # ------------------------------------------------------------------ checks
     def _check_input(self, x: torch.Tensor) -> None:
@@ -131,7 +134,8 @@ class MoE(nn.Module):
         if cfg.aux_loss_coeff > 0:
             if cfg.aux_loss_scope == "global":
                 # f_e over every rank's batch (one all-reduce of E+1 numbers)
-                balance = global_batch_balance_loss(route.scores_TE, route.chosen_TK, E)
+                balance = global_batch_balance_loss(route.scores_TE, route.chosen_TK, E,
+                                                    group=self.balance_group)
             else:
                 balance = load_balance_loss(route.scores_TE, route.chosen_TK, E)
             loss = loss + cfg.aux_loss_coeff * balance

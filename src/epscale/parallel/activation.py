@@ -52,6 +52,15 @@ def run(fn: Callable[..., torch.Tensor], mode: str, *args) -> torch.Tensor:
     raise ValueError(f"activation checkpointing mode {mode!r}; allowed: {', '.join(MODES)}")
 
 
+def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks of ``model`` (its ``layers``: a ModuleDict keyed by layer
+    index, as epscale's Transformer holds them, or a list), in depth order; [] without."""
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        return []
+    return list(layers.values()) if isinstance(layers, torch.nn.ModuleDict) else list(layers)
+
+
 def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> None:
     """Set every transformer block of ``model`` (``model.layers``) to ``mode`` (after
     ``epscale.parallelize``). With recomputation, the CPU path's kept buffers are turned
@@ -60,7 +69,7 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> None:
     depending on what else still holds it."""
     if mode not in MODES:
         raise ValueError(f"train.activation_checkpointing = {mode!r}; allowed: {', '.join(MODES)}")
-    for block in getattr(model, "layers", ()):
+    for block in transformer_blocks(model):
         block.checkpointing = mode
     if mode != "none":
         for moe in moe_layers(model):

@@ -1,5 +1,5 @@
-"""The process layout: dp x ep ranks (and, with FSDP, dp_replicate x dp_shard) and every
-process group, built once.
+"""The process layout: pp pipeline stages, each of dp x ep ranks (and, with FSDP,
+dp_replicate x dp_shard), and every process group, built once.
 
 Legend: E global experts, e = E/ep local experts, P ranks in an EP group, N nodes, L ranks
 of one EP group per node.
@@ -10,6 +10,14 @@ Rank layout: ``rank = dp_rank * ep + ep_rank``, so the ranks of one EP group are
 efsdp + efsdp_rank``: the dense mesh is (dp_replicate, dp_shard = efsdp x ep), the expert
 mesh (dp_replicate, efsdp, ep), both over the same ranks. Every process group is built
 here, once, through DeviceMeshes; the rest of the package only reads them.
+
+Pipeline parallelism (pp > 1) is the outermost dimension: ``rank = pp_rank * S +
+stage_rank`` with S = world / pp ranks per stage, and every mesh above is built over one
+stage's S ranks (the meshes carry a leading "pp" dimension and are sliced to the stage),
+so EP and FSDP stay inside a stage and only the activations between stages cross it.
+``pp_group`` joins the ranks with the same ``stage_rank`` (one per stage: the pipeline's
+point-to-point traffic), ``stage_group`` the S ranks of this stage (the data-parallel
+world: gradients are averaged over it).
 """
 
 from __future__ import annotations
@@ -38,6 +46,10 @@ class ParallelDims:
     node of the EP group) and ep_intra_group (the EP group's ranks on this node); either is
     None when it would hold a single rank.
 
+    ``pp`` > 1: pp pipeline stages of dp x ep ranks each (world = pp x dp x ep); adds
+    pp_rank, stage_rank, stage_size, pp_group, stage_group (see the module docstring);
+    every mesh and group above is then this stage's.
+
     ``fsdp=True`` (with ``dp_replicate``, which must divide dp) adds: dp_shard, efsdp,
     replica_rank, efsdp_rank, dense_mesh (dp_replicate, dp_shard), expert_mesh
     (dp_replicate, efsdp, ep), expert_dp_mesh (its (dp_replicate, efsdp) part: where FSDP
@@ -46,19 +58,22 @@ class ParallelDims:
     """
 
     def __init__(self, dp: int = 1, ep: int = 1, ranks_per_node: int | None = None,
-                 dp_replicate: int = 1, fsdp: bool = False):
+                 dp_replicate: int = 1, fsdp: bool = False, pp: int = 1):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ParallelDims needs torch.distributed: call "
                                "torch.distributed.init_process_group(...) first")
-        for key, v in (("dp", dp), ("ep", ep)):
+        for key, v in (("dp", dp), ("ep", ep), ("pp", pp)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"parallel key '{key}' = {v!r} is invalid: must be a positive integer")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        if dp * ep != self.world_size:
-            raise ConfigError(f"parallel dp={dp} x ep={ep} = {dp * ep} must equal the world size "
+        if pp * dp * ep != self.world_size:
+            what = f"pp={pp} x dp={dp} x ep={ep}" if pp > 1 else f"dp={dp} x ep={ep}"
+            raise ConfigError(f"parallel {what} = {pp * dp * ep} must equal the world size "
                               f"{self.world_size} (the number of processes started)")
-        self.dp, self.ep = dp, ep
-        self.dp_rank, self.ep_rank = divmod(self.rank, ep)
+        self.dp, self.ep, self.pp = dp, ep, pp
+        self.stage_size = dp * ep
+        self.pp_rank, self.stage_rank = divmod(self.rank, self.stage_size)
+        self.dp_rank, self.ep_rank = divmod(self.stage_rank, ep)
         if ranks_per_node is None:
             ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
         if (not isinstance(ranks_per_node, int) or ranks_per_node < 1
@@ -79,16 +94,23 @@ class ParallelDims:
         device_type = "cuda" if "nccl" in backend and torch.cuda.is_available() else "cpu"
         self.device_type = device_type
         ranks = torch.arange(self.world_size)
-        self.mesh = DeviceMesh(device_type, ranks.view(dp, ep), mesh_dim_names=("dp", "ep"))
+        self.mesh = self._stage_mesh((dp, ep), ("dp", "ep"))
         self.ep_group = self.mesh.get_group("ep")
         self.dp_group = self.mesh.get_group("dp")
         self.world_group = dist.group.WORLD
+        self.pp_group, self.stage_group = None, self.world_group
+        if pp > 1:
+            self.pp_group = self._pp_mesh.get_group("pp")
+            for stage in range(pp):  # every rank creates every stage's group, in order
+                group = dist.new_group(list(range(stage * self.stage_size,
+                                                  (stage + 1) * self.stage_size)))
+                if stage == self.pp_rank:
+                    self.stage_group = group
         self.ep_inter_group = self.ep_intra_group = None
         N, L = self.ep_num_nodes, self.ep_ranks_per_node
         if N > 1:
             # (dp, node of the EP group, local index): inter = vary the node, intra = vary local.
-            self._node_mesh = DeviceMesh(device_type, ranks.view(dp, N, L),
-                                         mesh_dim_names=("dp", "ep_node", "ep_local"))
+            self._node_mesh = self._stage_mesh((dp, N, L), ("dp", "ep_node", "ep_local"))
             self.ep_inter_group = self._node_mesh.get_group("ep_node")
             if L > 1:
                 self.ep_intra_group = self._node_mesh.get_group("ep_local")
@@ -100,6 +122,18 @@ class ParallelDims:
             self._build_fsdp_meshes(ranks, dp_replicate)
         else:
             self.dp_shard, self.efsdp, self.replica_rank, self.efsdp_rank = 1, 1, 0, 0
+
+    def _stage_mesh(self, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+        """A DeviceMesh of ``shape`` (named ``names``) over this pipeline stage's ranks
+        (the whole world when pp is 1)."""
+        ranks = torch.arange(self.world_size)
+        if self.pp == 1:
+            return DeviceMesh(self.device_type, ranks.view(*shape), mesh_dim_names=names)
+        full = DeviceMesh(self.device_type, ranks.view(self.pp, *shape),
+                          mesh_dim_names=("pp", *names))
+        if not hasattr(self, "_pp_mesh"):
+            self._pp_mesh = full
+        return full[names]
 
     def background_group(self):
         """A gloo group over the whole world for the collectives of background checkpoint
@@ -118,17 +152,19 @@ class ParallelDims:
         self.dp_shard, self.efsdp = efsdp * ep, efsdp
         self.replica_rank, self.efsdp_rank = divmod(self.dp_rank, efsdp)
         dev = self.device_type
-        self.dense_mesh = DeviceMesh(dev, ranks.view(rep, efsdp * ep),
-                                     mesh_dim_names=("dp_replicate", "dp_shard"))
-        self.expert_mesh = DeviceMesh(dev, ranks.view(rep, efsdp, ep),
-                                      mesh_dim_names=("dp_replicate", "efsdp", "ep"))
+        self.dense_mesh = self._stage_mesh((rep, efsdp * ep), ("dp_replicate", "dp_shard"))
+        self.expert_mesh = self._stage_mesh((rep, efsdp, ep), ("dp_replicate", "efsdp", "ep"))
         self.expert_dp_mesh = self.expert_mesh["dp_replicate", "efsdp"]
-        self.checkpoint_expert_mesh = DeviceMesh(
-            dev, ranks.view(rep, efsdp, ep).transpose(1, 2).contiguous(),
-            mesh_dim_names=("dp_replicate", "ep", "efsdp"))
+        # the same ranks with ep outer: (pp,) dp_replicate, ep, efsdp
+        order = ranks.view(self.pp, rep, efsdp, ep).transpose(2, 3).contiguous()
+        names = ("dp_replicate", "ep", "efsdp")
+        self.checkpoint_expert_mesh = (
+            DeviceMesh(dev, order[0], mesh_dim_names=names) if self.pp == 1 else
+            DeviceMesh(dev, order, mesh_dim_names=("pp", *names))[names])
 
     def __repr__(self) -> str:
         fsdp = (f", fsdp: dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard}, "
                 f"efsdp={self.efsdp}" if self.fsdp else "")
-        return (f"ParallelDims(rank={self.rank}, dp={self.dp}, ep={self.ep}, "
+        pp = f"pp={self.pp} (stage {self.pp_rank}), " if self.pp > 1 else ""
+        return (f"ParallelDims(rank={self.rank}, {pp}dp={self.dp}, ep={self.ep}, "
                 f"ranks_per_node={self.ranks_per_node}, ep_nodes={self.ep_num_nodes}{fsdp})")

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..config import ConfigError
 from ..moe.layer import moe_layers
+from .activation import transformer_blocks
 from .shard import mark_expert_params
 
 # The hidden dim of each expert weight: w1/w3 [e, D, F], w2 [e, F, D].
@@ -47,14 +48,16 @@ def expert_shard_dims(num_local_experts: int, hidden_dim: int, efsdp: int) -> st
 
 def apply_fsdp(model: nn.Module, dims, param_dtype: torch.dtype | None = None,
                reduce_dtype: torch.dtype | None = torch.float32,
-               prefetch: bool = True) -> list[str]:
+               prefetch: bool = True, roots: list[nn.Module] | None = None) -> list[str]:
     """fully_shard ``model`` in place (after ``epscale.parallelize``, before the optimizer
     is built). ``param_dtype``: the compute dtype FSDP casts parameters to (bf16 mixed
     precision; None keeps fp32); gradients are reduced in ``reduce_dtype``; master weights
     and optimizer state stay fp32. ``prefetch``: the explicit block-to-block prefetch (off
     under selective activation checkpointing, whose regions must repeat their operations
-    exactly in backward, which FSDP's prefetch bookkeeping does not). Returns lines for
-    the start-up header."""
+    exactly in backward, which FSDP's prefetch bookkeeping does not). ``roots``: the
+    modules that run (and are sharded last) instead of ``model``: a pipeline rank's
+    stages (``epscale.parallel.pipeline.StageChunk``), each holding some of the blocks;
+    blocks prefetch within their stage. Returns lines for the start-up header."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     notes = []
     for moe in moe_layers(model):
@@ -71,12 +74,12 @@ def apply_fsdp(model: nn.Module, dims, param_dtype: torch.dtype | None = None,
         fully_shard(experts, mesh=dims.expert_dp_mesh, mp_policy=mp, shard_placement_fn=place)
         register_fsdp_forward_method(experts, "forward_scatter")
         mark_expert_params(experts)
-    blocks = list(getattr(model, "layers", ()))
-    for block in blocks:
+    for block in transformer_blocks(model):
         fully_shard(block, mesh=dims.dense_mesh, mp_policy=mp)
-    fully_shard(model, mesh=dims.dense_mesh, mp_policy=mp)
-    if prefetch:
-        _prefetch(blocks)
+    for root in roots or [model]:
+        fully_shard(root, mesh=dims.dense_mesh, mp_policy=mp)
+        if prefetch:
+            _prefetch(list(root.blocks) if roots else transformer_blocks(model))
     return notes
 
 

@@ -22,14 +22,15 @@ def sync_gradients(module: nn.Module, dims, bucket_bytes: int = BUCKET_BYTES) ->
     after backward.
 
     Non-expert grads (router, shared experts, everything outside MoE): averaged over the
-    world. Expert grads: this rank's backward already holds the sum over its EP group's
-    losses for its shard, so they are summed over the DP group and divided by the world size.
+    world (over this pipeline stage's ranks, the data-parallel world, when pp > 1). Expert
+    grads: this rank's backward already holds the sum over its EP group's losses for its
+    shard, so they are summed over the DP group and divided by that world's size.
     Grads are flattened into buckets of ``bucket_bytes`` per dtype and all-reduced
     asynchronously (one collective per bucket). A missing grad counts as zero (it is
     materialised so every rank sends the same buckets).
     """
     sync_replica_gradients(module, dims)  # copies of one expert get the sum of their grads
-    W = dims.world_size
+    W = getattr(dims, "stage_size", dims.world_size)
     if W == 1:
         return
     expert_ids = expert_param_ids(module)
@@ -40,7 +41,7 @@ def sync_gradients(module: nn.Module, dims, bucket_bytes: int = BUCKET_BYTES) ->
     world = [p for p in params if id(p) not in expert_ids and not is_expert_param(p)]
     expert = [p for p in params if id(p) in expert_ids or is_expert_param(p)]
     pending = []
-    for group, plist in ((dims.world_group, world), (dims.dp_group, expert)):
+    for group, plist in ((dims.stage_group, world), (dims.dp_group, expert)):
         if not plist:
             continue
         for bucket in _buckets(plist, bucket_bytes):

@@ -105,6 +105,7 @@ def parallelize(module: nn.Module, dims, dispatcher: str = "dedup", overlap_chun
         if is_parallelized(moe.experts):
             raise ValueError("parallelize: this MoE layer is already parallelized; parallelize "
                              "(or apply a placement to) the unparallelized module")
+        moe.balance_group = getattr(dims, "stage_group", None)  # a pipeline stage's ranks
         workspace = moe.experts.row_buffers()
         if placement is None:
             if E % ep:

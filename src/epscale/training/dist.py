@@ -143,6 +143,8 @@ class SingleProcessDims:
     ranks_per_node, num_nodes, node_rank = 1, 1, 0
     ep_group = dp_group = mesh = None
     fsdp, dp_replicate, dp_shard, efsdp = False, 1, 1, 1
+    pp, pp_rank, stage_rank, stage_size = 1, 0, 0, 1
+    pp_group = stage_group = world_group = None
 
     @staticmethod
     def background_group():
@@ -150,7 +152,8 @@ class SingleProcessDims:
 
 
 def resolve_layout(par: ParallelConfig, world_size: int, num_experts: int) -> tuple[int, int, str | None]:
-    """(dp, ep, note) for ``world_size`` processes: dp is the number of ranks that hold a
+    """(dp, ep, note) for ``world_size`` processes (each pipeline stage's share of them
+    when parallel.pp > 1): dp is the number of ranks that hold a
     copy (replicated) or a shard (FSDP) of each expert slice, world / ep; note says what
     was derived.
 
@@ -160,6 +163,12 @@ def resolve_layout(par: ParallelConfig, world_size: int, num_experts: int) -> tu
     fitting: the rest), ep divides dp_shard.
     """
     dp, ep, note = par.dp, par.ep, None
+    if par.pp > 1:  # the layout below is each pipeline stage's
+        if world_size % par.pp:
+            raise ConfigError(f"config key 'parallel.pp' = {par.pp} is invalid: the number of "
+                              f"processes ({world_size}) must be a multiple of it (world = pp "
+                              "x the ranks of one stage)")
+        world_size //= par.pp
     if num_experts % ep:
         raise ConfigError(f"config key 'parallel.ep' = {ep} is invalid: must divide "
                           f"moe.num_experts ({num_experts}) so every rank holds whole experts")
@@ -216,4 +225,5 @@ def make_dims(par: ParallelConfig, env: LaunchEnv, num_experts: int):
     if env.world_size == 1 and not par.fsdp:
         return SingleProcessDims(), note
     return ParallelDims(dp=dp, ep=ep, ranks_per_node=par.ranks_per_node,
-                        dp_replicate=par.dp_replicate if par.fsdp else 1, fsdp=par.fsdp), note
+                        dp_replicate=par.dp_replicate if par.fsdp else 1, fsdp=par.fsdp,
+                        pp=par.pp), note

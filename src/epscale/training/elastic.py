@@ -42,6 +42,7 @@ from typing import Any
 from ..config import ConfigError, RunConfig
 from ..launch.local import ELASTIC_ENV
 from ..sim.memory import memory_per_rank
+from ..sim.pipeline import micro_batch_problem
 from .dist import LaunchEnv, resolve_layout
 
 
@@ -49,22 +50,42 @@ def fit_batch(cfg: RunConfig, world: int) -> tuple[RunConfig, str | None]:
     """``cfg`` with ``train.grad_accum`` derived from ``train.global_batch_size`` at
     ``world`` processes (unchanged when that is null), and a note saying so. ConfigError
     naming the key when the global batch does not split into world x micro-batches."""
-    t = cfg.train
+    t, pp = cfg.train, cfg.parallel.pp
     if t.global_batch_size is None:
+        check_micro_batches(cfg, t.grad_accum)
         return cfg, None
-    per_micro = world * t.micro_batch_size
+    data_world = world // pp  # pipeline stages share their micro-batches
+    who = f"{world} processes" if pp == 1 else f"{data_world} data-parallel ranks ({world} / pp {pp})"
+    per_micro = data_world * t.micro_batch_size
     if t.global_batch_size % per_micro:
         raise ConfigError(
             f"config key 'train.global_batch_size' = {t.global_batch_size} cannot be kept at "
-            f"{world} processes: it must be a multiple of processes x train.micro_batch_size "
-            f"= {world} x {t.micro_batch_size} = {per_micro} (grad_accum is derived from it)")
+            f"{who}: it must be a multiple of them x train.micro_batch_size "
+            f"= {data_world} x {t.micro_batch_size} = {per_micro} (grad_accum is derived from it)")
     accum = t.global_batch_size // per_micro
+    check_micro_batches(cfg, accum, derived=True)
     note = (f"train.grad_accum = {accum} (train.global_batch_size {t.global_batch_size} over "
-            f"{world} processes x micro_batch_size {t.micro_batch_size})")
+            f"{who} x micro_batch_size {t.micro_batch_size})")
     # copies, not dataclasses.replace: validation would refuse a derived grad_accum
     fitted, fitted.train = copy.copy(cfg), copy.copy(t)
     fitted.train.grad_accum = accum
     return fitted, note
+
+
+def check_micro_batches(cfg: RunConfig, micro_batches: int, derived: bool = False) -> None:
+    """ConfigError naming the keys when the pipeline schedule cannot run ``micro_batches``
+    (train.grad_accum) micro-batches per step."""
+    par = cfg.parallel
+    problem = micro_batch_problem(par.pp_schedule, par.pp, micro_batches) if par.pp > 1 else None
+    if problem is None:
+        return
+    key = ("train.global_batch_size", cfg.train.global_batch_size) if derived else \
+        ("train.grad_accum", micro_batches)
+    raise ConfigError(f"config key '{key[0]}' = {key[1]} is invalid with parallel.pp = "
+                      f"{par.pp}: it gives {micro_batches} micro-batches per step (train."
+                      f"grad_accum, the pipeline's micro-batches), and parallel.pp_schedule "
+                      f"{problem}; raise it (or lower train.micro_batch_size) or choose "
+                      "another schedule")
 
 
 STANDBY_RELEASE = "standby_release.json"  # in RUN_DIR/heartbeats: the attempt is over
@@ -234,12 +255,12 @@ def no_layout_message(cfg: RunConfig, world: int, reason: str,
 
 def layout_record(dims, cfg: RunConfig, hosts: list[str]) -> dict[str, Any]:
     """What a 'start' event says of the layout (read back by :func:`layout_change`)."""
-    t = cfg.train
-    return {"world_size": dims.world_size, "dp": dims.dp, "ep": dims.ep,
+    t, pp = cfg.train, getattr(dims, "pp", 1)
+    return {"world_size": dims.world_size, "pp": pp, "dp": dims.dp, "ep": dims.ep,
             "fsdp": bool(getattr(dims, "fsdp", False)),
             "dp_replicate": getattr(dims, "dp_replicate", 1),
             "dp_shard": getattr(dims, "dp_shard", 1), "grad_accum": t.grad_accum,
-            "global_batch": dims.world_size * t.grad_accum * t.micro_batch_size,
+            "global_batch": dims.world_size // pp * t.grad_accum * t.micro_batch_size,
             "hosts": list(hosts)}
 
 
@@ -249,10 +270,12 @@ def layout_text(rec: dict[str, Any]) -> str:
         shape = f"FSDP {rec.get('dp_replicate')} x {rec.get('dp_shard')}, ep={rec.get('ep')}"
     else:
         shape = f"dp={rec.get('dp')} x ep={rec.get('ep')}"
+    if int(rec.get("pp") or 1) > 1:
+        shape = f"pp={rec['pp']} x ({shape})"
     return f"{rec.get('world_size')} processes, {shape}, grad_accum {rec.get('grad_accum', '?')}"
 
 
-LAYOUT_KEYS = ("world_size", "dp", "ep", "fsdp", "dp_replicate", "dp_shard")
+LAYOUT_KEYS = ("world_size", "pp", "dp", "ep", "fsdp", "dp_replicate", "dp_shard")
 
 
 def lost_hosts(old_hosts: list[str], new_hosts: list[str]) -> dict[str, int]:
@@ -293,6 +316,8 @@ def layout_change(previous: dict[str, Any] | None, current: dict[str, Any],
     differs from the previous attempt's, else None: old and new layouts, ranks lost
     (negative: gained), the hosts lost and gained, and the steps the previous layout
     trained past the checkpoint this attempt resumed from (``steps_lost``)."""
+    if previous is not None and "pp" not in previous:  # written before pipelines existed
+        previous = {**previous, "pp": 1}
     if previous is None or all(previous.get(k) == current.get(k) for k in LAYOUT_KEYS):
         return None
     old_hosts, new_hosts = previous.get("hosts") or [], current.get("hosts") or []

@@ -32,14 +32,16 @@ from ..kernels.cpu import describe_chunks, describe_elementwise
 from ..launch.preflight import run_preflight
 from ..launch.watchdog import Watchdog
 from ..metrics import MetricsWriter, StepStatsCollector, StepTimers, peak_flops
-from ..model import build_meta_model, build_model, materialize
+from ..model import build_meta_model, build_model, materialize, next_token_loss
 from ..moe.balance import update_expert_biases
 from ..parallel import parallelize, sync_gradients
 from ..parallel.activation import apply_activation_checkpointing
 from ..parallel.fsdp import apply_fsdp, finish_gradients
+from ..parallel.pipeline import Pipeline, StageChunk, keep_stages, stage_layers, stage_placement
 from ..placement import plan_placement
 from ..placement.replicas import Rebalancer, get_placement, placement_from_dict, placement_to_dict
 from ..placement.spill import apply_spill
+from ..sim.pipeline import bubble_fraction, layers_per_stage
 from ..sim.sizing import model_size
 from . import checkpoint as ckpt
 from .console import TrainConsole
@@ -153,9 +155,18 @@ class Trainer:
         self.use_bf16 = cfg.train.dtype == "bfloat16" or (cfg.train.dtype == "auto"
                                                             and self.device.type == "cuda")
         self.fsdp = cfg.parallel.fsdp
-        # FSDP: built on the meta device and sharded before any memory is allocated; each
-        # rank then fills only its shards (the values a one-process build would hold).
-        self.model = build_meta_model(cfg) if self.fsdp else build_model(cfg, self.device)
+        self.pp = cfg.parallel.pp
+        # FSDP and pipelines: built on the meta device and sharded (or cut into stages)
+        # before any memory is allocated; each rank then fills only its part (the values a
+        # one-process build would hold).
+        on_meta = self.fsdp or self.pp > 1
+        self.model = build_meta_model(cfg) if on_meta else build_model(cfg, self.device)
+        self.stages: list[int] = []
+        if self.pp > 1:  # keep this rank's stages' blocks only (names unchanged)
+            self.layers_per_stage = layers_per_stage(cfg)
+            self.stages = stage_placement(cfg.parallel.pp_schedule, self.pp,
+                                          cfg.parallel.pp_virtual_stages)[self.dims.pp_rank]
+            keep_stages(self.model, self.stages, self.layers_per_stage)
         self._resume_from = self._find_checkpoint()
         self.rebalancer = None
         placement, placement_note = None, None
@@ -169,12 +180,20 @@ class Trainer:
                 apply_spill(self.model, self.dims, cfg.parallel.spill_threshold,
                             cfg.parallel.spill_min_rows)
         apply_activation_checkpointing(self.model, cfg.train.activation_checkpointing)
+        self.chunks: list[StageChunk] = []
+        if self.pp > 1:
+            ranges = stage_layers(self.layers_per_stage)
+            self.chunks = [StageChunk(self.model, s, len(ranges), ranges[s], autocast=self._autocast)
+                           for s in self.stages]
         self.fsdp_notes: list[str] = []
         if self.fsdp:
             self.fsdp_notes = apply_fsdp(
                 self.model, self.dims, param_dtype=torch.bfloat16 if self.use_bf16 else None,
-                prefetch=cfg.train.activation_checkpointing != "selective")
-            materialize(self.model, self.device, cfg.train.seed, self.dims)
+                prefetch=cfg.train.activation_checkpointing != "selective",
+                roots=self.chunks or None)
+        if on_meta:
+            materialize(self.model, self.device, cfg.train.seed, self.dims,
+                        roots=self.chunks or None)
         self.moe_layers = self.model.moe_layers()
         self.opt = build_optimizer(self.model, cfg.train)
         ensure_optimizer_state(self.opt)
@@ -184,8 +203,11 @@ class Trainer:
                                          num_groups=max(1, cfg.moe.num_groups))
 
         self.splits = load_data(cfg.data, cfg.model.vocab_size)  # opened, not read
+        # the data-parallel ranks: a pipeline's stages share their micro-batches
+        data_rank, data_world = ((self.dims.stage_rank, self.dims.stage_size) if self.pp > 1
+                                 else (self.rank, self.world))
         self.loader = DataLoader(self.splits, cfg.model.seq_len, cfg.train.micro_batch_size,
-                                 cfg.train.grad_accum, self.rank, self.world, cfg.data.seed)
+                                 cfg.train.grad_accum, data_rank, data_world, cfg.data.seed)
         self.val_batches = self.loader.val_batches(cfg.train.eval_batches)
         if cfg.data.doc_masking:
             self.model.set_document_masking(self.splits.eos_id)
@@ -193,11 +215,25 @@ class Trainer:
         self.size = model_size(cfg)
         self.timers = StepTimers(self.device)
         self.model.set_timer(self.timers.section)
+        self.pipeline = None
+        if self.chunks:
+            for chunk in self.chunks:
+                chunk.timer = self.timers.section
+            # activations between stages: bf16 when FSDP casts the weights, else fp32
+            # (autocast keeps the residual stream in fp32)
+            act = torch.bfloat16 if self.use_bf16 and self.fsdp else torch.float32
+            self.pipeline = Pipeline(
+                self.chunks, self.dims, cfg.parallel.pp_schedule, cfg.train.grad_accum,
+                (cfg.train.micro_batch_size, cfg.model.seq_len), cfg.model.dim,
+                cfg.model.vocab_size, act, self.device, next_token_loss)
         dtype = torch.bfloat16 if self.use_bf16 else torch.float32
+        all_moe = [(i, cfg.moe.num_experts, cfg.moe.top_k) for i in range(cfg.model.num_layers)
+                   if cfg.model.is_moe_layer(i)]
         self.collector = StepStatsCollector(self.model, ep=self.dims.ep, device=self.device,
                                             flops_per_token=self.size.flops_per_token,
                                             peak_flops=peak_flops(self.device, dtype),
-                                            dead_after_steps=cfg.metrics.dead_after_steps)
+                                            dead_after_steps=cfg.metrics.dead_after_steps,
+                                            all_layers=all_moe, pp=self.pp)
         self.collector.set_placement(placement)
         self.writer = MetricsWriter.open(
             self.run_dir, rank=self.rank, run_name=cfg.name,
@@ -279,7 +315,7 @@ class Trainer:
             return
         cfg, s = self.cfg, self.size
         m, moe = cfg.model, cfg.moe
-        num_moe = len(self.moe_layers)
+        num_moe = sum(m.is_moe_layer(i) for i in range(m.num_layers))  # all stages
         threads = torch.get_num_threads()
         lines = [
             f"[bold]epscale train[/] {cfg.name}: run dir {self.run_dir}",
@@ -293,6 +329,7 @@ class Trainer:
             f"layout: {self.world} process(es), {self._layout_text()}, dispatcher "
             f"{cfg.parallel.dispatcher if self.dims.ep > 1 else 'local'}, {self.device.type} "
             f"{self._dtype_text()}, {threads} thread(s) per process",
+            *([self._pipeline_text()] if self.pp > 1 else []),
             f"activation checkpointing: {cfg.train.activation_checkpointing}",
             f"element-wise expert kernels: {describe_elementwise(moe.cpu.elementwise, self.device)}",
             f"expert chunks: {describe_chunks(self.device)}",
@@ -385,9 +422,22 @@ class Trainer:
     def _layout_text(self) -> str:
         d = self.dims
         if not self.fsdp:
-            return f"dp={d.dp} x ep={d.ep}"
-        return (f"FSDP dp_replicate={d.dp_replicate} x dp_shard={d.dp_shard} (dense weights "
-                f"sharded over dp_shard; experts over ep={d.ep}, then efsdp={d.efsdp})")
+            text = f"dp={d.dp} x ep={d.ep}"
+        else:
+            text = (f"FSDP dp_replicate={d.dp_replicate} x dp_shard={d.dp_shard} (dense weights "
+                    f"sharded over dp_shard; experts over ep={d.ep}, then efsdp={d.efsdp})")
+        return f"pp={self.pp} x {text} in each stage" if self.pp > 1 else text
+
+    def _pipeline_text(self) -> str:
+        """The start-up header's pipeline line: schedule, stages and their blocks."""
+        par, m = self.cfg.parallel, self.cfg.train.grad_accum
+        runs = [f"{r.start}-{r.stop - 1}" if len(r) > 1 else f"{r.start}"
+                for r in stage_layers(self.layers_per_stage)]
+        bubble = bubble_fraction(par.pp_schedule, self.pp, m, par.pp_virtual_stages)
+        return (f"pipeline: {par.pp_schedule}, {len(runs)} stages over pp={self.pp} ranks "
+                f"(layers {', '.join(runs)}; embedding on the first, head on the last), {m} "
+                f"micro-batches per step, bubble {bubble:.0%} for equal stages; this rank: "
+                f"stage(s) {', '.join(map(str, self.stages))}")
 
     def _dtype_text(self) -> str:
         if not self.use_bf16:
@@ -440,7 +490,7 @@ class Trainer:
             moe.reset_token_counts()
         accum = cfg.train.grad_accum
         loss_sum = torch.zeros((), device=self.device)
-        for _ in range(accum):
+        for _ in range(accum if self.pipeline is None else 0):
             with T.section("data"):
                 x_BS, y_BS = self.loader.next_micro_batch()
                 x_BS, y_BS = x_BS.to(self.device, non_blocking=True), y_BS.to(self.device, non_blocking=True)
@@ -451,6 +501,9 @@ class Trainer:
             with T.section("backward"):
                 total.backward()
             loss_sum += loss.detach().float() / accum
+        has_loss = True
+        if self.pipeline is not None:
+            loss_sum, has_loss = self._pipeline_step(accum)
         self.loader.end_step()
         with T.section("sync"):  # the gradient all-reduces: communication, and rank waits
             if self.world > 1 or self.fsdp:
@@ -479,7 +532,7 @@ class Trainer:
             extra["val_loss"] = self.evaluate()
         rec = self.collector.record(step, step_time_s=step_time,
                                     num_tokens=accum * cfg.train.micro_batch_size * cfg.model.seq_len,
-                                    loss=loss_sum, lr=lr, grad_norm=grad_norm,
+                                    loss=loss_sum if has_loss else None, lr=lr, grad_norm=grad_norm,
                                     breakdown=breakdown, skipped=skip, extra=extra)
         counts = {lay["layer"]: lay["tokens_per_expert"] for lay in rec["layers"]}
         if not skip and cfg.moe.bias_update_speed > 0:
@@ -488,6 +541,29 @@ class Trainer:
             self._rebalance(step, counts)
         self._stop_flag = stop or (self.stop_at is not None and step >= self.stop_at)
         return rec
+
+    def _stacked(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]):
+        """A step's micro-batches as one batch each of inputs and targets (the pipeline
+        schedule cuts them apart again), on the device."""
+        x_BS = torch.cat([x for x, _y in micro_batches]).to(self.device, non_blocking=True)
+        y_BS = torch.cat([y for _x, y in micro_batches]).to(self.device, non_blocking=True)
+        return x_BS, y_BS
+
+    def _pipeline_step(self, accum: int) -> tuple[torch.Tensor, bool]:
+        """One step's ``accum`` micro-batches through the pipeline schedule (forward and
+        backward). Returns (the mean micro-batch loss, whether this rank has it: the ranks
+        of the last stage do; the others return 0). Timed: each stage's forward as
+        'forward', the rest of the schedule as 'backward' (so it includes the
+        point-to-point waits and the pipeline's bubble)."""
+        T = self.timers
+        with T.section("data"):
+            batches = [self.loader.next_micro_batch() for _ in range(accum)]
+        x_BS, y_BS = self._stacked(batches)
+        with T.section("backward"):
+            losses = self.pipeline.train_step(x_BS, y_BS)
+        if not losses:
+            return torch.zeros((), device=self.device), False
+        return torch.stack([l.detach().float() for l in losses]).mean(), True
 
     def _rebalance(self, step: int, counts: dict) -> None:
         """Feed the step's loads to the re-placement window; re-place when due (moves
@@ -532,13 +608,22 @@ class Trainer:
         """Mean validation loss over the fixed validation batches of every rank."""
         self.model.eval()
         total = torch.zeros((), device=self.device, dtype=torch.float64)
-        for x_BS, y_BS in self.val_batches:
-            with self._autocast():
-                total += self.model.loss(x_BS.to(self.device), y_BS.to(self.device)).double()
+        if self.pipeline is None:
+            for x_BS, y_BS in self.val_batches:
+                with self._autocast():
+                    total += self.model.loss(x_BS.to(self.device), y_BS.to(self.device)).double()
+        else:  # a step's worth of micro-batches at a time, forward only; the last stage sums
+            # torch's schedule.eval() divides whatever gradients it finds by the micro-batch
+            # count (as after a step); the step's are applied already: drop them
+            self.opt.zero_grad(set_to_none=True)
+            m = self.cfg.train.grad_accum
+            for i in range(0, len(self.val_batches), m):
+                losses = self.pipeline.eval_losses(*self._stacked(self.val_batches[i:i + m]))
+                total += sum(l.double() for l in losses) if losses else 0.0
         total /= len(self.val_batches)
-        if self.world > 1:
+        if self.world > 1:  # the mean over the data-parallel ranks (the last stage's)
             dist.all_reduce(total)
-            total /= self.world
+            total /= self.world // self.pp
         self.model.train()
         return float(total)
 

@@ -62,7 +62,10 @@ def grad_norm_and_flags(model: nn.Module, dims, max_norm: float, stop: bool,
     expert grads on the dp replicas of a shard, so the squared norm is the local
     non-expert part plus the expert part summed over the ep group (each rank sends its
     expert part / dp). FSDP: every rank holds a shard of every gradient, replicated over
-    dp_replicate, so each rank sends its whole local part / dp_replicate.
+    dp_replicate, so each rank sends its whole local part / dp_replicate. Pipeline stages
+    (pp > 1) hold disjoint weights: the dense part then travels in the all-reduce too
+    (each of a stage's ranks sends its copy / the stage's size), and the sum over the
+    world adds the stages up.
     """
     dense, expert = [], []
     for p in model.parameters():
@@ -78,6 +81,9 @@ def grad_norm_and_flags(model: nn.Module, dims, max_norm: float, stop: bool,
         share = (expert_grad_sq_norm(model, dims).float().to(device) if expert
                  else _sq_norm(expert, device)) / dims.dp
         local_dense = _sq_norm(dense, device)
+        if getattr(dims, "pp", 1) > 1:  # each stage holds other weights: sum over the stages
+            share = share + local_dense / dims.stage_size
+            local_dense = torch.zeros((), device=device)
     flags = torch.stack([share, torch.tensor(float(stop), device=device),
                          (~torch.isfinite(loss)).float()])
     if dims.world_size > 1 and dist.is_initialized():

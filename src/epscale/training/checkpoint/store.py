@@ -198,7 +198,8 @@ class PendingSave:
                 files[f.name] = {"size": f.stat().st_size, "sha256": sha256(f)}
         full_meta = {"format": FORMAT_VERSION, "step": self.step, "time": time.time(),
                      "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                     "dp": self.dims.dp, "ep": self.dims.ep, **self.meta, "files": files}
+                     "pp": getattr(self.dims, "pp", 1), "dp": self.dims.dp, "ep": self.dims.ep,
+                     **self.meta, "files": files}
         with open(self.tmp / "meta.json", "w") as f:
             json.dump(full_meta, f, indent=1)
             f.flush()

@@ -1,0 +1,216 @@
+"""Pipeline parallelism: the model cut into stages of consecutive blocks, run by
+``torch.distributed.pipelining``'s schedules (1F1B, GPipe, interleaved 1F1B, interleaved
+zero-bubble, ZB-V, DualPipeV) over the pp process group.
+
+Legend: p pipeline ranks (parallel.pp), v stages per rank, n = p x v stages, m
+micro-batches per step, B micro-batch sequences, S sequence length, D model dim.
+
+Placement: ``stage_placement`` lists the stages each pipeline rank holds: one (1f1b,
+gpipe), v looped (stage s on rank s mod p: interleaved_1f1b, zero_bubble) or two in a V
+(stages r and 2p - 1 - r: zbv, dualpipev).
+
+The model on a rank: the meta-built Transformer keeps only the blocks of its stages,
+under their original names (``layers.{i}.``), the embedding if it holds stage 0 and the
+final norm and head if it holds stage n - 1 (:func:`keep_stages`). Parameter names, and
+so checkpoints, are those of the whole model whatever the split: a checkpoint written at
+one pp loads at any other, and at any EP/FSDP layout. Each stage runs through a
+:class:`StageChunk`, a module over its blocks (no copies) that PipelineStage drives.
+
+MoE auxiliary losses: a stage's router losses never cross to the next stage. The chunk
+attaches them to its output through :class:`AuxLossIntoBackward`, which passes the
+activations through unchanged and, in backward, gives the auxiliary losses the gradient
+1, as if they had been added to the micro-batch's loss; the schedule's 1/m scaling of
+every gradient then makes it exactly ``(loss + aux) / m`` per micro-batch, the objective
+of gradient accumulation without a pipeline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..config import ConfigError
+from ..config.schema import PP_SCHEDULES, pp_stages_per_rank
+from ..moe.layer import MoE
+
+SCHEDULE_CLASSES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe",
+                    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+                    "zero_bubble": "ScheduleInterleavedZeroBubble",
+                    "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+
+
+def stage_placement(schedule: str, pp: int, virtual_stages: int = 1) -> list[list[int]]:
+    """For each pipeline rank, the stage indices it holds (in the order it runs them)."""
+    v = pp_stages_per_rank(schedule, virtual_stages)
+    kind = PP_SCHEDULES[schedule]
+    if kind == "v":
+        return [[r, 2 * pp - 1 - r] for r in range(pp)]
+    return [[r + k * pp for k in range(v)] for r in range(pp)]
+
+
+def stage_layers(layers_per_stage: list[int]) -> list[range]:
+    """The block indices of each stage: consecutive runs of the given lengths."""
+    out, start = [], 0
+    for n in layers_per_stage:
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+class AuxLossIntoBackward(torch.autograd.Function):
+    """``y = x`` (a copy) in forward; in backward ``x`` gets y's gradient and ``aux`` (a 0-dim
+    loss) the gradient 1: the auxiliary loss joins the objective without travelling to
+    the last stage."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
+        # a copy, not a view: the zero-bubble schedules detach stage outputs in place
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        shape, dtype, device = ctx.aux_meta
+        return grad, torch.ones(shape, dtype=dtype, device=device)
+
+
+class StageChunk(nn.Module):
+    """One pipeline stage of a Transformer: its blocks (shared with the rank's model, not
+    copied), the embedding on the first stage, the norm and head on the last. Input:
+    token ids [B, S] (first stage) or the previous stage's activations [B, S, D];
+    output: activations [B, S, D], or fp32 logits [B, S, V] on the last stage.
+    ``autocast``: a context (bf16 autocast) the forward runs under."""
+
+    def __init__(self, model: nn.Module, index: int, num_stages: int, layer_ids: range,
+                 autocast: Callable[[], contextlib.AbstractContextManager] | None = None):
+        super().__init__()
+        self.index, self.num_stages = index, num_stages
+        self.is_first, self.is_last = index == 0, index == num_stages - 1
+        self.layer_ids = layer_ids
+        self.blocks = nn.ModuleList(model.layers[str(i)] for i in layer_ids)
+        self.tok_embeddings = model.tok_embeddings if self.is_first else None
+        if self.is_last:
+            self.norm, self.output = model.norm, model.output
+        self._logits = model.logits if self.is_last else None  # the model's own head
+        self._autocast = autocast or contextlib.nullcontext
+        self.timer: Callable[[str], contextlib.AbstractContextManager] = \
+            lambda name: contextlib.nullcontext()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self.timer("forward"), self._autocast():
+            h_BSD = self.tok_embeddings(x) if self.is_first else x
+            for block in self.blocks:
+                h_BSD = block(h_BSD)
+            aux = [b.ffn.aux_loss for b in self.blocks if isinstance(b.ffn, MoE)]
+            aux = [a for a in aux if isinstance(a, torch.Tensor) and a.requires_grad]
+            if aux and torch.is_grad_enabled():
+                h_BSD = AuxLossIntoBackward.apply(h_BSD, torch.stack(aux).sum())
+            return self._logits(h_BSD) if self.is_last else h_BSD
+
+
+def keep_stages(model: nn.Module, stages: list[int], layers_per_stage: list[int]) -> None:
+    """Drop from ``model`` (meta-built, before parallelizing) every block that is not in
+    one of ``stages``, the embedding unless stage 0 is among them and the final norm and
+    head unless the last stage is; the names of what stays do not change."""
+    n = len(layers_per_stage)
+    keep = {i for s in stages for i in stage_layers(layers_per_stage)[s]}
+    for key in [k for k in model.layers if int(k) not in keep]:
+        del model.layers[key]
+    if 0 not in stages:
+        model.tok_embeddings = None
+    if n - 1 not in stages:
+        model.norm = None
+        model.output = None
+
+
+class Pipeline:
+    """This rank's part of the pipeline: its :class:`StageChunk`s run by the
+    ``torch.distributed.pipelining`` schedule ``schedule`` over ``dims.pp_group``.
+
+    ``micro_batch_shape`` (B, S) and ``activation_dtype`` give the stages their input and
+    output shapes, so no extra forward runs to infer them. ``train_step(x, y)`` runs one
+    step's ``micro_batches`` micro-batches (``x``, ``y``: all of them stacked, [m B, S])
+    forward and backward and returns the micro-batches' losses on the ranks of the last
+    stage ([] elsewhere); ``eval_losses(x, y)`` the same forward only.
+    """
+
+    def __init__(self, chunks: list[StageChunk], dims, schedule: str, micro_batches: int,
+                 micro_batch_shape: tuple[int, int], dim: int, vocab_size: int,
+                 activation_dtype: torch.dtype, device: torch.device,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        from torch.distributed import pipelining
+
+        self.chunks, self.dims, self.name = chunks, dims, schedule
+        self.micro_batches, self.loss_fn, self.device = micro_batches, loss_fn, device
+        self.has_first = any(c.is_first for c in chunks)
+        self.has_last = any(c.is_last for c in chunks)
+        B, S = micro_batch_shape
+        # shapes only (meta); requires_grad says which gradients travel back
+        self.act = torch.empty(B, S, dim, dtype=activation_dtype, device="meta",
+                               requires_grad=True)
+        stages = []
+        for c in chunks:
+            inp = torch.empty(B, S, dtype=torch.long, device="meta") if c.is_first else self.act
+            out = (torch.empty(B, S, vocab_size, device="meta", requires_grad=True)
+                   if c.is_last else self.act)
+            stages.append(pipelining.PipelineStage(c, c.index, c.num_stages, device,
+                                                   input_args=(inp,), output_args=(out,),
+                                                   group=dims.pp_group))
+        cls = getattr(pipelining, SCHEDULE_CLASSES[schedule], None)
+        if cls is None:
+            raise ConfigError(f"parallel.pp_schedule = {schedule!r} needs torch's "
+                              f"{SCHEDULE_CLASSES[schedule]}, which this torch "
+                              f"({torch.__version__}) does not have; choose another schedule")
+        single = PP_SCHEDULES[schedule] == "single"
+        self.schedule = cls(stages[0] if single else stages, micro_batches, loss_fn=loss_fn)
+        self.placement = stage_placement(schedule, dims.pp, len(chunks) if not single else 1)
+
+    def _inputs(self, x_BS: torch.Tensor, y_BS: torch.Tensor, losses: list) -> tuple[tuple, dict]:
+        return (((x_BS,) if self.has_first else ()),
+                ({"target": y_BS, "losses": losses} if self.has_last else {}))
+
+    def train_step(self, x_BS: torch.Tensor, y_BS: torch.Tensor) -> list[torch.Tensor]:
+        losses: list[torch.Tensor] = []
+        args, kwargs = self._inputs(x_BS, y_BS, losses)
+        self.schedule.step(*args, return_outputs=False, **kwargs)
+        return losses
+
+    @torch.no_grad()
+    def eval_losses(self, x_BS: torch.Tensor, y_BS: torch.Tensor) -> list[torch.Tensor]:
+        """Forward only. The schedule's own ``eval()`` where torch's works (it also divides
+        any gradients left on the stages by m: call it without them); the V schedules'
+        ``eval()`` fails in torch 2.13 (it looks for a backward), so for them each
+        micro-batch goes through the stages one after another, over plain sends."""
+        if PP_SCHEDULES[self.name] != "v":
+            losses: list[torch.Tensor] = []
+            args, kwargs = self._inputs(x_BS, y_BS, losses)
+            self.schedule.eval(*args, **kwargs)
+            return losses
+        return self._sequential_eval(x_BS, y_BS)
+
+    def _sequential_eval(self, x_BS: torch.Tensor, y_BS: torch.Tensor) -> list[torch.Tensor]:
+        import torch.distributed as dist
+
+        owner = {s: r for r, held in enumerate(self.placement) for s in held}
+        me, n = self.dims.pp_rank, len(owner)
+        mine = {c.index: c for c in self.chunks}
+        group = self.dims.pp_group
+        peer = {r: dist.get_global_rank(group, r) for r in range(self.dims.pp)}
+        losses = []
+        for x_mb, y_mb in zip(x_BS.chunk(self.micro_batches), y_BS.chunk(self.micro_batches)):
+            h = x_mb
+            for s in range(n):
+                if owner[s] != me:
+                    continue
+                if s > 0 and owner[s - 1] != me:
+                    h = torch.empty(self.act.shape, dtype=self.act.dtype, device=self.device)
+                    dist.recv(h, src=peer[owner[s - 1]], group=group)
+                h = mine[s](h)
+                if s + 1 < n and owner[s + 1] != me:
+                    dist.send(h.contiguous(), dst=peer[owner[s + 1]], group=group)
+                if s == n - 1:
+                    losses.append(self.loss_fn(h, y_mb))
+        return losses
