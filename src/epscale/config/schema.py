@@ -673,9 +673,9 @@ class RunConfig:
             return
         stages = par.pp * pp_stages_per_rank(par.pp_schedule, par.pp_virtual_stages)
         if m.num_layers < stages:
-            fail("parallel.pp", par.pp, f"x {stages // par.pp} stage(s) per rank "
-                 f"(parallel.pp_schedule: {par.pp_schedule}) = {stages} pipeline stages needs "
-                 f"at least as many layers; model.num_layers is {m.num_layers}")
+            fail("parallel.pp", par.pp, f"{par.pp} ranks x {stages // par.pp} stage(s) per "
+                 f"rank (parallel.pp_schedule: {par.pp_schedule}) = {stages} pipeline stages "
+                 f"need at least as many layers; model.num_layers is {m.num_layers}")
         split = par.pp_layers_per_stage
         if split is not None and (len(split) != stages or sum(split) != m.num_layers):
             fail("parallel.pp_layers_per_stage", split,
