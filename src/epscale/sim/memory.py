@@ -29,14 +29,42 @@ Transient (not measured by the benchmark; in the total): under FSDP the largest 
 gathered weights in the compute dtype, twice (this block and the prefetched next one),
 plus its unsharded gradients before the reduce-scatter; the dispatcher's send and receive
 rows (T*K rows of D, twice).
+
+Pipeline (``parallel.pp`` = p > 1; m micro-batches per step, n stages, v per rank): world
+= p x (the layout above, inside each stage); dp_shard and dp are each stage's. A pipeline
+rank holds the parameters (gradients, AdamW state) of its stages' blocks only, the
+embedding where it holds stage 0, the final norm and head where it holds stage n - 1,
+sharded inside the stage as without a pipeline; FSDP's gathered block is its largest; the
+dispatch rows are there where it holds an MoE block. Activations: the set of stage s for
+one micro-batch (``stage_activations``) is its blocks' (plus the embedding's and head's
+where it has them), plus the stage output the schedule keeps until that micro-batch's
+backward (T x D in the compute dtype; fp32 logits T x V on the last stage); a stage that
+receives its input keeps no copy of it under full recomputation (the block's saved input
+is the receive buffer). The rank keeps several micro-batches' sets at once: the peak of
+its schedule's order (:func:`epscale.sim.pipeline.schedule_actions`, torch's own order),
+a forward holding its set until the backward of that micro-batch and stage (a split
+backward's weight half). That gives, in stage sets at the peak: 1F1B rank r of p keeps
+min(m, p - r); GPipe all m; interleaved 1F1B with v stages per rank (m a multiple of p)
+(v - 1) p + 2 (p - 1 - r) + 1 (rank 0: about p + (p - 1) / v micro-batches of all its
+layers, Korthikanti et al.'s figure); interleaved zero-bubble v p; ZB-V 2p on every rank
+(p micro-batches of both its stages, as 1F1B's first rank); DualPipeV 2p + 1. p2p buffers:
+torch's PipelineStage allocates a receive buffer (T x D, compute dtype) for every
+micro-batch of the step: for the input of each stage past the first and for the output
+gradient of each stage before the last, m x T x D each, held all step. The rank that
+needs the most is what ``estimate`` reports; :func:`pipeline_memory` gives every rank.
+p2p traffic per step: m x T x D (compute dtype) forward and as much backward across each
+stage boundary between two ranks, per GPU of the stage.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from ..config import ConfigError, ModelConfig, MoEConfig, RunConfig
+from ..config.schema import PP_SCHEDULES
+from ..parallel.pipeline import stage_layers, stage_placement
+from .pipeline import in_flight, layers_per_stage, micro_batch_problem, micro_batches, schedule_actions
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
                "float8": 1, "fp8": 1}
@@ -44,7 +72,9 @@ DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, 
 
 @dataclass(frozen=True)
 class Layout:
-    """How a run is laid out over ``world`` ranks (see ``epscale.config.ParallelConfig``)."""
+    """How a run is laid out over ``world`` ranks (see ``epscale.config.ParallelConfig``):
+    ``pp`` pipeline ranks of ``world / pp`` each. ``micro_batches`` (m) and
+    ``layers_per_stage`` matter only with pp > 1 (None: balanced by compute)."""
 
     world: int
     ep: int
@@ -55,10 +85,20 @@ class Layout:
     compute_dtype: str = "float32"
     redundant_experts: int = 0
     experts_impl: str = "grouped_mm"   # what runs the experts: sets what they save
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_virtual_stages: int = 1
+    micro_batches: int = 1
+    layers_per_stage: tuple[int, ...] | None = None
+
+    @property
+    def stage_world(self) -> int:
+        """Ranks of one pipeline stage (the world without a pipeline)."""
+        return self.world // self.pp
 
     @property
     def dp_shard(self) -> int:
-        return self.world // self.dp_replicate if self.fsdp else 1
+        return self.stage_world // self.dp_replicate if self.fsdp else 1
 
     @property
     def efsdp(self) -> int:
@@ -68,40 +108,95 @@ class Layout:
     def of(cfg: RunConfig, *, world: int | None = None, ep: int | None = None,
            fsdp: bool | None = None, dp_replicate: int | None = None,
            activation_checkpointing: str | None = None, micro_batch_size: int | None = None,
-           compute_dtype: str | None = None, experts_impl: str | None = None) -> Layout:
-        """The recipe's own layout, with any of the arguments replacing its keys."""
+           compute_dtype: str | None = None, experts_impl: str | None = None,
+           pp: int | None = None, pp_schedule: str | None = None,
+           pp_virtual_stages: int | None = None) -> Layout:
+        """The recipe's own layout, with any of the arguments replacing its keys (a
+        pipeline's keys are checked as ``load_config`` checks them)."""
+        cfg = with_pipeline(cfg, pp, pp_schedule, pp_virtual_stages)
         par, train = cfg.parallel, cfg.train
         ep = par.ep if ep is None else ep
         fsdp = par.fsdp if fsdp is None else fsdp
         rep = (par.dp_replicate if dp_replicate is None else dp_replicate) if fsdp else 1
         if world is None:
-            world = rep * (par.dp_shard or ep) if fsdp else par.dp * ep
+            world = par.pp * (rep * (par.dp_shard or ep) if fsdp else par.dp * ep)
         dtype = compute_dtype or ("bfloat16" if train.dtype in ("bfloat16", "auto") else "float32")
         impl = experts_impl or ("cpu_fused" if cfg.moe.experts_impl == "cpu_fused" else "grouped_mm")
+        mbs = micro_batch_size or train.micro_batch_size
+        pipe: dict = {}
+        if par.pp > 1:
+            if not isinstance(world, int) or world < 1 or world % par.pp:
+                raise ConfigError(f"parallel.pp = {par.pp} is invalid: must divide the world "
+                                  f"({world}; world = pp x the ranks of one stage)")
+            pipe = dict(pp=par.pp, pp_schedule=par.pp_schedule,
+                        pp_virtual_stages=par.pp_virtual_stages,
+                        micro_batches=micro_batches(
+                            replace(cfg, train=replace(train, micro_batch_size=mbs)), world),
+                        layers_per_stage=tuple(layers_per_stage(cfg)))
         lay = Layout(world, ep, fsdp, rep, activation_checkpointing or train.activation_checkpointing,
-                     micro_batch_size or train.micro_batch_size, dtype, par.redundant_experts, impl)
+                     mbs, dtype, par.redundant_experts, impl, **pipe)
         lay.check(cfg)
         return lay
 
     def check(self, cfg: RunConfig) -> None:
         E = cfg.moe.num_experts
-        for key, v in (("world", self.world), ("ep", self.ep), ("dp_replicate", self.dp_replicate)):
+        for key, v in (("world", self.world), ("ep", self.ep), ("dp_replicate", self.dp_replicate),
+                       ("pp", self.pp)):
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"layout {key} = {v!r} is invalid: must be a positive integer")
+        if self.world % self.pp:
+            raise ConfigError(f"parallel.pp = {self.pp} is invalid: must divide the world "
+                              f"({self.world}; world = pp x the ranks of one stage)")
+        W = self.stage_world
+        where = f"the world ({W})" if self.pp == 1 else f"the ranks of one stage ({W} = world {self.world} / pp {self.pp})"
         if E % self.ep:
             raise ConfigError(f"parallel.ep = {self.ep} is invalid: must divide moe.num_experts ({E})")
-        if self.world % self.ep:
-            raise ConfigError(f"parallel.ep = {self.ep} is invalid: must divide the world ({self.world})")
-        if self.fsdp and (self.world % self.dp_replicate or self.dp_shard % self.ep):
+        if W % self.ep:
+            raise ConfigError(f"parallel.ep = {self.ep} is invalid: must divide {where}")
+        if self.fsdp and (W % self.dp_replicate or self.dp_shard % self.ep):
             raise ConfigError(f"parallel.dp_replicate = {self.dp_replicate} with ep = {self.ep} "
-                              f"does not split a world of {self.world} into dp_replicate x "
-                              "dp_shard with ep dividing dp_shard")
+                              f"does not split {'a world' if self.pp == 1 else 'a stage'} of {W} "
+                              "into dp_replicate x dp_shard with ep dividing dp_shard")
+        if self.pp > 1:
+            problem = micro_batch_problem(self.pp_schedule, self.pp, self.micro_batches)
+            if problem:
+                gbs = cfg.train.global_batch_size
+                key = (f"train.global_batch_size = {gbs} (giving {self.micro_batches} "
+                       "micro-batches per step)" if gbs is not None else
+                       f"train.grad_accum = {self.micro_batches} (the micro-batches per step)")
+                raise ConfigError(f"{key} is invalid with parallel.pp = {self.pp}: "
+                                  f"parallel.pp_schedule {problem}")
 
     def describe(self) -> str:
         if not self.fsdp:
-            return f"replicated dp={self.world // self.ep} x ep={self.ep}"
-        return (f"FSDP dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} "
-                f"(ep={self.ep}, efsdp={self.efsdp})")
+            inner = f"replicated dp={self.stage_world // self.ep} x ep={self.ep}"
+        else:
+            inner = (f"FSDP dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} "
+                     f"(ep={self.ep}, efsdp={self.efsdp})")
+        if self.pp == 1:
+            return inner
+        v = len(stage_placement(self.pp_schedule, self.pp, self.pp_virtual_stages)[0])
+        per = f", {v} stages per rank" if v > 1 else ""
+        return (f"pp={self.pp} ({self.pp_schedule}{per}, {self.micro_batches} micro-batches) "
+                f"x {inner} in each stage")
+
+
+def with_pipeline(cfg: RunConfig, pp: int | None = None, schedule: str | None = None,
+                  virtual_stages: int | None = None) -> RunConfig:
+    """``cfg`` with any of the pipeline keys replaced (validated as a recipe is; an explicit
+    ``parallel.pp_layers_per_stage`` is dropped when the stages change)."""
+    par = cfg.parallel
+    pp = par.pp if pp is None else pp
+    schedule = par.pp_schedule if schedule is None else schedule
+    if virtual_stages is None:
+        virtual_stages = par.pp_virtual_stages
+        if schedule != par.pp_schedule and schedule in PP_SCHEDULES:   # the new schedule's default
+            virtual_stages = 2 if PP_SCHEDULES[schedule] != "single" else 1
+    if (pp, schedule, virtual_stages) == (par.pp, par.pp_schedule, par.pp_virtual_stages):
+        return cfg
+    return replace(cfg, parallel=replace(par, pp=pp, pp_schedule=schedule,
+                                         pp_virtual_stages=virtual_stages,
+                                         pp_layers_per_stage=None))
 
 
 @dataclass(frozen=True)
@@ -116,14 +211,38 @@ class MemoryEstimate:
     gathered: float             # FSDP: gathered weights and unsharded grads of the largest block
     comm: float                 # the dispatcher's row buffers
     params_per_rank: float      # parameter count held by the rank (not bytes)
+    p2p_buffers: float = 0      # pipeline: the receive buffers of every micro-batch
 
     @property
     def total(self) -> float:
         return (self.params + self.grads + self.optimizer + self.activations + self.recompute
-                + self.gathered + self.comm)
+                + self.gathered + self.comm + self.p2p_buffers)
 
     def as_dict(self) -> dict[str, float]:
-        return {**asdict(self), "total": self.total}
+        """The fields and the total (``p2p_buffers`` only under a pipeline)."""
+        out = {**asdict(self), "total": self.total}
+        if not self.p2p_buffers:
+            del out["p2p_buffers"]
+        return out
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One pipeline rank: its stages, their blocks, what it holds at its peak."""
+
+    rank: int
+    stages: tuple[int, ...]
+    layers: tuple[tuple[int, int], ...]   # each stage's blocks: [start, stop)
+    in_flight: int                        # stage activation sets held at the peak
+    stage_activations: tuple[float, ...]  # bytes one micro-batch keeps on each of its stages
+    p2p_send_bytes: float                 # sent to other ranks per step (forward + backward)
+    memory: MemoryEstimate
+
+    def as_dict(self) -> dict:
+        return {"rank": self.rank, "stages": list(self.stages),
+                "layers": [list(r) for r in self.layers], "in_flight": self.in_flight,
+                "stage_activations": list(self.stage_activations),
+                "p2p_send_bytes": self.p2p_send_bytes, "memory": self.memory.as_dict()}
 
 
 @dataclass(frozen=True)
@@ -288,10 +407,9 @@ def _selective_per_token(model: ModelConfig, moe: MoEConfig, moe_layer: bool,
     return D + attn + shared + experts, H + moe.num_experts + K, K
 
 
-def activation_bytes(cfg: RunConfig, lay: Layout) -> tuple[float, float]:
-    """(kept, rebuilt): bytes one micro-batch keeps for backward at the end of its forward
-    at ``lay``, and the most that recomputation rebuilds at once during backward (one
-    block's set beyond what it kept; 0 without recomputation)."""
+def _activation_parts(cfg: RunConfig, lay: Layout) -> tuple[float, list[float], list[float], float]:
+    """(embedding, each block's full set, each block's kept set, head): bytes one
+    micro-batch saves for backward at ``lay`` (kept = full without recomputation)."""
     model, moe = cfg.model, cfg.moe
     T = lay.micro_batch_size * model.seq_len
     cb = DTYPE_BYTES[lay.compute_dtype]
@@ -311,12 +429,33 @@ def activation_bytes(cfg: RunConfig, lay: Layout) -> tuple[float, float]:
         kept = [nbytes(_selective_per_token(model, moe, model.is_moe_layer(i), lay.experts_impl))
                 for i in range(model.num_layers)]
     else:
+        kept = blocks
+    return embed, blocks, kept, head
+
+
+def activation_bytes(cfg: RunConfig, lay: Layout) -> tuple[float, float]:
+    """(kept, rebuilt): bytes one micro-batch keeps for backward at the end of its forward
+    at ``lay``, and the most that recomputation rebuilds at once during backward (one
+    block's set beyond what it kept; 0 without recomputation). Without a pipeline: the
+    whole model's."""
+    embed, blocks, kept, head = _activation_parts(cfg, lay)
+    if lay.activation_checkpointing not in ("full", "selective"):
         return embed + sum(blocks) + head, 0.0
     return embed + sum(kept) + head, max(b - k for b, k in zip(blocks, kept))
 
 
+def block_of(p: ParamShape) -> int | str:
+    """Where a parameter lives: its block, 'embed' (stage 0) or 'head' (the last stage)."""
+    if p.block >= 0:
+        return p.block
+    return "embed" if p.name.startswith("tok_embeddings") else "head"
+
+
 def estimate(cfg: RunConfig, lay: Layout) -> MemoryEstimate:
-    """Memory per rank of ``cfg`` trained at ``lay``."""
+    """Memory per rank of ``cfg`` trained at ``lay`` (under a pipeline: the rank that needs
+    the most, see :func:`pipeline_memory`)."""
+    if lay.pp > 1:
+        return max(pipeline_memory(cfg, lay), key=lambda r: r.memory.total).memory
     shapes = param_shapes(cfg.model, cfg.moe)
     n = sum(local_numel(p, lay) for p in shapes)
     cb = DTYPE_BYTES[lay.compute_dtype]
@@ -335,23 +474,92 @@ def estimate(cfg: RunConfig, lay: Layout) -> MemoryEstimate:
                           recompute=rebuilt, gathered=gathered, comm=comm, params_per_rank=n)
 
 
+def pipeline_memory(cfg: RunConfig, lay: Layout) -> list[RankMemory]:
+    """Every pipeline rank of ``cfg`` at ``lay`` (pp > 1; the module docstring's
+    'Pipeline'): the parameters of its stages, sharded inside the stage, and the
+    activations of the micro-batches its schedule keeps at once."""
+    if lay.pp < 2:
+        raise ConfigError(f"parallel.pp = {lay.pp}: pipeline_memory needs a pipeline (pp > 1)")
+    model = cfg.model
+    sizes = list(lay.layers_per_stage or layers_per_stage(
+        with_pipeline(cfg, lay.pp, lay.pp_schedule, lay.pp_virtual_stages)))
+    ranges = stage_layers(sizes)
+    n = len(ranges)
+    placement = stage_placement(lay.pp_schedule, lay.pp, lay.pp_virtual_stages)
+    owner = {s: r for r, held in enumerate(placement) for s in held}
+    cb = DTYPE_BYTES[lay.compute_dtype]
+    T = lay.micro_batch_size * model.seq_len
+    act = T * model.dim * cb                       # one micro-batch's activations (or gradients)
+    m = lay.micro_batches
+
+    held: dict[int | str, int] = {}                # parameters this layout leaves a rank, per block
+    full: dict[int | str, int] = {}                # a block's gathered size under FSDP
+    unsharded = Layout(lay.world, lay.ep)
+    for p in param_shapes(model, cfg.moe):
+        key = block_of(p)
+        held[key] = held.get(key, 0) + local_numel(p, lay)
+        full[key] = full.get(key, 0) + (p.numel if not p.expert else local_numel(p, unsharded))
+    embed, blocks, kept, head = _activation_parts(cfg, lay)
+    rebuilt = [b - k for b, k in zip(blocks, kept)]
+    recomputes = lay.activation_checkpointing in ("full", "selective")
+
+    def stage_set(s: int) -> float:
+        r = ranges[s]
+        out = sum(kept[i] for i in r) + (embed if s == 0 else 0.0)
+        if s == n - 1:
+            out += head + T * model.vocab_size * 4   # and the fp32 logits the schedule keeps
+        else:
+            out += act                               # the output the schedule keeps
+        if s > 0 and lay.activation_checkpointing == "full":
+            out -= act                             # the first block's input is the receive buffer
+        return out
+
+    sets = {s: stage_set(s) for s in range(n)}
+    out = []
+    for rank, stages in enumerate(placement):
+        keys: list[int | str] = [i for s in stages for i in ranges[s]]
+        keys += ["embed"] * (0 in stages) + ["head"] * (n - 1 in stages)
+        count = sum(held.get(k, 0) for k in keys)
+        actions = schedule_actions(lay.pp_schedule, lay.pp, m, lay.pp_virtual_stages, rank)
+        peak, sets_held = in_flight(actions, sets)
+        layers = [i for s in stages for i in ranges[s]]
+        moe_here = any(model.is_moe_layer(i) for i in layers)
+        receives = sum((s > 0) + (s < n - 1) for s in stages)
+        sends = sum((s < n - 1 and owner[s + 1] != rank) + (s > 0 and owner[s - 1] != rank)
+                    for s in stages)
+        mem = MemoryEstimate(
+            params=count * 4, grads=count * 4, optimizer=count * 8, activations=peak,
+            recompute=max((rebuilt[i] for i in layers), default=0.0) if recomputes else 0.0,
+            gathered=max(full[k] for k in keys if k in full) * cb * 3 if lay.fsdp else 0.0,
+            comm=2 * T * cfg.moe.top_k * model.dim * cb if lay.ep > 1 and moe_here else 0.0,
+            params_per_rank=count, p2p_buffers=receives * m * act)
+        out.append(RankMemory(rank, tuple(stages), tuple((r.start, r.stop) for r in
+                                                         (ranges[s] for s in stages)),
+                              sets_held, tuple(sets[s] for s in stages), sends * m * act, mem))
+    return out
+
+
 def resolve(run_cfg: RunConfig, *, dp: int | None = None, ep: int | None = None,
             world: int | None = None, fsdp: bool | None = None, dp_replicate: int | None = None,
             activation_checkpointing: str | None = None, micro_batch_size: int | None = None,
-            compute_dtype: str | None = None, experts_impl: str | None = None) -> Layout:
-    """The recipe's layout with any of these replacing its keys (``dp`` x ``ep`` sets the
-    world of a replicated layout; ``world`` any layout's)."""
+            compute_dtype: str | None = None, experts_impl: str | None = None,
+            pp: int | None = None, pp_schedule: str | None = None,
+            pp_virtual_stages: int | None = None) -> Layout:
+    """The recipe's layout with any of these replacing its keys (``pp`` x ``dp`` x ``ep``
+    sets the world of a replicated layout; ``world`` any layout's)."""
     ep = run_cfg.parallel.ep if ep is None else ep
     fsdp_on = run_cfg.parallel.fsdp if fsdp is None else fsdp
     if world is None and (dp is not None or not fsdp_on):
-        world = (run_cfg.parallel.dp if dp is None else dp) * ep
+        stages = run_cfg.parallel.pp if pp is None else pp
+        world = stages * (run_cfg.parallel.dp if dp is None else dp) * ep
     if compute_dtype is not None and compute_dtype not in DTYPE_BYTES:
         raise ConfigError(f"compute dtype {compute_dtype!r} is invalid: must be one of "
                           f"{', '.join(sorted(DTYPE_BYTES))}")
     return Layout.of(run_cfg, world=world, ep=ep, fsdp=fsdp_on, dp_replicate=dp_replicate,
                      activation_checkpointing=activation_checkpointing,
                      micro_batch_size=micro_batch_size, compute_dtype=compute_dtype,
-                     experts_impl=experts_impl)
+                     experts_impl=experts_impl, pp=pp, pp_schedule=pp_schedule,
+                     pp_virtual_stages=pp_virtual_stages)
 
 
 def memory_per_rank(run_cfg: RunConfig, **layout) -> MemoryEstimate:

@@ -147,3 +147,207 @@ def micro_batch_problem(schedule: str, pp: int, micro_batches: int) -> str | Non
             return (f"{schedule} runs the micro-batches in rounds of pp = {p}: the count must "
                     f"be below pp or a multiple of its {rounds} rounds")
     return None
+
+
+# ------------------------------------------------------------------ what a rank runs, in order
+#
+# The compute actions of one pipeline rank in the order torch's schedule runs them (torch
+# 2.13's ``torch.distributed.pipelining`` order generators, idle slots and communication
+# left out), as (stage, kind, micro-batch) with kind F (forward), B (full backward), I (the
+# input half of a split backward) or W (its weight half). The memory model reads from
+# them how many micro-batches' activations a rank holds at once; tests/test_sim_pipeline.py
+# checks them against torch's own orders.
+
+
+def micro_batches(cfg: RunConfig, world: int) -> int:
+    """Micro-batches per step (what the pipeline schedules): ``train.grad_accum``, or what
+    ``train.global_batch_size`` derives over the world / pp data-parallel ranks."""
+    t, pp = cfg.train, cfg.parallel.pp
+    if t.global_batch_size is None:
+        return t.grad_accum
+    per_micro = world // pp * t.micro_batch_size
+    if per_micro < 1 or t.global_batch_size % per_micro:
+        raise ConfigError(f"config key 'train.global_batch_size' = {t.global_batch_size} is "
+                          f"invalid at {world} ranks: it must be a multiple of the {world // pp} "
+                          f"data-parallel ranks (world / pp {pp}) x train.micro_batch_size "
+                          f"{t.micro_batch_size}")
+    return t.global_batch_size // per_micro
+
+
+def schedule_actions(schedule: str, pp: int, micro_batches: int, virtual_stages: int,
+                     rank: int) -> list[tuple[int, str, int]]:
+    """Pipeline rank ``rank``'s compute actions (stage, 'F' | 'B' | 'I' | 'W', micro-batch)
+    in the order ``schedule`` runs them at ``pp`` ranks and ``micro_batches`` per step.
+
+    1f1b: p - 1 - r forwards, then one forward and one backward in turn, then the rest of
+    the backwards. gpipe: every forward, then every backward. interleaved_1f1b and
+    zero_bubble (v stages per rank, in rounds of max(1, m // p) micro-batches): a warm-up
+    of (v - 1) x round + k (p - 1 - r) forwards (k = 2, zero_bubble k = 1), then forward
+    and backward in turn; zero_bubble splits each backward into I and W and runs the W
+    halves r actions late. zbv and dualpipev: the V orders of torch (the zero-bubble V of
+    Qi et al. and DeepSeek's DualPipe cut in half), whose backwards are I + W or B."""
+    p, m = pp, micro_batches
+    kind = PP_SCHEDULES[schedule]
+    if schedule == "gpipe":
+        return [(rank, "F", i) for i in range(m)] + [(rank, "B", i) for i in range(m)]
+    if schedule == "1f1b":
+        warm = min(p - 1 - rank, m)
+        out = [(rank, "F", i) for i in range(warm)]
+        for i in range(m - warm):
+            out += [(rank, "F", warm + i), (rank, "B", i)]
+        return out + [(rank, "B", i) for i in range(m - warm, m)]
+    if kind == "loop":
+        return _looped_actions(schedule, p, m, pp_stages_per_rank(schedule, virtual_stages), rank)
+    if schedule == "zbv":
+        return _zbv_actions(p, m, rank)
+    return _dualpipev_actions(p, m, rank)
+
+
+def _looped_actions(schedule: str, p: int, m: int, v: int, rank: int) -> list[tuple[int, str, int]]:
+    """Interleaved 1F1B and interleaved zero-bubble (torch's ``_get_1f1b_rank_ops``)."""
+    zero_bubble = schedule == "zero_bubble"
+    per_round = m // max(1, m // p)
+    warmup = min((v - 1) * per_round + (1 if zero_bubble else 2) * (p - 1 - rank), m * v)
+    steady = m * v - warmup
+
+    def fwd_stage(op):
+        return (op // per_round) % v * p + rank
+
+    def bwd_stage(op):
+        return (v - 1 - ((op - warmup) // per_round) % v) * p + rank
+
+    out: list[tuple[int, str, int]] = []
+    count = {"F": {}, "B": {}, "W": {}}
+
+    def add(stage, kind, key):
+        i = count[key].get(stage, 0)
+        count[key][stage] = i + 1
+        out.append((stage, kind, i))
+
+    backward_ops, weights_done = [], 0
+    for op in range(warmup + steady + warmup):
+        if op < warmup + steady:
+            add(fwd_stage(op), "F", "F")
+        if op >= warmup:
+            add(bwd_stage(op), "I" if zero_bubble else "B", "B")
+            backward_ops.append(op)
+            if zero_bubble and op - warmup >= rank:
+                add(bwd_stage(backward_ops[weights_done]), "W", "W")
+                weights_done += 1
+    while zero_bubble and weights_done < len(backward_ops):
+        add(bwd_stage(backward_ops[weights_done]), "W", "W")
+        weights_done += 1
+    return out
+
+
+def _zbv_actions(p: int, m: int, rank: int) -> list[tuple[int, str, int]]:
+    """ZB-V (torch's ``ScheduleZBVZeroBubble``): stages r and 2p - 1 - r."""
+    n_micro = max(2 * p - 1, m)
+    s0, s1 = rank, 2 * p - 1 - rank
+    out: list[tuple[int, str, int]] = []
+    f0 = f1 = b0 = b1 = 0
+    for _ in range(2 * (p - rank) - 1):
+        out.append((s0, "F", f0))
+        f0 += 1
+    for _ in range(rank):
+        out += [(s1, "F", f1), (s0, "F", f0)]
+        f1 += 1
+        f0 += 1
+    for _ in range(p - rank):
+        out += [(s1, "F", f1), (s1, "I", b1), (s1, "W", b1)]
+        f1 += 1
+        b1 += 1
+    while f1 < f0 or f0 < n_micro:
+        if f0 < n_micro:
+            out.append((s0, "F", f0))
+            f0 += 1
+        out += [(s0, "I", b0), (s0, "W", b0), (s1, "F", f1), (s1, "I", b1), (s1, "W", b1)]
+        b0 += 1
+        f1 += 1
+        b1 += 1
+    w0, w1 = b0, b1
+    for _ in range(rank):
+        out += [(s0, "I", b0), (s1, "I", b1)]
+        b0 += 1
+        b1 += 1
+    for _ in range(p - rank):
+        out += [(s0, "I", b0), (s0, "W", w0)]
+        b0 += 1
+        w0 += 1
+    out += [(s1, "W", i) for i in range(w1, b1)] + [(s0, "W", i) for i in range(w0, b0)]
+    return [a for a in out if a[2] < m]   # the order is built for at least 2p - 1
+
+
+def _dualpipev_actions(p: int, m: int, rank: int) -> list[tuple[int, str, int]]:
+    """DualPipeV (torch's ``ScheduleDualPipeV``): stages r and 2p - 1 - r; an overlapped
+    forward + backward pair counts as the forward, then the backward."""
+    s0, s1 = rank, 2 * p - 1 - rank
+    out: list[tuple[int, str, int]] = []
+    count: dict[tuple[int, str], int] = {}
+    weights: list[tuple[int, int]] = []
+
+    def add(stage, kind):
+        key = (stage, "I" if kind == "B" else kind)
+        i = count.get(key, 0)
+        out.append((stage, kind, i))
+        count[key] = i + 1
+        if kind == "I":
+            weights.append((stage, i))
+
+    def pending_weight():
+        if weights:
+            stage, i = weights.pop(0)
+            out.append((stage, "W", i))
+
+    for _ in range(2 * (p - rank - 1)):
+        add(s0, "F")
+    for _ in range(rank + 1):
+        add(s0, "F")
+        add(s1, "F")
+    for _ in range(p - rank - 1):
+        add(s1, "I")
+        pending_weight()
+        add(s1, "F")
+    for _ in range(m - 2 * p + rank + 1):        # each pair overlapped (but the last rank's first)
+        add(s0, "F")
+        add(s1, "B")
+        add(s1, "F")
+        add(s0, "B")
+    for _ in range(p - rank - 1):
+        add(s1, "B")
+        add(s1, "F")
+        add(s0, "B")
+    zb = False
+    for i in range(rank + 1):
+        if i == (rank + 1) // 2 and rank % 2 == 1:
+            zb = True
+        add(s1, "I" if zb else "B")
+        if i == (rank + 1) // 2 and rank % 2 == 0:
+            zb = True
+        add(s0, "I" if zb else "B")
+    for _ in range(p - rank - 1):
+        pending_weight()
+        add(s0, "I" if zb else "B")
+    for _ in range(rank + 1):
+        pending_weight()
+    return out
+
+
+def in_flight(actions: list[tuple[int, str, int]], stage_bytes: dict[int, float]
+              ) -> tuple[float, int]:
+    """(bytes, micro-batch activation sets) a rank holds at its peak when each forward of
+    stage s keeps ``stage_bytes[s]`` until that micro-batch's backward on s frees it: a
+    full backward (B), or the weight half (W) of a split one (the input half, I, leaves
+    what the weight gradients need: counted as all of it)."""
+    held: dict[tuple[int, int], float] = {}
+    total = peak = 0.0
+    count = 0
+    for stage, kind, mb in actions:
+        if kind == "F":
+            held[(stage, mb)] = stage_bytes[stage]
+            total += stage_bytes[stage]
+            if total > peak or (total == peak and len(held) > count):
+                peak, count = total, len(held)
+        elif kind in ("B", "W"):
+            total -= held.pop((stage, mb))
+    return peak, count

@@ -38,6 +38,19 @@ What is modelled (one EP group stands for all ``dp`` replicas; they are statisti
 
 Routing noise: synthetic distributions give each step's per-expert rows as Poisson draws
 around their mean (independent tokens); a trace brings its own measured steps.
+
+Pipeline (``parallel.pp`` = p > 1, m micro-batches, stages the outermost dimension: pipeline
+rank q holds GPUs [q W, (q + 1) W), W = world / p, and each stage runs the layout above
+over its W GPUs). A stage's time per micro-batch is its blocks' non-expert work (its
+share of :func:`epscale.sim.pipeline.stage_flops`, the head on the last) plus its MoE
+layers' times as above; a rank's is the sum over its stages, plus its p2p receives (each
+stage's input from another rank in forward and its output gradient in backward: T x D
+in the compute dtype, over NVLink when both ranks' GPUs share a node, else the NIC; not
+hidden) and its FSDP gathers beyond its compute. The slowest rank sets the pace:
+pipeline time = m x (slowest rank's time) / (1 - bubble), the bubble of the schedule at m
+(:func:`epscale.sim.pipeline.bubble_fraction`, equal stages assumed there). The
+data-parallel reduction of each rank's own weights over its stage's ranks follows, the
+slowest rank's counted. Tokens per GPU: m x T per step over the p GPUs of a pipeline.
 """
 
 from __future__ import annotations
@@ -48,10 +61,13 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..config import ConfigError, RunConfig
+from ..parallel.pipeline import stage_layers, stage_placement
 from .sizing import expert_params_per_expert, model_size
 from .balance import (BalanceParams, Strategy, contiguous_placement, parse_strategy,
                       redundant_placement, temper)
 from .cluster import ClusterSpec
+from .memory import block_of, param_shapes
+from .pipeline import bubble_fraction, layers_per_stage, micro_batches, stage_flops
 from .routing import (RoutingSpec, fit_weights, inclusion_probs, layer_shares, sample_topk,
                       shares_of)
 
@@ -80,6 +96,8 @@ class SimResult:
     intra_bytes_per_gpu: float    # NVLink bytes sent per GPU per step (dispatch+combine)
     inter_bytes_per_gpu: float    # NIC bytes sent per GPU per step
     layers: list[dict] = field(default_factory=list)
+    bubble_s: float = 0.0         # pipeline: the slowest rank's idle share of the schedule
+    p2p_s: float = 0.0            # pipeline: the slowest rank's stage-boundary transfers
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -88,14 +106,28 @@ class SimResult:
 @dataclass(frozen=True)
 class Layout:
     world: int
-    dp: int
+    dp: int                       # data-parallel ranks of one stage (world / pp / ep)
     ep: int
     ranks_per_node: int           # g: EP-group ranks per node
     nodes_per_group: int          # n
+    pp: int = 1
+
+    @property
+    def stage_world(self) -> int:
+        return self.world // self.pp
 
     @staticmethod
-    def of(cluster: ClusterSpec, num_experts: int, ep: int) -> "Layout":
+    def of(cluster: ClusterSpec, num_experts: int, ep: int, pp: int = 1) -> "Layout":
         world, gpn = cluster.world, cluster.gpus_per_node
+        if pp > 1:
+            W = world // pp
+            if world % pp or (W % gpn if W > gpn else gpn % W):
+                raise ConfigError(f"parallel.pp = {pp} is invalid on the cluster's {world} GPUs "
+                                  f"({cluster.nodes} nodes x {gpn}): a stage's world / pp ranks "
+                                  "must fill whole nodes or divide one")
+            if ep < 1 or W % ep:
+                raise ConfigError(f"parallel.ep = {ep} is invalid: must divide the {W} GPUs of "
+                                  f"one pipeline stage (world {world} / pp {pp})")
         if ep < 1 or world % ep:
             raise ConfigError(f"parallel.ep = {ep} is invalid: must divide the cluster's "
                               f"{world} GPUs ({cluster.nodes} nodes x {gpn})")
@@ -108,7 +140,7 @@ class Layout:
         if ep <= gpn and gpn % ep:
             raise ConfigError(f"parallel.ep = {ep} is invalid: must divide gpus_per_node ({gpn})")
         g = min(ep, gpn)
-        return Layout(world, world // ep, ep, g, ep // g)
+        return Layout(world, world // pp // ep, ep, g, ep // g, pp)
 
 
 def _allreduce_time(nbytes: float, n: int, bw_Bps: float, lat_s: float) -> float:
@@ -124,6 +156,14 @@ def _ring_time(nbytes: float, n: int, bw_Bps: float, lat_s: float) -> float:
     return (n - 1) / n * nbytes / bw_Bps + math.ceil(math.log2(n)) * lat_s
 
 
+def _link(cluster: ClusterSpec, span: int, stride: int = 1) -> tuple[float, float]:
+    """(bandwidth B/s, latency s) of a group of ``span`` ranks ``stride`` apart."""
+    gpn = cluster.gpus_per_node
+    inter = span * stride > gpn or (stride >= gpn and span > 1)
+    return ((cluster.inter_bw_GBps if inter else cluster.intra_bw_GBps) * 1e9,
+            (cluster.inter_latency_us if inter else cluster.intra_latency_us) * 1e-6)
+
+
 def _pipeline(t1: np.ndarray, t2: np.ndarray, t3: np.ndarray, chunks: int) -> np.ndarray:
     """Wall time of three dependent stages split into ``chunks`` pipelined pieces."""
     if chunks <= 1:
@@ -136,12 +176,17 @@ def simulate(run_cfg: RunConfig, cluster: ClusterSpec, routing: RoutingSpec | No
              dispatchers: tuple[str, ...] = DISPATCHERS, overlap: str | None = None,
              ep: int | None = None, overlap_chunks: int | None = None,
              params: BalanceParams = BalanceParams(), step_samples: int = 8,
-             sample_tokens: int = 2048, seed: int = 0) -> list[SimResult]:
+             sample_tokens: int = 2048, seed: int = 0,
+             loads_cache: dict | None = None) -> list[SimResult]:
     """Simulate one training step for every (strategy, dispatcher) pair.
 
     ``run_cfg`` supplies the model, the MoE layer, ``parallel.ep`` (unless ``ep`` is given;
-    ``dp`` is whatever fills the cluster), micro-batch, sequence length, gradient
-    accumulation and ``train.dtype`` (bfloat16: 2-byte activations and gradients).
+    ``dp`` is whatever fills the cluster), the pipeline keys, micro-batch, sequence length,
+    gradient accumulation (the micro-batches per step) and ``train.dtype`` (bfloat16: 2-byte
+    activations and gradients). ``loads_cache``: a dict shared by calls that differ only in
+    layout keys that leave the routing alone (``describe --fit``'s candidates): the sampled
+    per-rank loads, which depend on the strategies, ep, tokens per micro-batch, routing and
+    seed only, are drawn once per such key (the same draws a fresh call makes).
     """
     routing = routing or RoutingSpec()
     for d in dispatchers:
@@ -153,13 +198,12 @@ def simulate(run_cfg: RunConfig, cluster: ClusterSpec, routing: RoutingSpec | No
         raise ConfigError(f"overlap '{overlap}' is invalid: must be one of {', '.join(OVERLAPS)}")
     model, moe, train = run_cfg.model, run_cfg.moe, run_cfg.train
     E, K = moe.num_experts, moe.top_k
-    lay = Layout.of(cluster, E, ep or run_cfg.parallel.ep)
+    lay = Layout.of(cluster, E, ep or run_cfg.parallel.ep, run_cfg.parallel.pp)
     size = model_size(run_cfg)
     n_moe = size.num_moe_layers
     if n_moe == 0:
         raise ConfigError("the recipe has no MoE layer (model.num_dense_layers = model.num_layers)")
 
-    rng = np.random.default_rng(seed)
     act_bytes = 2 if train.dtype == "bfloat16" else 4
     grad_bytes = act_bytes
     T = train.micro_batch_size * model.seq_len
@@ -172,20 +216,28 @@ def simulate(run_cfg: RunConfig, cluster: ClusterSpec, routing: RoutingSpec | No
     half_rows = cluster.gemm_half_rows
     row_bytes = model.dim * act_bytes
 
-    # Distinct layer distributions (synthetic: up to 8, cycled over the MoE layers).
-    n_dist = n_moe if routing.kind == "trace" else min(n_moe, 8)
-    base_w, trace_steps = layer_shares(routing, n_dist, E, K, rng, sample_tokens,
-                                       moe.num_groups, moe.topk_groups)
-    if trace_steps is not None:
-        n_dist = base_w.shape[0]
+    key = (tuple(strategies), lay.ep, lay.ranks_per_node, lay.nodes_per_group, T, n_moe, E, K,
+           moe.num_groups, moe.topk_groups, routing, params, step_samples, sample_tokens, seed)
+    if loads_cache is not None and key in loads_cache:
+        loads, n_dist = loads_cache[key]
+    else:
+        rng = np.random.default_rng(seed)
+        # Distinct layer distributions (synthetic: up to 8, cycled over the MoE layers).
+        n_dist = n_moe if routing.kind == "trace" else min(n_moe, 8)
+        base_w, trace_steps = layer_shares(routing, n_dist, E, K, rng, sample_tokens,
+                                           moe.num_groups, moe.topk_groups)
+        if trace_steps is not None:
+            n_dist = base_w.shape[0]
+        strats = [parse_strategy(sname, params) for sname in strategies]
+        loads = [(strat, _strategy_loads(strat, base_w, trace_steps, lay, moe, params, T, rng,
+                                         step_samples, sample_tokens)) for strat in strats]
+        if loads_cache is not None:
+            loads_cache[key] = (loads, n_dist)
     layer_of = np.arange(n_moe) % n_dist
     weight_L = np.bincount(layer_of, minlength=n_dist).astype(np.float64)  # MoE layers per dist
 
     results = []
-    for sname in strategies:
-        strat = parse_strategy(sname, params)
-        sim = _strategy_loads(strat, base_w, trace_steps, lay, moe, params, T, rng,
-                              step_samples, sample_tokens)
+    for strat, sim in loads:
         for disp in dispatchers:
             results.append(_evaluate(strat, disp, overlap, chunks, sim, lay, cluster, size, run_cfg,
                                      T, rate, row_flops, half_rows, dense_time, dense_time_layer,
@@ -365,16 +417,17 @@ def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSp
     # Weighted sum over the MoE layers each distribution stands for, mean over steps.
     wsum = lambda a: float((a.mean(axis=0) * weight_L).sum())  # noqa: E731
     micro = dense_time + wsum(layer_time)
-    accum = run_cfg.train.grad_accum
+    accum = micro_batches(run_cfg, lay.world)
+    if lay.pp > 1:
+        return _pipeline_result(
+            strat, disp, overlap, lay, cluster, run_cfg, T, rate, grad_bytes, row_bytes, redo,
+            accum, dict(layer_time=layer_time, comp_max=comp_max, idle=idle,
+                        rows=rows, comm_max=comm_max, comp=comp, out_intra=out_intra,
+                        out_inter=out_inter))
 
     # Data-parallel gradient reduction, once per step.
-    gpn = cluster.gpus_per_node
-
     def link(span: int, stride: int = 1) -> tuple[float, float]:
-        """(bandwidth, latency) of a group of ``span`` ranks ``stride`` apart."""
-        inter = span * stride > gpn or (stride >= gpn and span > 1)
-        return ((cluster.inter_bw_GBps if inter else cluster.intra_bw_GBps) * 1e9,
-                (cluster.inter_latency_us if inter else cluster.intra_latency_us) * 1e-6)
+        return _link(cluster, span, stride)
 
     dense_params = size.total_params - size.expert_params
     expert_params = size.expert_params / lay.ep * sim["num_slots"] / run_cfg.moe.num_experts
@@ -429,3 +482,108 @@ def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSp
         intra_bytes_per_gpu=factor * float((per_transfer_intra * weight_L).sum()),
         inter_bytes_per_gpu=factor * float((per_transfer_inter * weight_L).sum()),
         layers=layers)
+
+
+def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, run_cfg: RunConfig,
+                     T: int, rate: float, grad_bytes: int, row_bytes: float, redo: float,
+                     m: int, moe_times: dict) -> SimResult:
+    """One step under a pipeline (the module docstring's 'Pipeline'). ``moe_times``: the
+    per-distribution arrays of :func:`_evaluate` ([S, L] or [S, L, R]) for one MoE layer
+    and micro-batch."""
+    model, moe, par = run_cfg.model, run_cfg.moe, run_cfg.parallel
+    ranges = stage_layers(layers_per_stage(run_cfg))
+    n, W, gpn = len(ranges), lay.stage_world, cluster.gpus_per_node
+    placement = stage_placement(par.pp_schedule, lay.pp, par.pp_virtual_stages)
+    owner = {s: r for r, held in enumerate(placement) for s in held}
+    layer_time = moe_times["layer_time"].mean(axis=0)                  # [L]: per distribution
+    comp_max = moe_times["comp_max"].mean(axis=0)
+    idle = moe_times["idle"].mean(axis=0)                              # [L, R]
+    n_dist = layer_time.shape[0]
+    moe_ids = [i for i in range(model.num_layers) if model.is_moe_layer(i)]
+    dist_of = {i: j % n_dist for j, i in enumerate(moe_ids)}           # as weight_L cycles them
+    routed_fwd = 2.0 * moe.top_k * expert_params_per_expert(moe)       # per token and MoE layer
+    fwd = stage_flops(run_cfg)
+    # each rank's weights (unsharded; an EP rank's experts): non-expert, expert
+    dense: dict = {}
+    expert: dict = {}
+    for p in param_shapes(model, moe):
+        key = block_of(p)
+        book = expert if p.expert else dense
+        book[key] = book.get(key, 0) + (p.numel / lay.ep if p.expert else p.numel)
+    fsdp = par.fsdp
+    rep = par.dp_replicate if fsdp else 1
+    dp_shard = W // rep
+    efsdp = dp_shard // lay.ep
+    hop_bytes = T * model.dim * grad_bytes                             # one activation, or its gradient
+
+    def hop(a: int, b: int) -> float:
+        same_node = W < gpn and (a * W) // gpn == (b * W) // gpn
+        bw = (cluster.intra_bw_GBps if same_node else cluster.inter_bw_GBps) * 1e9
+        lat = cluster.intra_latency_us if same_node else cluster.inter_latency_us
+        return hop_bytes / bw + lat * 1e-6
+
+    ranks = []
+    for r, stages in enumerate(placement):
+        layers = [i for s in stages for i in ranges[s]]
+        moes = [dist_of[i] for i in layers if i in dist_of]
+        weights = np.bincount(np.asarray(moes, dtype=np.int64), minlength=n_dist).astype(np.float64)
+        nonexpert = sum(T * 3.0 * (fwd[s] - routed_fwd * sum(model.is_moe_layer(i) for i in ranges[s]))
+                        for s in stages) / rate * (1 + redo)
+        compute = nonexpert + float((comp_max * weights).sum())
+        busy = nonexpert + float((layer_time * weights).sum())
+        p2p = sum(hop(owner[s - 1], r) for s in stages if s > 0 and owner[s - 1] != r) \
+            + sum(hop(owner[s + 1], r) for s in stages if s < n - 1 and owner[s + 1] != r)
+        keys = layers + ["embed"] * (0 in stages) + ["head"] * (n - 1 in stages)
+        d_params = sum(dense.get(k, 0) for k in keys)
+        e_params = sum(expert.get(k, 0) for k in keys)
+        fsdp_t = 0.0
+        if fsdp:
+            dense_bw, dense_lat = _link(cluster, dp_shard)
+            exp_bw, exp_lat = _link(cluster, efsdp, lay.ep)
+            per_micro = sum(_ring_time(d_params * b, dp_shard, dense_bw, dense_lat)
+                            + _ring_time(e_params * b, efsdp, exp_bw, exp_lat)
+                            for b in (grad_bytes, grad_bytes, 4))
+            fsdp_t = max(0.0, per_micro - busy) + per_micro / 3 / max(1, len(layers))
+            rep_bw, rep_lat = _link(cluster, rep, dp_shard)
+            ar = (_allreduce_time(d_params / dp_shard * 4, rep, rep_bw, rep_lat)
+                  + _allreduce_time(e_params / efsdp * 4, rep, rep_bw, rep_lat))
+        else:
+            bw, lat = _link(cluster, W)
+            dp_bw, dp_lat = _link(cluster, lay.dp, lay.ep)
+            ar = (_allreduce_time(d_params * grad_bytes, W, bw, lat)
+                  + _allreduce_time(e_params * grad_bytes, lay.dp, dp_bw, dp_lat))
+        dp_t = ar if overlap == "none" else max(0.0, ar - 2.0 / 3.0 * (busy + p2p + fsdp_t))
+        ranks.append(dict(time=busy + p2p + fsdp_t, compute=compute, expert_comm=busy - compute,
+                          p2p=p2p, fsdp=fsdp_t, dp=dp_t, weights=weights))
+    slow = max(ranks, key=lambda x: x["time"])
+    bubble = bubble_fraction(par.pp_schedule, lay.pp, m, par.pp_virtual_stages)
+    pipe = m * slow["time"] / (1.0 - bubble)
+    dp_exposed = max(x["dp"] for x in ranks)
+    step = pipe + dp_exposed
+    w = slow["weights"]
+    idle_rank = m * (idle * w[:, None]).sum(axis=0)                   # [R]
+    rows = moe_times["rows"]
+    loads = rows.mean(axis=2)
+    max_vio = float(np.mean(rows.max(axis=2) / np.maximum(loads, 1e-12) - 1))
+    R = lay.ep
+    intra = moe_times["out_intra"].mean(axis=(0, 2)) * row_bytes if R > 1 else np.zeros(n_dist)
+    inter = moe_times["out_inter"].mean(axis=(0, 2)) * row_bytes if R > 1 else np.zeros(n_dist)
+    comp = moe_times["comp"]
+    layers_out = [{"dist": int(i), "num_layers": int(w[i]),
+                   "expert_compute_max_ms": float(comp_max[i] * 1e3),
+                   "expert_compute_mean_ms": float(comp[:, i].mean() * 1e3),
+                   "transfer_ms": float(moe_times["comm_max"][:, i].mean() * 1e3),
+                   "layer_time_ms": float(layer_time[i] * 1e3),
+                   "intra_bytes_per_gpu": float(intra[i]),
+                   "inter_bytes_per_gpu": float(inter[i])} for i in range(n_dist)]
+    expert_comm = m * slow["expert_comm"]
+    return SimResult(
+        strategy=strat.name, dispatcher=disp, overlap=overlap, step_time_s=step,
+        tokens_per_s_per_gpu=m * T / lay.pp / step, compute_s=m * slow["compute"],
+        expert_comm_s=expert_comm, dp_comm_s=dp_exposed, fsdp_comm_s=m * slow["fsdp"],
+        comm_share=expert_comm / step, dp_share=dp_exposed / step,
+        worst_idle_share=float(idle_rank.max() / step),
+        mean_idle_share=float(idle_rank.mean() / step), max_vio=max_vio,
+        intra_bytes_per_gpu=4 * m * float((intra * w).sum()),
+        inter_bytes_per_gpu=4 * m * float((inter * w).sum()),
+        layers=layers_out, bubble_s=pipe - m * slow["time"], p2p_s=m * slow["p2p"])
