@@ -11,14 +11,15 @@
 #   4. FSDP on one GPU: a short bf16 run with parallel.fsdp and full recomputation, then a
 #      resume; benchmarks/memory.py --device cuda (the activation estimate against
 #      torch.cuda.memory_allocated in bf16, each recomputation mode);
-#   5. with >= 2 GPUs, benchmarks/dispatch.py over NCCL (EP needs one rank per GPU).
+#   5. with >= 2 GPUs, benchmarks/dispatch.py over NCCL (EP needs one rank per GPU) and a
+#      short pipeline run (pp=2, interleaved 1F1B, bf16; a stage needs a GPU of its own).
 #
 #   bash benchmarks/gpu_check.sh                 # every visible GPU
 #   NGPU=4 bash benchmarks/gpu_check.sh --quick  # extra args go to benchmarks/dispatch.py
 #
 # Each stage has a time limit (seconds; TEST_S, TRAIN_S, BENCH_S set three); a stage that
 # fails or runs out is reported and the next one runs. ONLY="tests profile" runs some
-# (keys: tests train fsdp bench profile ab dispatch). One log of every stage
+# (keys: tests train fsdp bench profile ab dispatch pipeline). One log of every stage
 # (gpu_check.log) and the JSON files land in $OUT (benchmarks/out by default). Works
 # without installing the package (PYTHONPATH=src) on an image whose torch is older than
 # the pin, and says so. The run of 2026-11-29 on one H200 (before the CPU kernel
@@ -121,6 +122,12 @@ elif [ "$NGPU" -ge 2 ]; then
         "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" benchmarks/dispatch.py \
         --ep-sizes "$EP_SIZES" --layer-ep "$(( NGPU >= 4 ? 4 : 2 ))" --ranks-per-node "$NGPU" \
         --json "$OUT/dispatch_gpu.json" "$@"
+    PP_DIR=$(mktemp -d)/pp
+    stage pipeline "pipeline pp=2 x ep=$(( NGPU / 2 )) on $NGPU GPUs (NCCL), interleaved 1F1B, bf16" "$TRAIN_S" \
+        "$PY" -m epscale train --config configs/tiny.yaml --nproc "$NGPU" --run-dir "$PP_DIR" \
+        parallel.pp=2 parallel.ep=$(( NGPU / 2 )) model.num_layers=4 model.tie_embeddings=false \
+        parallel.pp_schedule=interleaved_1f1b parallel.pp_virtual_stages=2 train.grad_accum=4 \
+        train.dtype=bfloat16 train.steps=20
 fi
 if [ ${#FAILED[@]} -gt 0 ]; then
     printf 'gpu_check: failed: %s\n' "${FAILED[@]}" >&2

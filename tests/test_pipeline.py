@@ -2,8 +2,8 @@
 pp=2 x FSDP dp_shard=2 (ep=2 inside) under 1F1B and interleaved 1F1B, pp=2 x dp=2 under
 GPipe and interleaved zero-bubble, ZB-V and DualPipeV, and pp=4, train the tiny model with
 the losses, gradient norms, validation loss and per-layer expert loads of one process at
-the same global batch; a pp=2 checkpoint resumes bit for bit and continues at pp=1 and
-pp=4. Bad layouts fail before anything starts, naming the keys.
+the same global batch; a pp=2 x ep=2 checkpoint resumes bit for bit and continues at pp=1
+(FSDP dp_shard=4 x ep=4) and at pp=4 (ep=1). Bad layouts fail before anything starts, naming the keys.
 
 One spawn of 4 ranks runs every multi-process case (the trainer leaves the process group
 it did not create); the one-process references run here. Every micro-batch holds 2
@@ -102,9 +102,10 @@ def _worker(rank, world, corpus_dir, tmp):
         full = tmp / "uninterrupted"
         out["uninterrupted"] = _run(corpus_dir, full, world, {**RESUME, "train.ckpt_every": 2})
         for name, over in (("resumed pp2", RESUME),
-                           ("continued at pp1 dp2 x ep2", {"parallel.ep": 2, "parallel.dp": 2,
-                                                           "train.grad_accum": 1,
-                                                           "train.steps": 4}),
+                           ("continued at pp1 fsdp4 x ep4", {"parallel.fsdp": True,
+                                                             "parallel.ep": 4,
+                                                             "train.grad_accum": 1,
+                                                             "train.steps": 4}),
                            ("continued at pp4", {"parallel.pp": 4, "train.grad_accum": 4,
                                                  "train.steps": 4})):
             run_dir = tmp / name.replace(" ", "_")
@@ -163,7 +164,7 @@ def test_pipeline_checkpoint_resumes_exactly_and_reshards(runs):
     # the uninterrupted pp=2 run trains as one process
     assert_losses_close(_by_step(got["uninterrupted"], "loss"), _by_step(refs["resume"], "loss"),
                         same_weights=(1,))
-    for name in ("continued at pp1 dp2 x ep2", "continued at pp4"):
+    for name in ("continued at pp1 fsdp4 x ep4", "continued at pp4"):
         records = got[name]
         assert [r["step"] for r in records] == [3, 4]
         assert_losses_close(_by_step(records, "loss"), {s: v[0] for s, v in full.items()},
