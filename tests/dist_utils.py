@@ -147,6 +147,41 @@ def assert_no_failures(results: list[Any], min_cases: int = 1) -> None:
 # --------------------------------------------------------------------------------------
 
 
+def run_trainer(cfg, run_dir, world: int, stop_at: int | None = None, inspect=None) -> list[dict]:
+    """Train ``cfg`` in ``run_dir`` on this process's share of ``world`` (the process
+    group exists already when world > 1; the trainer leaves it); the step records.
+    ``inspect(trainer)`` runs after set-up."""
+    from epscale.training.dist import LaunchEnv
+    from epscale.training.loop import Trainer
+
+    env = LaunchEnv("torchrun", world_size=world) if world > 1 else LaunchEnv("none")
+    t = Trainer(cfg, run_dir, env, stop_at=stop_at, checked=True)
+    clean = False
+    try:
+        t.setup()
+        if inspect is not None:
+            inspect(t)
+        records = t.run().records
+        clean = True
+        return records
+    finally:
+        t.close(clean)
+
+
+def copy_checkpoint(src_run, step: int, dst_run, rank: int) -> None:
+    """Rank 0 copies ``src_run``'s checkpoint of ``step`` into a new run directory; all
+    ranks wait for it."""
+    import shutil
+
+    from epscale.training import checkpoint as ckpt
+
+    if rank == 0:
+        (dst_run / "checkpoints").mkdir(parents=True)
+        shutil.copytree(ckpt.step_dir(src_run, step), ckpt.step_dir(dst_run, step))
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def make_inputs(world_size: int, tokens_per_rank: list[int], dim: int, dtype: torch.dtype,
                 seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Every rank's input and upstream gradient, identical on all ranks (seeded)."""

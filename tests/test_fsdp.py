@@ -20,13 +20,12 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from dist_utils import CaseRunner, assert_no_failures, run_distributed
+from dist_utils import CaseRunner, assert_no_failures, copy_checkpoint, run_distributed, run_trainer
 from epscale.model import build_model
 from epscale.parallel.materialize import full_view
 from epscale.sim.memory import memory_per_rank
 from epscale.training import checkpoint as ckpt
-from epscale.training.dist import LaunchEnv
-from epscale.training.loop import Trainer, train
+from epscale.training.loop import train
 from test_train import assert_losses_close, tiny_cfg
 
 STEPS = 3
@@ -100,28 +99,8 @@ def _check_meta_init(model, cfg, dims) -> None:
 
 def _trainer_case(corpus_dir, run_dir, world, over, inspect=None, stop_at=None) -> dict:
     cfg = _cfg(corpus_dir, world, over)
-    t = Trainer(cfg, run_dir, LaunchEnv("torchrun", world_size=world), stop_at=stop_at,
-                checked=True)
-    clean = False
-    try:
-        t.setup()
-        if inspect is not None:
-            inspect(t, cfg)
-        res = t.run()
-        clean = True
-        return losses_by_step(res.records)
-    finally:
-        t.close(clean)
-
-
-def _copy_checkpoint(src_run: Path, step: int, dst_run: Path, rank: int) -> None:
-    """Rank 0 copies ``src_run``'s step checkpoint into a new run directory; all wait."""
-    import torch.distributed as dist
-
-    if rank == 0:
-        (dst_run / "checkpoints").mkdir(parents=True)
-        shutil.copytree(ckpt.step_dir(src_run, step), ckpt.step_dir(dst_run, step))
-    dist.barrier()
+    check = (lambda t: inspect(t, cfg)) if inspect is not None else None
+    return losses_by_step(run_trainer(cfg, run_dir, world, stop_at=stop_at, inspect=check))
 
 
 def _worker(rank, world, corpus_dir, tmp, cases, resume):
@@ -159,7 +138,7 @@ def _worker(rank, world, corpus_dir, tmp, cases, resume):
             out["uninterrupted"] = _trainer_case(corpus_dir, full_run, world,
                                                  {**over, "train.steps": 4, "train.ckpt_every": 2})
             resumed = tmp / "resumed"
-            _copy_checkpoint(full_run, 2, resumed, rank)
+            copy_checkpoint(full_run, 2, resumed, rank)
             out["resumed"] = _trainer_case(corpus_dir, resumed, world, {**over, "train.steps": 4})
             # written in the background (DCP async_save over its own gloo group), then
             # resumed from: the same as the blocking saves
@@ -168,15 +147,15 @@ def _worker(rank, world, corpus_dir, tmp, cases, resume):
                                          {**over, "train.steps": 4, "train.ckpt_every": 2,
                                           "train.async_checkpoint": True})
             from_async = tmp / "from_async"
-            _copy_checkpoint(async_run, 2, from_async, rank)
+            copy_checkpoint(async_run, 2, from_async, rank)
             out["resumed from async"] = _trainer_case(corpus_dir, from_async, world,
                                                       {**over, "train.steps": 4})
             replicated = tmp / "replicated"
-            _copy_checkpoint(full_run, 2, replicated, rank)
+            copy_checkpoint(full_run, 2, replicated, rank)
             out["replicated dp2 x ep2 from fsdp"] = _trainer_case(
                 corpus_dir, replicated, world, {"parallel.ep": 2, "train.steps": 4}, stop_at=3)
             back = tmp / "fsdp_from_replicated"
-            _copy_checkpoint(replicated, 3, back, rank)
+            copy_checkpoint(replicated, 3, back, rank)
             out["fsdp from replicated"] = _trainer_case(corpus_dir, back, world,
                                                         {**over, "train.steps": 4})
     return runner.failures, out

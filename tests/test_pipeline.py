@@ -12,20 +12,17 @@ whatever the world), so the per-micro-batch balance loss is the same sum too."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from dist_utils import CaseRunner, assert_no_failures, run_distributed
+from dist_utils import CaseRunner, assert_no_failures, copy_checkpoint, run_distributed, run_trainer
 from epscale.config import ConfigError, load_config
 from epscale.parallel.pipeline import AuxLossIntoBackward, keep_stages, stage_layers, stage_placement
 from epscale.sim.pipeline import bubble_fraction, layers_per_stage, micro_batch_problem
-from epscale.training import checkpoint as ckpt
-from epscale.training.dist import LaunchEnv, resolve_layout
+from epscale.training.dist import resolve_layout
 from epscale.training.elastic import fit_batch
-from epscale.training.loop import Trainer
 from test_train import assert_losses_close, tiny_cfg
 
 STEPS = 3
@@ -69,27 +66,8 @@ def _summary(records) -> list[dict]:
             for r in records]
 
 
-def _run(corpus_dir: Path, run_dir: Path, world: int, over: dict, stop_at=None) -> list[dict]:
-    cfg = tiny_cfg(corpus_dir, **{**BASE, **over})
-    env = LaunchEnv("torchrun", world_size=world) if world > 1 else LaunchEnv("none")
-    t = Trainer(cfg, run_dir, env, stop_at=stop_at, checked=True)
-    clean = False
-    try:
-        t.setup()
-        res = t.run()
-        clean = True
-        return _summary(res.records)
-    finally:
-        t.close(clean)
-
-
-def _copy_checkpoint(src_run: Path, step: int, dst_run: Path, rank: int) -> None:
-    import torch.distributed as dist
-
-    if rank == 0:
-        (dst_run / "checkpoints").mkdir(parents=True)
-        shutil.copytree(ckpt.step_dir(src_run, step), ckpt.step_dir(dst_run, step))
-    dist.barrier()
+def _run(corpus_dir: Path, run_dir: Path, world: int, over: dict) -> list[dict]:
+    return _summary(run_trainer(tiny_cfg(corpus_dir, **{**BASE, **over}), run_dir, world))
 
 
 def _worker(rank, world, corpus_dir, tmp):
@@ -109,7 +87,7 @@ def _worker(rank, world, corpus_dir, tmp):
                            ("continued at pp4", {"parallel.pp": 4, "train.grad_accum": 4,
                                                  "train.steps": 4})):
             run_dir = tmp / name.replace(" ", "_")
-            _copy_checkpoint(full, 2, run_dir, rank)
+            copy_checkpoint(full, 2, run_dir, rank)
             out[name] = _run(corpus_dir, run_dir, world, over)
     return runner.failures, out
 
