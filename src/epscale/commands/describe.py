@@ -1,6 +1,9 @@
 """``epscale describe CONFIG``: parameters, FLOPs per token and memory per rank of a recipe
 at a layout, computed analytically (nothing is built), next to the published figures
-where known; ``--fit 80GiB`` lists the layouts of a cluster that fit, fastest first."""
+where known; ``--fit 80GiB`` lists the layouts of a cluster that fit, fastest first.
+Under a pipeline (``--pp`` or ``parallel.pp``) it also gives the stage split (each stage's
+layers, the rank holding it, its share of the FLOPs), the schedule's bubble at the step's
+micro-batches, the p2p traffic and each pipeline rank's memory, the largest marked."""
 
 from __future__ import annotations
 
@@ -10,8 +13,10 @@ import json
 
 from ..config import PUBLISHED, ConfigError, load_recipe, recipe_path
 from ..config.recipes import requested_scale
+from ..config.schema import PP_SCHEDULES
 from ..sim.fit import AC_MODES
-from ..sim.memory import estimate, resolve
+from ..sim.memory import DTYPE_BYTES, estimate, pipeline_memory, resolve, with_pipeline
+from ..sim.pipeline import bubble_fraction, stage_flops
 from ..sim.sizing import model_size
 from .args import parse_size
 
@@ -33,6 +38,12 @@ def configure_parser(p) -> None:
     lay.add_argument("--micro-batch", type=int, default=None, help="train.micro_batch_size")
     lay.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                      help="compute dtype (default: train.dtype; master weights stay fp32)")
+    lay.add_argument("--pp", type=int, default=None,
+                     help="pipeline ranks (parallel.pp; the world is pp x the ranks of one stage)")
+    lay.add_argument("--pp-schedule", choices=tuple(PP_SCHEDULES), default=None,
+                     help="parallel.pp_schedule (default: the recipe's, 1f1b)")
+    lay.add_argument("--pp-virtual-stages", type=int, default=None,
+                     help="stages per rank of interleaved_1f1b / zero_bubble (parallel.pp_virtual_stages)")
     fit = p.add_argument_group("fit: layouts that fit a GPU, fastest first (step model)")
     fit.add_argument("--fit", metavar="SIZE", default=None,
                      help="GPU memory, e.g. 80GiB: list the layouts of the cluster's world that fit")
@@ -63,7 +74,7 @@ def _fmt_bytes(n: float) -> str:
 
 
 LAYOUT_KEYS = ("world", "dp", "ep", "fsdp", "dp_replicate", "activation_checkpointing",
-               "micro_batch_size", "compute_dtype")
+               "micro_batch_size", "compute_dtype", "pp", "pp_schedule", "pp_virtual_stages")
 
 
 def describe(config: str, overrides: list[str] | None = None, **layout) -> dict:
@@ -89,6 +100,11 @@ def describe(config: str, overrides: list[str] | None = None, **layout) -> dict:
         out["layout"]["dp"] = lay.world // lay.ep
     if lay.ep > 1:
         out["layout"]["redundant_experts"] = lay.redundant_experts
+    if lay.pp > 1:
+        out["layout"].update(pp=lay.pp, pp_schedule=lay.pp_schedule,
+                             pp_virtual_stages=lay.pp_virtual_stages,
+                             micro_batches=lay.micro_batches)
+        out["pipeline"] = pipeline_report(cfg, lay)
     if size.num_moe_layers:
         # What an expert's GEMMs see per micro-batch and MoE layer with balanced routing:
         # the EP group's tokens times top-k, spread over the experts. It sets how close the
@@ -102,6 +118,27 @@ def describe(config: str, overrides: list[str] | None = None, **layout) -> dict:
             if pub[key]:
                 out["published"][f"{key}_rel_err"] = size.as_dict()[f"{key}_params"] / pub[key] - 1
     return out
+
+
+def pipeline_report(cfg, lay) -> dict:
+    """The pipeline part of :func:`describe` (``lay.pp`` > 1): stages, bubble, p2p traffic
+    and each pipeline rank's memory (``largest_rank``: the one ``memory`` reports)."""
+    ranks = pipeline_memory(cfg, lay)
+    flops = stage_flops(with_pipeline(cfg, lay.pp, lay.pp_schedule, lay.pp_virtual_stages))
+    owner = {s: r.rank for r in ranks for s in r.stages}
+    stages, start = [], 0
+    for s, k in enumerate(lay.layers_per_stage):
+        stages.append({"stage": s, "layers": [start, start + k], "rank": owner[s],
+                       "flops_share": flops[s] / sum(flops)})
+        start += k
+    largest = max(ranks, key=lambda r: r.memory.total)
+    T = lay.micro_batch_size * cfg.model.seq_len
+    return {"stages": stages, "num_stages": len(stages),
+            "bubble": bubble_fraction(lay.pp_schedule, lay.pp, lay.micro_batches,
+                                      lay.pp_virtual_stages),
+            "p2p_bytes_per_boundary": lay.micro_batches * T * cfg.model.dim
+            * DTYPE_BYTES[lay.compute_dtype],
+            "largest_rank": largest.rank, "ranks": [r.as_dict() for r in ranks]}
 
 
 def fit_report(config: str, overrides: list[str] | None, gpu_mem: str, cluster: str,
@@ -145,27 +182,72 @@ def _print_fit(info: dict, console) -> None:
     t = Table(title=f"{info['name']}: {info['fitting']} of {info['tried']} layouts of "
                     f"{info['world']} GPUs fit {_fmt_bytes(info['gpu_mem'])}, fastest first "
                     f"(step model, cluster {info['cluster']})")
-    for col in ("#", "ep", "data parallel", "recompute", "memory", "activations", "step", "tok/s/GPU"):
-        t.add_column(col, justify="left" if col in ("data parallel", "recompute") else "right")
+    for col in ("#", "pp", "ep", "data parallel", "recompute", "memory", "activations", "step",
+                "tok/s/GPU"):
+        t.add_column(col, justify="left" if col in ("pp", "data parallel", "recompute") else "right")
     for i, r in enumerate(info["layouts"], 1):
         lay = r["layout"]
+        pp = lay.get("pp", 1)
+        stage = info["world"] // pp                     # ranks of one stage
         rep = lay.get("dp_replicate", 1)
         dp = (f"replicated {lay['dp']}" if not lay["fsdp"] else
-              f"HSDP {rep} x {info['world'] // rep}" if rep > 1 else f"FSDP {info['world']}")
-        t.add_row(str(i), str(lay["ep"]), dp, lay["activation_checkpointing"],
+              f"HSDP {rep} x {stage // rep}" if rep > 1 else f"FSDP {stage}")
+        pipe = (f"{pp} {lay['pp_schedule']}, m={lay['micro_batches']}" if pp > 1 else "1")
+        t.add_row(str(i), pipe, str(lay["ep"]), dp, lay["activation_checkpointing"],
                   _fmt_bytes(r["memory"]["total"]), _fmt_bytes(r["memory"]["activations"]),
                   f"{r['step_time_s']:.2f} s", f"{r['tokens_per_s_per_gpu']:,.0f}")
     console.print(t)
     console.print(f"#1 as overrides: {' '.join(info['layouts'][0]['overrides'])}")
     console.print("[dim]memory: sim.memory.estimate (weights, gradients, AdamW, saved activations, "
-                  "FSDP's gathered block, dispatch rows); step: the simulator's step model with "
-                  "loss-free balancing (epscale simulate for the detail).[/]")
+                  "FSDP's gathered block, dispatch rows; under a pipeline its largest rank, with "
+                  "the micro-batches in flight and p2p buffers); step: the simulator's step "
+                  "model with loss-free balancing (epscale simulate for the detail). Every "
+                  "layout keeps the recipe's global batch: a pipeline of pp ranks runs pp times "
+                  "the micro-batches.[/]")
 
 
 def _layout_args(args) -> dict:
     return {"world": args.world, "dp": args.dp, "ep": args.ep, "fsdp": args.fsdp,
             "dp_replicate": args.dp_replicate, "activation_checkpointing": args.ac,
-            "micro_batch_size": args.micro_batch, "compute_dtype": args.dtype}
+            "micro_batch_size": args.micro_batch, "compute_dtype": args.dtype, "pp": args.pp,
+            "pp_schedule": args.pp_schedule, "pp_virtual_stages": args.pp_virtual_stages}
+
+
+def _print_pipeline(info: dict, console) -> None:
+    """The stage split and each pipeline rank's memory (the largest in bold red)."""
+    from rich.table import Table
+
+    pipe, lay = info["pipeline"], info["layout"]
+    split = Table(title=f"pipeline: {lay['pp_schedule']}, {pipe['num_stages']} stages over "
+                        f"pp={lay['pp']} ranks; embedding on stage 0, norm and head on stage "
+                        f"{pipe['num_stages'] - 1}")
+    for col in ("stage", "layers", "rank", "FLOPs share"):
+        split.add_column(col, justify="right")
+    for st in pipe["stages"]:
+        a, b = st["layers"]
+        split.add_row(str(st["stage"]), f"{a}-{b - 1}" if b - a > 1 else str(a), str(st["rank"]),
+                      f"{st['flops_share']:.1%}")
+    console.print(split)
+    console.print(f"bubble: {pipe['bubble']:.1%} of the step for {lay['pp_schedule']} at "
+                  f"{lay['micro_batches']} micro-batches per step and pp={lay['pp']} (equal "
+                  f"stages; sim.pipeline.bubble_fraction). p2p per step across each stage "
+                  f"boundary between ranks: {_fmt_bytes(pipe['p2p_bytes_per_boundary'])} of "
+                  "activations forward and as much of gradients backward, per GPU.")
+    t = Table(title="memory per pipeline rank (the largest in bold red: the memory table above)")
+    for col in ("rank", "stages", "layers", "parameters", "weights+grads+AdamW",
+                "activations (sets)", "p2p buffers", "FSDP block", "total"):
+        t.add_column(col, justify="right")
+    for r in pipe["ranks"]:
+        mem = r["memory"]
+        layers = ", ".join(f"{a}-{b - 1}" if b - a > 1 else str(a) for a, b in r["layers"])
+        style = "bold red" if r["rank"] == pipe["largest_rank"] else None
+        t.add_row(str(r["rank"]), ", ".join(map(str, r["stages"])), layers,
+                  _fmt_count(mem["params_per_rank"]),
+                  _fmt_bytes(mem["params"] + mem["grads"] + mem["optimizer"]),
+                  f"{_fmt_bytes(mem['activations'])} ({r['in_flight']})",
+                  _fmt_bytes(mem.get("p2p_buffers", 0)), _fmt_bytes(mem["gathered"]),
+                  _fmt_bytes(mem["total"]), style=style)
+    console.print(t)
 
 
 def run(args) -> int:
@@ -204,7 +286,9 @@ def run(args) -> int:
     mem, lay = info["memory"], info["layout"]
     copies = (f", {lay['redundant_experts']} redundant expert copies"
               if lay.get("redundant_experts") else "")
-    m = Table(title=f"memory per rank: {lay['world']} ranks, {lay['description']}{copies}; "
+    which = (f" (pipeline rank {info['pipeline']['largest_rank']}, the largest)"
+             if "pipeline" in info else "")
+    m = Table(title=f"memory per rank{which}: {lay['world']} ranks, {lay['description']}{copies}; "
                     f"recompute {lay['activation_checkpointing']}, micro-batch "
                     f"{lay['micro_batch_size']}, compute {lay['compute_dtype']}")
     m.add_column("part")
@@ -212,12 +296,15 @@ def run(args) -> int:
     m.add_row("parameters held", _fmt_count(mem["params_per_rank"]))
     labels = {"params": "weights (fp32)", "grads": "gradients (fp32)",
               "optimizer": "AdamW moments (fp32)", "activations": "saved activations",
-              "gathered": "FSDP gathered block", "comm": "dispatch rows", "total": "total"}
+              "gathered": "FSDP gathered block", "comm": "dispatch rows",
+              "p2p_buffers": "p2p receive buffers", "total": "total"}
     for key, label in labels.items():
-        if key in ("gathered", "comm") and not mem[key]:
+        if key in ("gathered", "comm", "p2p_buffers") and not mem.get(key):
             continue
         m.add_row(label, _fmt_bytes(mem[key]))
     console.print(m)
+    if "pipeline" in info:
+        _print_pipeline(info, console)
     rows = info.get("rows_per_expert")
     if rows is not None:
         hint = (" [yellow]Below ~256 the expert GEMMs ran at 0.58-0.74 of the dense rate on "

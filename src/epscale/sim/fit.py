@@ -1,11 +1,18 @@
 """Layouts of a recipe that fit a GPU, fastest first (``epscale describe --fit``).
 
-Every layout of the cluster's world is tried: each ``ep`` the simulator accepts (it
-divides the experts and the world, and divides a node or spans whole nodes), replicated
-data parallelism and FSDP with every ``dp_replicate`` that leaves ``ep | dp_shard``, and
-each recomputation mode. A layout fits when :func:`epscale.sim.memory.estimate` stays
-within the GPU's memory; the fitting ones are ranked by the step model's time
-(:func:`epscale.sim.step_model.simulate`, one balancing strategy and dispatcher).
+Every layout of the cluster's world is tried: each pipeline depth ``pp`` (1, and each
+power of two that gives every pipeline rank at least two layers and stages that fill
+whole nodes or divide one; schedules 1f1b and dualpipev, and the recipe's own), each
+``ep`` the simulator accepts (it divides the experts and a stage's ranks, and divides a
+node or spans whole nodes), replicated data parallelism and FSDP with every
+``dp_replicate`` that leaves ``ep | dp_shard``, and each recomputation mode. Every layout
+keeps the recipe's global batch (``train.global_batch_size``, else its data-parallel ranks
+x grad_accum x micro_batch_size at the cluster's world): a pipeline of pp ranks runs pp
+times the micro-batches per step; layouts whose micro-batch count the schedule cannot run
+are left out. A layout fits when :func:`epscale.sim.memory.estimate` (the largest
+pipeline rank) stays within the GPU's memory; the fitting ones are ranked by the step
+model's time (:func:`epscale.sim.step_model.simulate`, one balancing strategy and
+dispatcher).
 """
 
 from __future__ import annotations
@@ -15,9 +22,11 @@ from dataclasses import dataclass, replace
 from ..config import ConfigError, RunConfig
 from .cluster import ClusterSpec
 from .memory import MemoryEstimate, memory_per_rank
+from .pipeline import micro_batch_problem, micro_batches
 from .step_model import simulate
 
 AC_MODES = ("none", "selective", "full")
+FIT_SCHEDULES = (("1f1b", 1), ("dualpipev", 2))   # (schedule, stages per rank) tried at pp > 1
 
 
 @dataclass(frozen=True)
@@ -26,6 +35,8 @@ class FitResult:
     memory: MemoryEstimate
     step_time_s: float
     tokens_per_s_per_gpu: float
+    micro_batches: int = 1      # per step (what a pipeline schedules)
+    recipe_pp: int = 1          # the recipe's own parallel.pp
 
     @property
     def layout(self) -> dict:
@@ -35,6 +46,10 @@ class FitResult:
             out["dp_replicate"] = par.dp_replicate
         else:
             out["dp"] = par.dp
+        out["pp"] = par.pp
+        if par.pp > 1:
+            out.update(pp_schedule=par.pp_schedule, pp_virtual_stages=par.pp_virtual_stages,
+                       micro_batches=self.micro_batches)
         return out
 
     def overrides(self) -> list[str]:
@@ -48,39 +63,90 @@ class FitResult:
             out = ["parallel.fsdp=false", f"parallel.dp={par.dp}", "parallel.dp_replicate=1",
                    "parallel.dp_shard=null",
                    f"parallel.redundant_experts={par.redundant_experts}"]
-        return out + [f"parallel.ep={par.ep}",
-                      f"train.activation_checkpointing={train.activation_checkpointing}"]
+        out.append(f"parallel.ep={par.ep}")
+        if par.pp > 1 or self.recipe_pp > 1:
+            split = par.pp_layers_per_stage
+            out += [f"parallel.pp={par.pp}", f"parallel.pp_schedule={par.pp_schedule}",
+                    f"parallel.pp_virtual_stages={par.pp_virtual_stages}",
+                    "parallel.pp_layers_per_stage=" + ("null" if split is None else
+                                                       "[" + ",".join(map(str, split)) + "]")]
+            if train.global_batch_size is None:
+                out.append(f"train.grad_accum={train.grad_accum}")
+        return out + [f"train.activation_checkpointing={train.activation_checkpointing}"]
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _sim_accepts(ep: int, cluster: ClusterSpec, num_experts: int) -> bool:
+def _sim_accepts(ep: int, cluster: ClusterSpec, num_experts: int, stage_world: int | None = None) -> bool:
     gpn = cluster.gpus_per_node
-    return (cluster.world % ep == 0 and num_experts % ep == 0
+    W = cluster.world if stage_world is None else stage_world
+    return (W % ep == 0 and num_experts % ep == 0
             and (ep % gpn == 0 if ep > gpn else gpn % ep == 0))
+
+
+def global_batch(cfg: RunConfig, world: int) -> int:
+    """Sequences per step every layout of ``world`` keeps: ``train.global_batch_size``, or
+    the recipe's data-parallel ranks there (world / its pp) x grad_accum x micro_batch_size."""
+    t = cfg.train
+    if t.global_batch_size is not None:
+        return t.global_batch_size
+    return world // cfg.parallel.pp * t.grad_accum * t.micro_batch_size
+
+
+def pipelines(cfg: RunConfig, cluster: ClusterSpec) -> list[tuple[int, str, int]]:
+    """(pp, schedule, stages per rank) of every pipeline --fit tries, (1, '1f1b', 1) first."""
+    model, par, world, gpn = cfg.model, cfg.parallel, cluster.world, cluster.gpus_per_node
+    out = [(1, "1f1b", 1)]
+    if model.tie_embeddings or cfg.data.doc_masking:
+        return out                      # both refuse a pipeline (RunConfig's checks)
+    schedules = list(FIT_SCHEDULES)
+    if par.pp > 1 and (par.pp_schedule, par.pp_virtual_stages) not in schedules:
+        schedules.append((par.pp_schedule, par.pp_virtual_stages))
+    pp = 2
+    while pp <= model.num_layers // 2 and world % pp == 0:
+        W = world // pp
+        if W % gpn == 0 or gpn % W == 0:
+            out += [(pp, s, v) for s, v in schedules if pp * v <= model.num_layers]
+        pp *= 2
+    return out
 
 
 def candidates(cfg: RunConfig, cluster: ClusterSpec) -> list[RunConfig]:
     """The recipe at every layout of the cluster's world (see the module docstring)."""
     world, E = cluster.world, cfg.moe.num_experts
+    G = global_batch(cfg, world)
+    mbs = cfg.train.micro_batch_size
+    own = cfg.parallel
     out = []
-    for ep in (d for d in _divisors(E) if _sim_accepts(d, cluster, E)):
-        for ac in AC_MODES:
-            train = replace(cfg.train, activation_checkpointing=ac)
-            red = cfg.parallel.redundant_experts   # kept where the slots divide over ep
-            red = red if ep > 1 and (E + red) % ep == 0 else 0
-            out.append(replace(cfg, train=train, parallel=replace(
-                cfg.parallel, fsdp=False, dp=world // ep, ep=ep, dp_replicate=1,
-                dp_shard=None, redundant_experts=red)))
-            for rep in _divisors(world):
-                if (world // rep) % ep:
-                    continue
-                # FSDP refuses redundant experts and spill-over (parallel.fsdp's checks)
+    for pp, schedule, v in pipelines(cfg, cluster):
+        W = world // pp
+        if G % (W * mbs):
+            continue
+        m = G // (W * mbs)
+        if pp > 1 and micro_batch_problem(schedule, pp, m):
+            continue
+        same = (pp, schedule, v) == (own.pp, own.pp_schedule, own.pp_virtual_stages)
+        pipe = dict(pp=pp, pp_schedule=schedule, pp_virtual_stages=v,
+                    pp_layers_per_stage=own.pp_layers_per_stage if same else None)
+        accum = {} if cfg.train.global_batch_size is not None else {"grad_accum": m}
+        for ep in (d for d in _divisors(E) if _sim_accepts(d, cluster, E, W)):
+            for ac in AC_MODES:
+                train = replace(cfg.train, activation_checkpointing=ac, **accum)
+                red = own.redundant_experts   # kept where the slots divide over ep
+                red = red if ep > 1 and (E + red) % ep == 0 and pp == 1 else 0
+                spill = own.spill_threshold if pp == 1 else None   # a pipeline refuses both
                 out.append(replace(cfg, train=train, parallel=replace(
-                    cfg.parallel, fsdp=True, dp=1, ep=ep, dp_replicate=rep, dp_shard=world // rep,
-                    redundant_experts=0, spill_threshold=None)))
+                    own, fsdp=False, dp=W // ep, ep=ep, dp_replicate=1, dp_shard=None,
+                    redundant_experts=red, spill_threshold=spill, **pipe)))
+                for rep in _divisors(W):
+                    if (W // rep) % ep:
+                        continue
+                    # FSDP refuses redundant experts and spill-over (parallel.fsdp's checks)
+                    out.append(replace(cfg, train=train, parallel=replace(
+                        own, fsdp=True, dp=1, ep=ep, dp_replicate=rep, dp_shard=W // rep,
+                        redundant_experts=0, spill_threshold=None, **pipe)))
     return out
 
 
@@ -92,12 +158,14 @@ def fit(cfg: RunConfig, cluster: ClusterSpec, gpu_bytes: float, *, dispatcher: s
     dispatcher = dispatcher or cfg.parallel.dispatcher
     tried = candidates(cfg, cluster)
     results = []
+    loads: dict = {}          # the sampled routing loads, shared by layouts of the same ep
     for c in tried:
         mem = memory_per_rank(c, world=cluster.world)
         if mem.total > gpu_bytes:
             continue
         r = simulate(c, cluster, strategies=(strategy,), dispatchers=(dispatcher,),
-                     ep=c.parallel.ep, step_samples=step_samples)[0]
-        results.append(FitResult(c, mem, r.step_time_s, r.tokens_per_s_per_gpu))
+                     ep=c.parallel.ep, step_samples=step_samples, loads_cache=loads)[0]
+        results.append(FitResult(c, mem, r.step_time_s, r.tokens_per_s_per_gpu,
+                                 micro_batches(c, cluster.world), cfg.parallel.pp))
     results.sort(key=lambda r: (round(r.step_time_s, 3), r.memory.total))
     return results, len(tried)

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, replace
+from functools import lru_cache
 
 from ..config import ConfigError, ModelConfig, MoEConfig, RunConfig
 from ..config.schema import PP_SCHEDULES
@@ -444,6 +445,27 @@ def activation_bytes(cfg: RunConfig, lay: Layout) -> tuple[float, float]:
     return embed + sum(kept) + head, max(b - k for b, k in zip(blocks, kept))
 
 
+_SHAPES: dict[str, tuple[ParamShape, ...]] = {}
+
+
+def cached_param_shapes(model: ModelConfig, moe: MoEConfig) -> tuple[ParamShape, ...]:
+    """:func:`param_shapes`, built once per configuration (``describe --fit`` asks for the
+    same model at a thousand layouts)."""
+    key = repr((model, moe))
+    if key not in _SHAPES:
+        if len(_SHAPES) >= 32:
+            _SHAPES.clear()
+        _SHAPES[key] = tuple(param_shapes(model, moe))
+    return _SHAPES[key]
+
+
+@lru_cache(maxsize=4096)
+def _rank_peak(schedule: str, pp: int, m: int, virtual_stages: int, rank: int,
+               stage_bytes: tuple[tuple[int, float], ...]) -> tuple[float, int]:
+    """:func:`epscale.sim.pipeline.in_flight` of one rank's schedule order."""
+    return in_flight(schedule_actions(schedule, pp, m, virtual_stages, rank), dict(stage_bytes))
+
+
 def block_of(p: ParamShape) -> int | str:
     """Where a parameter lives: its block, 'embed' (stage 0) or 'head' (the last stage)."""
     if p.block >= 0:
@@ -456,7 +478,7 @@ def estimate(cfg: RunConfig, lay: Layout) -> MemoryEstimate:
     the most, see :func:`pipeline_memory`)."""
     if lay.pp > 1:
         return max(pipeline_memory(cfg, lay), key=lambda r: r.memory.total).memory
-    shapes = param_shapes(cfg.model, cfg.moe)
+    shapes = cached_param_shapes(cfg.model, cfg.moe)
     n = sum(local_numel(p, lay) for p in shapes)
     cb = DTYPE_BYTES[lay.compute_dtype]
     gathered = 0.0
@@ -495,10 +517,16 @@ def pipeline_memory(cfg: RunConfig, lay: Layout) -> list[RankMemory]:
     held: dict[int | str, int] = {}                # parameters this layout leaves a rank, per block
     full: dict[int | str, int] = {}                # a block's gathered size under FSDP
     unsharded = Layout(lay.world, lay.ep)
-    for p in param_shapes(model, cfg.moe):
+    shares: dict[tuple, tuple[int, int]] = {}      # the same shape has the same shares
+    for p in cached_param_shapes(model, cfg.moe):
+        kind = (p.shape, p.expert, p.name.endswith("w2"))
+        if kind not in shares:
+            shares[kind] = (local_numel(p, lay),
+                            p.numel if not p.expert else local_numel(p, unsharded))
         key = block_of(p)
-        held[key] = held.get(key, 0) + local_numel(p, lay)
-        full[key] = full.get(key, 0) + (p.numel if not p.expert else local_numel(p, unsharded))
+        mine, whole = shares[kind]
+        held[key] = held.get(key, 0) + mine
+        full[key] = full.get(key, 0) + whole
     embed, blocks, kept, head = _activation_parts(cfg, lay)
     rebuilt = [b - k for b, k in zip(blocks, kept)]
     recomputes = lay.activation_checkpointing in ("full", "selective")
@@ -520,8 +548,8 @@ def pipeline_memory(cfg: RunConfig, lay: Layout) -> list[RankMemory]:
         keys: list[int | str] = [i for s in stages for i in ranges[s]]
         keys += ["embed"] * (0 in stages) + ["head"] * (n - 1 in stages)
         count = sum(held.get(k, 0) for k in keys)
-        actions = schedule_actions(lay.pp_schedule, lay.pp, m, lay.pp_virtual_stages, rank)
-        peak, sets_held = in_flight(actions, sets)
+        peak, sets_held = _rank_peak(lay.pp_schedule, lay.pp, m, lay.pp_virtual_stages, rank,
+                                     tuple(sorted(sets.items())))
         layers = [i for s in stages for i in ranges[s]]
         moe_here = any(model.is_moe_layer(i) for i in layers)
         receives = sum((s > 0) + (s < n - 1) for s in stages)

@@ -66,7 +66,7 @@ from .sizing import expert_params_per_expert, model_size
 from .balance import (BalanceParams, Strategy, contiguous_placement, parse_strategy,
                       redundant_placement, temper)
 from .cluster import ClusterSpec
-from .memory import block_of, param_shapes
+from .memory import cached_param_shapes, block_of
 from .pipeline import bubble_fraction, layers_per_stage, micro_batches, stage_flops
 from .routing import (RoutingSpec, fit_weights, inclusion_probs, layer_shares, sample_topk,
                       shares_of)
@@ -506,7 +506,7 @@ def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, ru
     # each rank's weights (unsharded; an EP rank's experts): non-expert, expert
     dense: dict = {}
     expert: dict = {}
-    for p in param_shapes(model, moe):
+    for p in cached_param_shapes(model, moe):
         key = block_of(p)
         book = expert if p.expert else dense
         book[key] = book.get(key, 0) + (p.numel / lay.ep if p.expert else p.numel)
