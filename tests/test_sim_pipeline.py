@@ -1,0 +1,296 @@
+"""The simulator under a pipeline (``parallel.pp``): the schedule orders it reads the
+activations in flight from are torch's own, each pipeline rank's memory adds up to the
+model, the bubble and p2p times come out as the formulas say, ``describe`` prints the
+split and ``--fit`` ranks pipeline layouts; the recipes' pipeline layouts fit 80 GiB.
+Pure computations: nothing is built and no process is started."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from epscale.cli import main as cli_main
+from epscale.commands.describe import describe, fit_report
+from epscale.config import (ConfigError, ModelConfig, MoEConfig, ParallelConfig, RunConfig,
+                            TrainConfig, load_recipe, recipe_path)
+from epscale.sim import ClusterSpec, simulate
+from epscale.sim.memory import DTYPE_BYTES, Layout, estimate, memory_per_rank, pipeline_memory
+from epscale.sim.pipeline import bubble_fraction, in_flight, schedule_actions
+from epscale.sim.routing import RoutingSpec
+from epscale.sim.sizing import model_size
+
+GiB = 2 ** 30
+SCHEDULES = [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3),
+             ("zero_bubble", 2), ("zbv", 2), ("dualpipev", 2)]
+
+
+def _cfg(pp=2, schedule="1f1b", virtual=1, m=8, layers=8, E=4, ep=1, dense=1,
+         **parallel) -> RunConfig:
+    return RunConfig(
+        model=ModelConfig(vocab_size=64, dim=32, num_layers=layers, num_heads=4, seq_len=16,
+                          dense_hidden_dim=48, num_dense_layers=dense, tie_embeddings=False),
+        moe=MoEConfig(dim=32, hidden_dim=24, num_experts=E, top_k=2),
+        parallel=ParallelConfig(pp=pp, pp_schedule=schedule, pp_virtual_stages=virtual, ep=ep,
+                                **parallel),
+        train=TrainConfig(micro_batch_size=1, grad_accum=m))
+
+
+# ------------------------------------------------------------ the schedules' orders
+
+def _torch_order(schedule: str, p: int, m: int, v: int, rank: int) -> list[tuple[int, str, int]]:
+    """torch's own compute order for one rank, from its schedule classes' order generators
+    (called on bare instances: they need no stages or process group)."""
+    from torch.distributed.pipelining import schedules as S
+
+    if schedule == "gpipe":
+        obj = object.__new__(S.ScheduleGPipe)
+        obj._num_stages, obj._n_microbatches = p, m
+        order = obj._get_pipeline_order()[rank]
+    else:
+        cls = {"interleaved_1f1b": S.ScheduleInterleaved1F1B,
+               "zero_bubble": S.ScheduleInterleavedZeroBubble,
+               "zbv": S.ScheduleZBVZeroBubble, "dualpipev": S.ScheduleDualPipeV}[schedule]
+        obj = object.__new__(cls)
+        obj.pp_group_size, obj._n_microbatches, obj.n_local_stages = p, m, v
+        obj.num_stages = obj._num_stages = p * v
+        obj.number_of_rounds = max(1, m // p)
+        obj.microbatches_per_round = m // obj.number_of_rounds
+        order = obj._calculate_single_rank_operations(rank)
+    out = []
+    for a in order:
+        if a is None:
+            continue
+        kind = a.computation_type.value
+        for sub in (a.sub_actions if kind == "OVERLAP_F_B" else [a]):
+            if sub.computation_type.value in ("F", "B", "I", "W"):
+                out.append((sub.stage_index, sub.computation_type.value, sub.microbatch_index))
+    return out
+
+
+@pytest.mark.parametrize("schedule,v", [s for s in SCHEDULES if s[0] != "1f1b"])
+def test_schedule_orders_are_torchs(schedule, v):
+    for p in (2, 3, 4):
+        for m in sorted({p, 2 * p, 3 * p, 4 * p + 4, 16}):
+            if schedule in ("zbv", "dualpipev") and m < 2 * p:
+                continue
+            if v > 1 and schedule not in ("zbv", "dualpipev") and m % max(1, m // p):
+                continue
+            for r in range(p):
+                assert schedule_actions(schedule, p, m, v, r) == _torch_order(schedule, p, m, v, r), \
+                    (schedule, p, m, r)
+
+
+def test_1f1b_order_is_the_one_torch_runs():
+    """Schedule1F1B runs min(m, p - r) forwards, then a backward and a forward in turn
+    (its _step_microbatches; the order its IR prints names the last rank's forwards from
+    1, not 0)."""
+    for p, m in ((2, 2), (4, 4), (4, 9), (8, 16)):
+        for r in range(p):
+            warm = min(m, p - r)
+            want = [(r, "F", i) for i in range(warm)]
+            for i in range(m):
+                want.append((r, "B", i))
+                if warm + i < m:
+                    want.append((r, "F", warm + i))
+            assert schedule_actions("1f1b", p, m, 1, r) == want
+
+
+def test_micro_batches_in_flight():
+    """1F1B rank r keeps min(m, p - r) micro-batches (the first p, the last 1); GPipe all
+    m; interleaved 1F1B (v - 1) p + 2 (p - 1 - r) + 1 stage sets (about p + (p - 1) / v
+    micro-batches of the whole rank on rank 0); interleaved zero-bubble v p; ZB-V 2p and
+    DualPipeV 2p + 1 on every rank."""
+    def held(schedule, p, m, v):
+        ones = {s: 1.0 for s in range(p * v)}
+        return [in_flight(schedule_actions(schedule, p, m, v, r), ones)[1] for r in range(p)]
+
+    assert held("1f1b", 4, 16, 1) == [4, 3, 2, 1]
+    assert held("1f1b", 8, 3, 1) == [3, 3, 3, 3, 3, 3, 2, 1]
+    assert held("gpipe", 4, 6, 1) == [6] * 4
+    assert held("interleaved_1f1b", 4, 16, 2) == [(2 - 1) * 4 + 2 * (4 - 1 - r) + 1 for r in range(4)]
+    assert held("interleaved_1f1b", 4, 16, 3) == [(3 - 1) * 4 + 2 * (4 - 1 - r) + 1 for r in range(4)]
+    assert held("zero_bubble", 4, 16, 2) == [8] * 4
+    assert held("zbv", 4, 16, 2) == [8] * 4
+    assert held("dualpipev", 4, 16, 2) == [9] * 4
+    # bytes: the peak mixes stages, each with its own set (rank 0 of 2, stages 0 and 2: F0
+    # F1 of both, F2 of stage 0, B0 of stage 2, then F3 of stage 0)
+    peak, count = in_flight(schedule_actions("interleaved_1f1b", 2, 4, 2, 0), {0: 10.0, 2: 1.0})
+    assert (peak, count) == (4 * 10.0 + 1 * 1.0, 5)
+
+
+def test_bubble_for_known_cases():
+    assert bubble_fraction("1f1b", 4, 8) == pytest.approx(3 / 11)
+    assert bubble_fraction("gpipe", 8, 8) == pytest.approx(7 / 15)
+    assert bubble_fraction("interleaved_1f1b", 4, 8, 2) == pytest.approx(3 / 19)
+    assert bubble_fraction("zero_bubble", 4, 8, 2) == pytest.approx(3 / 51)
+    assert bubble_fraction("dualpipev", 16, 32, 2) == 0.0 == bubble_fraction("1f1b", 1, 8)
+
+
+# ------------------------------------------------------------ memory per pipeline rank
+
+@pytest.mark.parametrize("schedule,v", SCHEDULES)
+def test_stage_parameters_add_up_to_the_model(schedule, v):
+    cfg = _cfg(pp=2, schedule=schedule, virtual=v, m=8)
+    size = model_size(cfg)
+    one = memory_per_rank(cfg, world=2)              # a stage of one rank: everything once
+    ranks = pipeline_memory(cfg, Layout.of(cfg, world=2))
+    assert sum(r.memory.params_per_rank for r in ranks) == size.total_params
+    assert one.total == max(r.memory.total for r in ranks)
+    stages = sorted(s for r in ranks for s in r.stages)
+    assert stages == list(range(2 * v)) and sum(b - a for r in ranks for a, b in r.layers) == 8
+    # ep=2 inside each stage: a rank holds half of its stages' experts
+    ep = pipeline_memory(cfg, Layout.of(cfg, world=4, ep=2))
+    assert sum(r.memory.params_per_rank for r in ep) == size.total_params - size.expert_params / 2
+    # FSDP over the stage's 4 ranks: a quarter each (whole rows: a little more)
+    f = pipeline_memory(cfg, Layout.of(cfg, world=8, ep=2, fsdp=True))
+    held = sum(r.memory.params_per_rank for r in f) * 4
+    assert size.total_params <= held < size.total_params * 1.15
+    assert all(r.memory.gathered > 0 for r in f)
+
+
+def test_1f1b_ranks_keep_p_to_one_micro_batches():
+    p, m = 4, 8
+    cfg = _cfg(pp=p, m=m, layers=8, dense=0, pp_layers_per_stage=[2, 2, 2, 2])
+    lay = Layout.of(cfg, world=p, compute_dtype="bfloat16", activation_checkpointing="full")
+    ranks = pipeline_memory(cfg, lay)
+    assert [r.in_flight for r in ranks] == [4, 3, 2, 1]
+    T, D, V = 16, 32, 64
+    act = T * D * 2
+    # full recomputation: two block inputs; the first stage has the token ids, a stage
+    # with a receive buffer keeps no copy of its input, the last adds head and logits
+    sets = [r.stage_activations[0] for r in ranks]
+    assert sets[0] == 2 * act + T * 8 + act
+    assert sets[1] == sets[2] == 2 * act + act - act
+    assert ranks[0].memory.activations == 4 * sets[0]
+    assert ranks[1].memory.activations == 3 * sets[1]
+    assert ranks[3].memory.activations == sets[3] > sets[1]
+    # receive buffers: gradients on the first, inputs on the last, both between
+    assert [r.memory.p2p_buffers for r in ranks] == [m * act, 2 * m * act, 2 * m * act, m * act]
+    assert [r.p2p_send_bytes for r in ranks] == [m * act, 2 * m * act, 2 * m * act, m * act]
+    # the embedding on the first, the norm and head on the last
+    emb = V * D
+    assert ranks[0].memory.params_per_rank - ranks[1].memory.params_per_rank == emb
+    assert ranks[3].memory.params_per_rank - ranks[2].memory.params_per_rank == emb + D
+    assert estimate(cfg, lay) == max((r.memory for r in ranks), key=lambda x: x.total)
+
+
+def test_pipeline_layout_errors_name_the_key():
+    cfg = _cfg(pp=2, m=8)
+    with pytest.raises(ConfigError, match="parallel.pp = 2 is invalid: must divide the world"):
+        memory_per_rank(cfg, world=3)
+    with pytest.raises(ConfigError, match="parallel.ep = 4 is invalid: must divide the ranks of one stage"):
+        memory_per_rank(cfg, world=4, ep=4)
+    with pytest.raises(ConfigError, match="train.grad_accum = 2 .* 1f1b needs at least pp = 4"):
+        memory_per_rank(_cfg(pp=2, m=2), world=4, pp=4)
+    with pytest.raises(ConfigError, match="'parallel.pp' = 16 .*model.num_layers is 8"):
+        memory_per_rank(cfg, pp=16)
+    with pytest.raises(ConfigError, match="model.tie_embeddings"):
+        memory_per_rank(load_recipe("tiny"), pp=2)
+    with pytest.raises(ConfigError, match="'train.global_batch_size' = 10 .* multiple of the 4 data"):
+        memory_per_rank(RunConfig(model=cfg.model, moe=cfg.moe, parallel=cfg.parallel,
+                                  train=TrainConfig(micro_batch_size=1, global_batch_size=10)),
+                        world=8)
+
+
+# ------------------------------------------------------------ the step model
+
+def test_step_model_bubble_p2p_and_tokens():
+    """pp=2, 1F1B, m=4 on two 8-GPU nodes: the bubble is (p - 1) / (m + p - 1) of the
+    pipeline time, each rank receives one activation or gradient per micro-batch (over
+    the NIC when a stage fills a node, NVLink when both stages share one), and a GPU's
+    tokens are the step's m x T over the pipeline's p GPUs."""
+    m, T, D = 4, 64, 32
+    cfg = RunConfig(model=ModelConfig(vocab_size=64, dim=D, num_layers=4, num_heads=4, seq_len=T,
+                                      tie_embeddings=False),
+                    moe=MoEConfig(dim=D, hidden_dim=48, num_experts=8, top_k=2),
+                    parallel=ParallelConfig(pp=2, ep=8), train=TrainConfig(micro_batch_size=1,
+                                                                           grad_accum=m))
+    cl = ClusterSpec(nodes=2, gpus_per_node=8, inter_bw_GBps=10, inter_latency_us=20,
+                     intra_bw_GBps=100, intra_latency_us=5)
+    r = simulate(cfg, cl, RoutingSpec.parse("uniform"), strategies=("none",),
+                 dispatchers=("dedup",), overlap="none")[0]
+    pipe = r.step_time_s - r.dp_comm_s
+    assert r.bubble_s / pipe == pytest.approx(bubble_fraction("1f1b", 2, m))
+    assert r.p2p_s == pytest.approx(m * (T * D * 4 / 10e9 + 20e-6))
+    assert r.tokens_per_s_per_gpu == pytest.approx(m * T / 2 / r.step_time_s)
+    # both stages in one node: NVLink
+    small = RunConfig(model=cfg.model, moe=cfg.moe, parallel=ParallelConfig(pp=2, ep=4),
+                      train=cfg.train)
+    one = simulate(small, ClusterSpec(nodes=1, gpus_per_node=8, intra_bw_GBps=100,
+                                      intra_latency_us=5), RoutingSpec.parse("uniform"),
+                   strategies=("none",), dispatchers=("dedup",), overlap="none")[0]
+    assert one.p2p_s == pytest.approx(m * (T * D * 4 / 100e9 + 5e-6))
+    with pytest.raises(ConfigError, match="parallel.pp = 4 is invalid.*fill whole nodes"):
+        simulate(RunConfig(model=cfg.model, moe=cfg.moe, parallel=ParallelConfig(pp=4, ep=2),
+                           train=cfg.train), ClusterSpec(nodes=3, gpus_per_node=8))
+
+
+def test_shared_loads_give_the_same_results():
+    cfg = load_recipe("ref-1t-64e", ["parallel.pp=4", "parallel.dp_shard=128", "train.grad_accum=16"])
+    cl = ClusterSpec(nodes=128, gpus_per_node=8)
+    cache: dict = {}
+    a = simulate(cfg, cl, step_samples=2, loads_cache=cache)
+    b = simulate(cfg, cl, step_samples=2, loads_cache=cache)
+    c = simulate(cfg, cl, step_samples=2)
+    assert [x.as_dict() for x in a] == [x.as_dict() for x in b] == [x.as_dict() for x in c]
+    assert len(cache) == 1
+
+
+# ------------------------------------------------------------ describe and the recipes
+
+def _documented_overrides(recipe: str) -> list[str]:
+    """The pipeline layout a recipe's comments give as key=value overrides."""
+    text = Path(recipe_path(recipe)).read_text()
+    lines = [ln[1:].strip() for ln in text.splitlines()
+             if re.match(r"#\s+(parallel|train)\.\w+=", ln)]
+    return " ".join(lines).split()
+
+
+def test_describe_prints_the_split_and_the_largest_rank(capsys):
+    over = _documented_overrides("deepseek-v3")
+    assert "parallel.pp=16" in over and "parallel.ep=64" in over
+    assert cli_main(["describe", "deepseek-v3", *over]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "pipeline: dualpipev, 32 stages over pp=16 ranks" in out
+    assert "bubble: 0.0% of the step for dualpipev at 64 micro-batches" in out
+    assert "memory per pipeline rank" in out and "p2p receive buffers" in out
+    info = describe("deepseek-v3", over)
+    pipe = info["pipeline"]
+    assert [s["layers"][0] for s in pipe["stages"]] == [0] + [s["layers"][1] for s in pipe["stages"][:-1]]
+    assert pipe["stages"][-1]["layers"][1] == 61 and pipe["num_stages"] == 32
+    assert sum(s["flops_share"] for s in pipe["stages"]) == pytest.approx(1.0)
+    assert [s["rank"] for s in pipe["stages"][:2]] == [0, 1] and pipe["stages"][-1]["rank"] == 0
+    largest = max(pipe["ranks"], key=lambda r: r["memory"]["total"])
+    assert largest["rank"] == pipe["largest_rank"] and largest["memory"] == info["memory"]
+    assert pipe["p2p_bytes_per_boundary"] == 64 * 4096 * 7168 * DTYPE_BYTES["bfloat16"]
+    # the command-line options give the same layout
+    assert cli_main(["describe", "deepseek-v3", "--json", "--pp", "16", "--pp-schedule", "dualpipev",
+                     "--no-fsdp", "--dp", "2", "--ep", "64", "train.grad_accum=64"]) == 0
+    assert json.loads(capsys.readouterr().out)["memory"] == info["memory"]
+    assert cli_main(["describe", "deepseek-v3", "--pp", "16", "--pp-schedule", "dualpipev",
+                     "--no-fsdp", "--dp", "2", "train.grad_accum=16"]) == 2
+    assert "needs at least 2 x pp = 32 micro-batches" in capsys.readouterr().err
+
+
+def test_recipes_and_their_pipeline_layouts_fit_80gib():
+    for recipe in ("deepseek-v3", "ref-1t-64e"):
+        assert describe(recipe)["memory"]["total"] < 80 * GiB
+        over = _documented_overrides(recipe)
+        info = describe(recipe, over)
+        assert info["layout"]["pp"] > 1 and info["memory"]["total"] < 80 * GiB, recipe
+    ds = describe("deepseek-v3", _documented_overrides("deepseek-v3"))["layout"]
+    assert (ds["world"], ds["pp"], ds["ep"]) == (2048, 16, 64)
+
+
+def test_fit_ranks_pipeline_layouts_for_deepseek_v3():
+    info = fit_report("deepseek-v3", None, "80GiB", "h800-2048", top=500, gpus=2048)
+    pp = [r for r in info["layouts"] if r["layout"]["pp"] > 1]
+    assert pp and any(r["layout"]["pp"] == 16 and r["layout"]["ep"] == 64 for r in pp)
+    for r in pp[:5]:          # the overrides give the layout and its memory
+        cfg = load_recipe("deepseek-v3", r["overrides"])
+        assert memory_per_rank(cfg, world=2048).total == r["memory"]["total"] <= 80 * GiB
+        # the recipe's global batch: 2,048 x 8 sequences over world / pp data-parallel ranks
+        assert r["layout"]["micro_batches"] == 2048 * 8 // (2048 // r["layout"]["pp"])
