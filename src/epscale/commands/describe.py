@@ -97,7 +97,7 @@ def describe(config: str, overrides: list[str] | None = None, **layout) -> dict:
     if lay.fsdp:
         out["layout"].update(dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, efsdp=lay.efsdp)
     else:
-        out["layout"]["dp"] = lay.world // lay.ep
+        out["layout"]["dp"] = lay.stage_world // lay.ep   # of one stage under a pipeline
     if lay.ep > 1:
         out["layout"]["redundant_experts"] = lay.redundant_experts
     if lay.pp > 1:
