@@ -79,7 +79,8 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _sim_accepts(ep: int, cluster: ClusterSpec, num_experts: int, stage_world: int | None = None) -> bool:
+def _sim_accepts(ep: int, cluster: ClusterSpec, num_experts: int,
+                 stage_world: int | None = None) -> bool:
     gpn = cluster.gpus_per_node
     W = cluster.world if stage_world is None else stage_world
     return (W % ep == 0 and num_experts % ep == 0

@@ -5,7 +5,8 @@ transient peaks of a step (the all-gathered block under FSDP, the dispatcher's r
 
 Legend: T tokens per micro-batch and rank, D model dim, F expert hidden dim, Fd dense FFN
 width, Fs shared-expert width, E experts, e = E/ep, K top-k, H heads, G key/value heads,
-hd head dim, V vocabulary, L layers.
+hd head dim, V vocabulary, L layers; under a pipeline p pipeline ranks (r the 0-based
+one), n stages, v stages per rank, m micro-batches per step.
 
 Held for the whole step (what ``benchmarks/memory.py`` measures):
 
@@ -30,7 +31,7 @@ gathered weights in the compute dtype, twice (this block and the prefetched next
 plus its unsharded gradients before the reduce-scatter; the dispatcher's send and receive
 rows (T*K rows of D, twice).
 
-Pipeline (``parallel.pp`` = p > 1; m micro-batches per step, n stages, v per rank): world
+Pipeline (``parallel.pp`` = p > 1): world
 = p x (the layout above, inside each stage); dp_shard and dp are each stage's. A pipeline
 rank holds the parameters (gradients, AdamW state) of its stages' blocks only, the
 embedding where it holds stage 0, the final norm and head where it holds stage n - 1,
@@ -42,15 +43,18 @@ backward (T x D in the compute dtype; fp32 logits T x V on the last stage); a st
 receives its input keeps no copy of it under full recomputation (the block's saved input
 is the receive buffer). The rank keeps several micro-batches' sets at once: the peak of
 its schedule's order (:func:`epscale.sim.pipeline.schedule_actions`, torch's own order),
-a forward holding its set until the backward of that micro-batch and stage (a split
-backward's weight half). That gives, in stage sets at the peak: 1F1B rank r of p keeps
+a forward holding its set until the backward of that micro-batch and stage; a backward
+split in two (the zero-bubble schedules) frees it at its weight half (assumed: the input
+half frees little, the weight gradients need the saved inputs of every matrix product,
+and its output gradients too). That gives, in stage sets at the peak: 1F1B rank r of p keeps
 min(m, p - r); GPipe all m; interleaved 1F1B with v stages per rank (m a multiple of p)
 (v - 1) p + 2 (p - 1 - r) + 1 (rank 0: about p + (p - 1) / v micro-batches of all its
 layers, Korthikanti et al.'s figure); interleaved zero-bubble v p; ZB-V 2p on every rank
 (p micro-batches of both its stages, as 1F1B's first rank); DualPipeV 2p + 1. p2p buffers:
 torch's PipelineStage allocates a receive buffer (T x D, compute dtype) for every
 micro-batch of the step: for the input of each stage past the first and for the output
-gradient of each stage before the last, m x T x D each, held all step. The rank that
+gradient of each stage before the last, m x T x D each, held all step (also between the
+two stages a V puts on one rank, which pass tensors locally). The rank that
 needs the most is what ``estimate`` reports; :func:`pipeline_memory` gives every rank.
 p2p traffic per step: m x T x D (compute dtype) forward and as much backward across each
 stage boundary between two ranks, per GPU of the stage.
@@ -149,7 +153,8 @@ class Layout:
             raise ConfigError(f"parallel.pp = {self.pp} is invalid: must divide the world "
                               f"({self.world}; world = pp x the ranks of one stage)")
         W = self.stage_world
-        where = f"the world ({W})" if self.pp == 1 else f"the ranks of one stage ({W} = world {self.world} / pp {self.pp})"
+        where = (f"the world ({W})" if self.pp == 1 else
+                 f"the ranks of one stage ({W} = world {self.world} / pp {self.pp})")
         if E % self.ep:
             raise ConfigError(f"parallel.ep = {self.ep} is invalid: must divide moe.num_experts ({E})")
         if W % self.ep:
