@@ -65,8 +65,10 @@ def run(args) -> int:
         all_rows.append((routing, res))
     elapsed = time.perf_counter() - t0
     ep = args.ep or cfg.parallel.ep
+    pp_text = f"pp={cfg.parallel.pp} ({cfg.parallel.pp_schedule}), " if cfg.parallel.pp > 1 else ""
     console.print(f"[bold]{cfg.name}[/] on [bold]{cluster.name}[/]: {cluster.world} GPUs "
-                  f"({cluster.nodes} x {cluster.gpus_per_node}), ep={ep}, dp={cluster.world // ep}, "
+                  f"({cluster.nodes} x {cluster.gpus_per_node}), {pp_text}ep={ep}, "
+                  f"dp={cluster.world // cfg.parallel.pp // ep}, "
                   f"{cfg.moe.num_experts} experts top-{cfg.moe.top_k}, "
                   f"{cfg.train.micro_batch_size * cfg.model.seq_len} tokens/GPU/micro-batch x "
                   f"{cfg.train.grad_accum}; simulated in {elapsed:.2f} s")

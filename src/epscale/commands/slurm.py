@@ -121,8 +121,10 @@ def _layout_hint(job: SlurmJob, cfg: RunConfig) -> str:
         own_txt = (f"; the recipe's parallel.dp_replicate={par.dp_replicate} x "
                    f"parallel.dp_shard={par.dp_shard} is {own} ranks" if own else "")
     else:
-        own = par.dp * par.ep
-        own_txt = f"; the recipe's parallel.dp={par.dp} x parallel.ep={par.ep} is {own} ranks"
+        own = par.pp * par.dp * par.ep
+        pp_txt = f"parallel.pp={par.pp} x " if par.pp > 1 else ""
+        own_txt = (f"; the recipe's {pp_txt}parallel.dp={par.dp} x parallel.ep={par.ep} is "
+                   f"{own} ranks")
     if own and own % ppn == 0:
         own_txt += f" = --nodes {own // ppn}"
     per = world // par.dp_replicate if par.fsdp and world % par.dp_replicate == 0 else world
@@ -146,20 +148,23 @@ def check_layout(args, job: SlurmJob, cfg: RunConfig) -> tuple[int, int, str | N
                           f"{hint}".rstrip()) from None
 
 
-def check_memory(cfg: RunConfig, dp: int, ep: int, gpu_mem: str) -> None:
+def check_memory(cfg: RunConfig, world: int, ep: int, gpu_mem: str) -> None:
     """ConfigError when the estimated training memory of one rank at this world (what
-    ``epscale describe --world --ep`` prints) exceeds one GPU's ``gpu_mem``."""
+    ``epscale describe --world --ep`` prints; the largest pipeline rank under a pipeline)
+    exceeds one GPU's ``gpu_mem``."""
     limit = parse_size("--gpu-mem", gpu_mem)
-    world = dp * ep
     mem = memory_per_rank(cfg, world=world, ep=ep)
+    dp = world // cfg.parallel.pp // ep
     if mem.total <= limit:
         return
     parts = ", ".join(f"{k} {_gib(getattr(mem, k))}"
                       for k in ("params", "grads", "optimizer", "activations", "gathered", "comm")
                       if getattr(mem, k))
     par, train = cfg.parallel, cfg.train
-    layout = (f"FSDP over {world} ranks, ep={ep}" if par.fsdp
+    layout = (f"FSDP over {world // par.pp} ranks, ep={ep}" if par.fsdp
               else f"dp={dp} x ep={ep}, non-expert weights replicated")
+    if par.pp > 1:
+        layout = f"pp={par.pp} stages of {layout}; the largest pipeline rank"
     fixes = []
     if not par.fsdp:
         fixes.append("shard the rest with parallel.fsdp=true")
@@ -185,16 +190,16 @@ def check_job(args, job: SlurmJob) -> None:
     if note:
         print(f"epscale slurm: note: {note}", file=sys.stderr)
     if job.gpus_per_node and args.memory_check:
-        check_memory(cfg, dp, ep, args.gpu_mem)
+        check_memory(cfg, job.world_size, ep, args.gpu_mem)
     if job.elastic:  # the node counts it can shrink to; the smallest must fit memory too
         pinned, _ = pin_global_batch(cfg, job.world_size)
         ok = check_elastic(pinned, job.min_nodes, job.nodes, job.procs_per_node,
                            who="epscale slurm")
         if job.gpus_per_node and args.memory_check:
             smallest = min(ok) * job.procs_per_node
-            dp_min, ep_min, _ = resolve_layout(cfg.parallel, smallest, cfg.moe.num_experts)
+            _dp, ep_min, _ = resolve_layout(cfg.parallel, smallest, cfg.moe.num_experts)
             try:
-                check_memory(cfg, dp_min, ep_min, args.gpu_mem)
+                check_memory(cfg, smallest, ep_min, args.gpu_mem)
             except ConfigError as e:
                 raise ConfigError(f"--min-nodes {job.min_nodes}: at {min(ok)} node(s) {e}") from None
 
