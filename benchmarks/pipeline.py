@@ -5,11 +5,16 @@ batch, all in one run (side by side, same machine, same moment).
     python benchmarks/pipeline.py [--steps 8] [--only bubble|layouts] [--json OUT]
 
 Bubble: 2 processes (1 torch thread each, one per core), pp=2 with one rank per stage,
-every schedule at m = 4 and 8 micro-batches per step, through the real trainer. A rank's
-idle time is the time it spends blocked in the schedule's point-to-point waits
+every schedule at m = 4 and 8 micro-batches per step, through the real trainer. Each rank
+times its schedule run (forward and backward of the step's micro-batches) and, inside it,
+the time it is blocked in the schedule's point-to-point waits
 (``torch.distributed.pipelining.schedules._wait_batch_p2p``, timed by wrapping it; it
-includes the transfers, which are small next to the compute here): measured bubble =
-idle / step time, the mean over ranks of the steps after warm-up. The formula column is
+includes the transfers, which are small next to the compute here). The ranks start a
+step's schedule together (the previous step ends in collectives), so the pipeline's span
+is the longest rank's schedule time and a rank's busy time is its own less its waits:
+measured bubble = 1 - busy / span, the mean over ranks and over the steps after warm-up
+(a rank that finishes early idles until the slowest is done, in the step's next
+collective: counted). The formula column is
 ``epscale.sim.pipeline.bubble_fraction`` (equal stages, and for the zero-bubble
 schedules equal forward, input-backward and weight-backward times, which real blocks do
 not have).
@@ -74,14 +79,22 @@ def _bubble_worker(rank, nproc, overrides, run_dir):
     sched._wait_batch_p2p = timed_wait
     cfg = load_config(REPO / "configs" / "tiny.yaml", overrides)
     t = Trainer(cfg, run_dir, LaunchEnv("torchrun", world_size=nproc), checked=True)
-    out = []
+    out = []  # per step: (schedule seconds, of which blocked in p2p waits)
     try:
         t.setup()
-        while t.step < cfg.train.steps:
+        run_schedule = t.pipeline.train_step
+
+        def timed_schedule(x, y):
             waits[-1] = 0.0
             t0 = time.perf_counter()
+            try:
+                return run_schedule(x, y)
+            finally:
+                out.append((time.perf_counter() - t0, waits[-1]))
+
+        t.pipeline.train_step = timed_schedule
+        while t.step < cfg.train.steps:
             t.train_step()
-            out.append((time.perf_counter() - t0, waits[-1]))
     finally:
         t.close(True)
         sched._wait_batch_p2p = inner
@@ -94,7 +107,7 @@ def run_bubbles(args, console) -> dict:
 
     table = Table(title=f"Pipeline bubble, pp=2 (2 processes, 1 thread each), {args.steps} steps "
                         "(after 1/3 warm-up)")
-    for col in ("schedule", "micro-batches", "measured idle", "formula", "ms/step"):
+    for col in ("schedule", "micro-batches", "measured bubble", "formula", "schedule ms"):
         table.add_column(col, justify="left" if col == "schedule" else "right")
     figures = {}
     base = Path(tempfile.mkdtemp(prefix="epscale-bench-pp-"))
@@ -105,8 +118,10 @@ def run_bubbles(args, console) -> dict:
             ranks = spawn_local(_bubble_worker, 2, args=(over, str(base / f"{name}_{m}")),
                                 threads=1)
             keep = args.steps // 3
-            idle = statistics.mean(w / s for per_rank in ranks for s, w in per_rank[keep:])
-            step = statistics.median(max(r[i][0] for r in ranks) for i in range(keep, args.steps))
+            spans = [max(r[i][0] for r in ranks) for i in range(keep, args.steps)]
+            idle = statistics.mean(1 - (r[i][0] - r[i][1]) / span for span, i in
+                                   zip(spans, range(keep, args.steps)) for r in ranks)
+            step = statistics.median(spans)
             v = 2 if extra else 1
             formula = bubble_fraction(name, 2, m, v)
             figures[f"{name} m={m}"] = {"measured": idle, "formula": formula, "step_s": step}
