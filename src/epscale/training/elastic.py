@@ -316,8 +316,8 @@ def layout_change(previous: dict[str, Any] | None, current: dict[str, Any],
     differs from the previous attempt's, else None: old and new layouts, ranks lost
     (negative: gained), the hosts lost and gained, and the steps the previous layout
     trained past the checkpoint this attempt resumed from (``steps_lost``)."""
-    if previous is not None and "pp" not in previous:  # written before pipelines existed
-        previous = {**previous, "pp": 1}
+    if previous is not None:  # a record without pp (written before pipelines): pp 1
+        previous, current = ({"pp": 1, **rec} for rec in (previous, current))
     if previous is None or all(previous.get(k) == current.get(k) for k in LAYOUT_KEYS):
         return None
     old_hosts, new_hosts = previous.get("hosts") or [], current.get("hosts") or []
