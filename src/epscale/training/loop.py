@@ -380,10 +380,11 @@ class Trainer:
         if path is None:
             return
         self.writer.event("resume", step=self.step, path=path,
-                          from_world_size=meta.get("world_size"), from_dp=meta.get("dp"),
-                          from_ep=meta.get("ep"))
-        self.console.print(f"resumed from {path} (step {self.step}, written at dp={meta.get('dp')} "
-                           f"x ep={meta.get('ep')})")
+                          from_world_size=meta.get("world_size"), from_pp=meta.get("pp", 1),
+                          from_dp=meta.get("dp"), from_ep=meta.get("ep"))
+        pp = f"pp={meta['pp']} x " if int(meta.get("pp") or 1) > 1 else ""
+        self.console.print(f"resumed from {path} (step {self.step}, written at {pp}"
+                           f"dp={meta.get('dp')} x ep={meta.get('ep')})")
         self._log(f"resume: {path} step={self.step}")
 
     def _restore_meta(self, meta: dict) -> None:
