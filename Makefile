@@ -23,7 +23,7 @@ demo: $(STAMP)
 	$(VENV)/bin/epscale train --config configs/tiny.yaml
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 # The MoE-layer benchmark in bf16 (the issue's headline dtype). The torchtitan and HF
 # Mixtral comparisons run when those packages import; see benchmarks/RESULTS.md for the
