@@ -189,9 +189,10 @@ class Pipeline:
             args, kwargs = self._inputs(x_BS, y_BS, losses)
             self.schedule.eval(*args, **kwargs)
             return losses
-        return self._sequential_eval(x_BS, y_BS)
+        return self._sequential_eval(x_BS, y_BS)  # (all m micro-batches, stacked)
 
-    def _sequential_eval(self, x_BS: torch.Tensor, y_BS: torch.Tensor) -> list[torch.Tensor]:
+    def _sequential_eval(self, x_mBS: torch.Tensor, y_mBS: torch.Tensor) -> list[torch.Tensor]:
+        """``x_mBS``, ``y_mBS``: the m micro-batches stacked, [m B, S]."""
         import torch.distributed as dist
 
         owner = {s: r for r, held in enumerate(self.placement) for s in held}
@@ -200,8 +201,8 @@ class Pipeline:
         group = self.dims.pp_group
         peer = {r: dist.get_global_rank(group, r) for r in range(self.dims.pp)}
         losses = []
-        for x_mb, y_mb in zip(x_BS.chunk(self.micro_batches), y_BS.chunk(self.micro_batches)):
-            h = x_mb
+        for x_BS, y_BS in zip(x_mBS.chunk(self.micro_batches), y_mBS.chunk(self.micro_batches)):
+            h = x_BS  # token ids [B, S] into stage 0, activations [B, S, D] after it
             for s in range(n):
                 if owner[s] != me:
                     continue
@@ -211,6 +212,6 @@ class Pipeline:
                 h = mine[s](h)
                 if s + 1 < n and owner[s + 1] != me:
                     dist.send(h.contiguous(), dst=peer[owner[s + 1]], group=group)
-                if s == n - 1:
-                    losses.append(self.loss_fn(h, y_mb))
+                if s == n - 1:  # h: logits [B, S, V]
+                    losses.append(self.loss_fn(h, y_BS))
         return losses
