@@ -149,13 +149,13 @@ class Pipeline:
         self.has_last = any(c.is_last for c in chunks)
         B, S = micro_batch_shape
         # shapes only (meta); requires_grad says which gradients travel back
-        self.act = torch.empty(B, S, dim, dtype=activation_dtype, device="meta",
+        self.act_BSD = torch.empty(B, S, dim, dtype=activation_dtype, device="meta",
                                requires_grad=True)
         stages = []
         for c in chunks:
-            inp = torch.empty(B, S, dtype=torch.long, device="meta") if c.is_first else self.act
+            inp = torch.empty(B, S, dtype=torch.long, device="meta") if c.is_first else self.act_BSD
             out = (torch.empty(B, S, vocab_size, device="meta", requires_grad=True)
-                   if c.is_last else self.act)
+                   if c.is_last else self.act_BSD)
             stages.append(pipelining.PipelineStage(c, c.index, c.num_stages, device,
                                                    input_args=(inp,), output_args=(out,),
                                                    group=dims.pp_group))
@@ -180,10 +180,13 @@ class Pipeline:
 
     @torch.no_grad()
     def eval_losses(self, x_BS: torch.Tensor, y_BS: torch.Tensor) -> list[torch.Tensor]:
-        """Forward only. The schedule's own ``eval()`` where torch's works (it also divides
-        any gradients left on the stages by m: call it without them); the V schedules'
-        ``eval()`` fails in torch 2.13 (it looks for a backward), so for them each
-        micro-batch goes through the stages one after another, over plain sends."""
+        """Forward only. The schedule's own ``eval()`` where torch's works; it also divides
+        whatever gradients it finds on the stages by m, as after a step, so the stages'
+        gradients are dropped first (call this after the step's optimizer update). The V
+        schedules' ``eval()`` fails in torch 2.13 (it looks for a backward), so for them
+        each micro-batch goes through the stages one after another, over plain sends."""
+        for chunk in self.chunks:
+            chunk.zero_grad(set_to_none=True)
         if PP_SCHEDULES[self.name] != "v":
             losses: list[torch.Tensor] = []
             args, kwargs = self._inputs(x_BS, y_BS, losses)
@@ -207,7 +210,8 @@ class Pipeline:
                 if owner[s] != me:
                     continue
                 if s > 0 and owner[s - 1] != me:
-                    h = torch.empty(self.act.shape, dtype=self.act.dtype, device=self.device)
+                    h = torch.empty(self.act_BSD.shape, dtype=self.act_BSD.dtype,
+                                    device=self.device)
                     dist.recv(h, src=peer[owner[s - 1]], group=group)
                 h = mine[s](h)
                 if s + 1 < n and owner[s + 1] != me:

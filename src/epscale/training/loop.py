@@ -183,8 +183,8 @@ class Trainer:
         self.chunks: list[StageChunk] = []
         if self.pp > 1:
             ranges = stage_layers(self.layers_per_stage)
-            self.chunks = [StageChunk(self.model, s, len(ranges), ranges[s], autocast=self._autocast)
-                           for s in self.stages]
+            self.chunks = [StageChunk(self.model, s, len(ranges), ranges[s],
+                                      autocast=self._autocast) for s in self.stages]
         self.fsdp_notes: list[str] = []
         if self.fsdp:
             self.fsdp_notes = apply_fsdp(
@@ -490,20 +490,9 @@ class Trainer:
         for moe in self.moe_layers:
             moe.reset_token_counts()
         accum = cfg.train.grad_accum
-        loss_sum = torch.zeros((), device=self.device)
-        for _ in range(accum if self.pipeline is None else 0):
-            with T.section("data"):
-                x_BS, y_BS = self.loader.next_micro_batch()
-                x_BS, y_BS = x_BS.to(self.device, non_blocking=True), y_BS.to(self.device, non_blocking=True)
-            with T.section("forward"):
-                with self._autocast():
-                    loss = self.model.loss(x_BS, y_BS)
-                    total = (loss + self.model.aux_loss()) / accum
-            with T.section("backward"):
-                total.backward()
-            loss_sum += loss.detach().float() / accum
-        has_loss = True
-        if self.pipeline is not None:
+        if self.pipeline is None:
+            loss_sum, has_loss = self._accumulation_step(accum), True
+        else:
             loss_sum, has_loss = self._pipeline_step(accum)
         self.loader.end_step()
         with T.section("sync"):  # the gradient all-reduces: communication, and rank waits
@@ -542,6 +531,24 @@ class Trainer:
             self._rebalance(step, counts)
         self._stop_flag = stop or (self.stop_at is not None and step >= self.stop_at)
         return rec
+
+    def _accumulation_step(self, accum: int) -> torch.Tensor:
+        """One step's ``accum`` micro-batches, forward and backward one after another, the
+        gradients summed (each loss over ``accum``); returns the mean micro-batch loss."""
+        T = self.timers
+        loss_sum = torch.zeros((), device=self.device)
+        for _ in range(accum):
+            with T.section("data"):
+                x_BS, y_BS = self.loader.next_micro_batch()
+                x_BS, y_BS = x_BS.to(self.device, non_blocking=True), y_BS.to(self.device, non_blocking=True)
+            with T.section("forward"):
+                with self._autocast():
+                    loss = self.model.loss(x_BS, y_BS)
+                    total = (loss + self.model.aux_loss()) / accum
+            with T.section("backward"):
+                total.backward()
+            loss_sum += loss.detach().float() / accum
+        return loss_sum
 
     def _stacked(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]):
         """A step's micro-batches as one batch each of inputs and targets (the pipeline
@@ -614,9 +621,6 @@ class Trainer:
                 with self._autocast():
                     total += self.model.loss(x_BS.to(self.device), y_BS.to(self.device)).double()
         else:  # a step's worth of micro-batches at a time, forward only; the last stage sums
-            # torch's schedule.eval() divides whatever gradients it finds by the micro-batch
-            # count (as after a step); the step's are applied already: drop them
-            self.opt.zero_grad(set_to_none=True)
             m = self.cfg.train.grad_accum
             for i in range(0, len(self.val_batches), m):
                 losses = self.pipeline.eval_losses(*self._stacked(self.val_batches[i:i + m]))
