@@ -7,6 +7,7 @@ around and changes no behaviour" (and "at the same speed").
     .venv/bin/python benchmarks/ab_train.py --base main
     .venv/bin/python benchmarks/ab_train.py --base fb11ac7 --cases demo,pipeline --steps 6
     .venv/bin/python benchmarks/ab_train.py --base .base      # a directory holding src/epscale
+    .venv/bin/python benchmarks/ab_train.py --base main --new HEAD   # committed work only
 
 Cases (all on configs/tiny.yaml, a few steps, validation and checkpoints inside them):
 
@@ -189,6 +190,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", required=True, help="git revision (or a directory holding a "
                    "revision's src/epscale) to compare the working tree against")
+    p.add_argument("--new", default=None, help="the same for the other side (default: the "
+                   "working tree); a revision such as HEAD lets the tree change while it runs")
     p.add_argument("--cases", default="demo,fsdp,pipeline,elastic")
     p.add_argument("--steps", type=int, default=4, help="steps per case (default 4)")
     p.add_argument("--keep", default=None, help="keep the run directories under this path")
@@ -201,10 +204,13 @@ def main(argv=None) -> int:
         work = Path(args.keep or tmp)
         work.mkdir(parents=True, exist_ok=True)
         base_src = Path(revision_dir(args.base, str(work / "base_tree"))).parent
-        sides = {"base": base_src, "new": ROOT / "src"}
+        new_src = (Path(revision_dir(args.new, str(work / "new_tree"))).parent if args.new
+                   else ROOT / "src")
+        sides = {"base": base_src, "new": new_src}
         failed = False
         with open(work / "ab_train.log", "w") as log:
-            print(f"base: {args.base} ({base_src}); new: the working tree ({ROOT / 'src'})")
+            print(f"base: {args.base} ({base_src}); new: {args.new or 'the working tree'} "
+                  f"({new_src})")
             print(f"{'case':10s} {'metrics':>8s} {'ckpt':>14s} {'base tok/s':>11s} "
                   f"{'new tok/s':>10s} {'new/base':>8s}")
             for name in args.cases.split(","):
