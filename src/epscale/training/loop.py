@@ -4,11 +4,13 @@ and graceful stop.
 
 Legend: B micro-batch sequences per rank, S sequence length, E experts, L MoE layers.
 
-One step on every rank: ``grad_accum`` x (data -> forward -> backward) -> sync_gradients
+One step on every rank: ``grad_accum`` x (data -> forward -> backward), or the pipeline
+schedule over them (``training.step``) -> sync_gradients
 -> grad norm (one all-reduce that also carries the stop flag and non-finite losses) ->
-AdamW (or a skip) -> StepStatsCollector.record (ONE all-reduce of every per-rank number)
--> expert-bias update from the all-reduced counts -> metrics.jsonl/heartbeat -> spike
-check -> validation / checkpoint when due.
+AdamW (or a skip) -> the step's expert loads from the MoE layers' counters (one
+all-reduce) -> validation when due -> StepStatsCollector.record (ONE all-reduce of every
+per-rank number) -> expert-bias update and re-placement from those loads ->
+metrics.jsonl/heartbeat -> spike check -> checkpoint when due.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from ..launch.preflight import run_preflight
 from ..launch.watchdog import Watchdog
 from ..metrics import MetricsWriter, StepStatsCollector, StepTimers, peak_flops
 from ..model import build_meta_model, build_model, next_token_loss
-from ..moe.balance import update_expert_biases
+from ..moe.balance import step_loads, update_expert_biases
 from ..parallel import parallelize_model, sync_gradients
 from ..parallel.fsdp import finish_gradients
 from ..parallel.pipeline import Pipeline, StageChunk, stage_layers
@@ -533,6 +535,7 @@ class Trainer:
         step_time = time.perf_counter() - t0
         breakdown = T.breakdown()  # before validation, whose forwards use the same sections
         self.step = step
+        loads_LE = self._balance_loads(skip)  # before validation's forwards count theirs
         extra: dict[str, Any] = {}
         spilled = [m.dispatcher.spilled_rows() for m in self.moe_layers]
         if any(n is not None for n in spilled):  # spill-over: rows moved in the last micro-batch
@@ -543,18 +546,25 @@ class Trainer:
                                     num_tokens=accum * cfg.train.micro_batch_size * cfg.model.seq_len,
                                     loss=loss_sum if has_loss else None, lr=lr, grad_norm=grad_norm,
                                     breakdown=breakdown, skipped=skip, extra=extra)
-        counts = {lay["layer"]: lay["tokens_per_expert"] for lay in rec["layers"]}
-        if not skip and cfg.moe.bias_update_speed > 0:
-            update_expert_biases(self.model, self.dims, cfg.moe.bias_update_speed, counts)
-        if self.rebalancer is not None and not skip:
-            self._rebalance(step, counts)
+        if loads_LE is not None and cfg.moe.bias_update_speed > 0:
+            update_expert_biases(self.model, self.dims, cfg.moe.bias_update_speed, loads_LE)
+        if loads_LE is not None and self.rebalancer is not None:
+            self._rebalance(step, loads_LE)
         self._stop_flag = stop or (self.stop_at is not None and step >= self.stop_at)
         return rec
 
-    def _rebalance(self, step: int, counts: dict) -> None:
+    def _balance_loads(self, skipped: bool) -> torch.Tensor | None:
+        """The step's expert loads [L, E] from the MoE layers' counters, summed over the
+        ranks that hold each layer (one all-reduce), for the expert-bias update and the
+        re-placement; None when neither runs this step (or it was skipped)."""
+        if skipped or (self.cfg.moe.bias_update_speed <= 0 and self.rebalancer is None):
+            return None
+        return step_loads(self.model, self.dims)
+
+    def _rebalance(self, step: int, loads_LE: torch.Tensor) -> None:
         """Feed the step's loads to the re-placement window; re-place when due (moves
         expert weights and AdamW state between ranks; the model's function is unchanged)."""
-        self.rebalancer.observe(counts)
+        self.rebalancer.observe(loads_LE)
         old = get_placement(self.model)
         t0 = time.perf_counter()
         new = self.rebalancer.maybe_replace(step)
