@@ -24,8 +24,9 @@ wall-clock ones listed in ``TIMING`` aside) and every tensor of the final checkp
 optimizer state, torch RNG states where ``train.seed`` seeded them, extra files; not the
 unseeded Python ``random`` state) must be equal BIT FOR BIT (NaN equals NaN). The
 event names of metrics.jsonl must come in the same order. Exit status 1 on any
-difference. The speed line prints each side's median tokens/s over the steps after the
-first, measured in this one run (cases alternate base / new, so a busy machine hits both).
+difference. The speed columns print each side's median tokens/s over the steps after the
+first, measured in this one run; ``--rounds R`` runs each side R times, alternating base
+and new (so a busy machine hits both alike), and prints the median of the runs' medians.
 """
 
 from __future__ import annotations
@@ -212,6 +213,8 @@ def main(argv=None) -> int:
                    "working tree); a revision such as HEAD lets the tree change while it runs")
     p.add_argument("--cases", default="demo,fsdp,pipeline,elastic")
     p.add_argument("--steps", type=int, default=4, help="steps per case (default 4)")
+    p.add_argument("--rounds", type=int, default=1, help="runs per side for the speed "
+                   "figure, alternating (the median of the runs' medians); the first is compared")
     p.add_argument("--keep", default=None, help="keep the run directories under this path")
     args = p.parse_args(argv)
     table = cases(args.steps)
@@ -232,17 +235,19 @@ def main(argv=None) -> int:
             print(f"{'case':10s} {'metrics':>8s} {'ckpt':>14s} {'base tok/s':>11s} "
                   f"{'new tok/s':>10s} {'new/base':>8s}")
             for name in args.cases.split(","):
-                runs = {}
-                for side, src in sides.items():
-                    run_dir = work / side / name
-                    shutil.rmtree(run_dir, ignore_errors=True)  # a kept one from before
-                    run_dir.parent.mkdir(parents=True, exist_ok=True)
-                    for nproc, over in table[name]:
-                        launch(src, run_dir, nproc, over, log)
-                    runs[side] = run_dir
+                runs, tps = {}, {"base": [], "new": []}
+                for r in range(args.rounds):  # base, new, base, new, ...
+                    for side, src in sides.items():
+                        run_dir = work / side / f"{name}.{r}" if r else work / side / name
+                        shutil.rmtree(run_dir, ignore_errors=True)  # a kept one from before
+                        run_dir.parent.mkdir(parents=True, exist_ok=True)
+                        for nproc, over in table[name]:
+                            launch(src, run_dir, nproc, over, log)
+                        runs.setdefault(side, run_dir)  # the first round's are compared
+                        tps[side].append(median_tps(run_dir))
                 diffs = compare_metrics(runs["base"], runs["new"])
                 ck_diffs, n = compare_checkpoints(runs["base"], runs["new"])
-                tb, tn = median_tps(runs["base"]), median_tps(runs["new"])
+                tb, tn = statistics.median(tps["base"]), statistics.median(tps["new"])
                 ok_m = "same" if not diffs else f"{len(diffs)} diff"
                 ok_c = f"same ({n})" if not ck_diffs else f"{len(ck_diffs)} diff"
                 print(f"{name:10s} {ok_m:>8s} {ok_c:>14s} {tb:11.0f} {tn:10.0f} {tn / tb:8.3f}")

@@ -33,6 +33,7 @@ from ..model import Transformer
 from ..placement.eplb import Placement
 from ..placement.spill import apply_spill
 from .activation import apply_activation_checkpointing
+from .dims import ParallelDims
 from .fsdp import apply_fsdp
 from .materialize import materialize
 from .pipeline import StageChunk, keep_stages, stage_layers, stage_placement
@@ -52,7 +53,7 @@ class Parallelized:
     notes: list[str] = field(default_factory=list)
 
 
-def parallelize_model(model: Transformer, dims, cfg: RunConfig, device: torch.device, *,
+def parallelize_model(model: Transformer, dims: ParallelDims, cfg: RunConfig, device: torch.device, *,
                       layers_per_stage: list[int] | None = None,
                       placement: Placement | None = None,
                       param_dtype: torch.dtype | None = None,

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..metrics import StepTimers
+from ..parallel.dims import ParallelDims
 from ..parallel.pipeline import Pipeline
 from .data import DataLoader
 
@@ -73,7 +74,8 @@ class PipelineStep:
     same. Timed: each stage's forward as 'forward', the rest of the schedule as
     'backward' (so it includes the point-to-point waits and the pipeline's bubble)."""
 
-    def __init__(self, pipeline: Pipeline, device: torch.device, timers: StepTimers, dims):
+    def __init__(self, pipeline: Pipeline, device: torch.device, timers: StepTimers,
+                 dims: ParallelDims):
         self.pipeline, self.device, self.timers = pipeline, device, timers
         self.data_rank, self.data_world = dims.stage_rank, dims.stage_size
 
