@@ -53,7 +53,8 @@ class Parallelized:
     notes: list[str] = field(default_factory=list)
 
 
-def parallelize_model(model: Transformer, dims: ParallelDims, cfg: RunConfig, device: torch.device, *,
+def parallelize_model(model: Transformer, dims: ParallelDims, cfg: RunConfig,
+                      device: torch.device, *,
                       layers_per_stage: list[int] | None = None,
                       placement: Placement | None = None,
                       param_dtype: torch.dtype | None = None,
