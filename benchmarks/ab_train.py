@@ -83,7 +83,8 @@ def launch(src: Path, run_dir: Path, nproc: int, overrides: list[str], log) -> f
     """One ``epscale train`` of the tree ``src`` (its ``src`` directory); its seconds."""
     flags = [o for o in overrides if o.startswith("--")]
     keys = [o for o in overrides if not o.startswith("--")]
-    cmd = [sys.executable, "-m", "epscale", "train", "--config", str(ROOT / "configs" / "tiny.yaml"),
+    config = str(ROOT / "configs" / "tiny.yaml")
+    cmd = [sys.executable, "-m", "epscale", "train", "--config", config,
            "--run-dir", str(run_dir), *(["--nproc", str(nproc)] if nproc > 1 else []),
            *flags, *keys]
     env = {**os.environ, "PYTHONPATH": str(src)}

@@ -34,7 +34,8 @@ def _run_dir(path: Path, loss: float, weight: torch.Tensor, step_time: float) ->
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     with warnings.catch_warnings():  # one process, no process group
         warnings.simplefilter("ignore")
-        dcp.save({"model": {"w": weight}}, checkpoint_id=str(path / "checkpoints" / "step_00000001"))
+        dcp.save({"model": {"w": weight}},
+                 checkpoint_id=str(path / "checkpoints" / "step_00000001"))
     return path
 
 
