@@ -28,7 +28,8 @@ def _holders_group(dims) -> object | None:
     of this rank's stages (``dims.stage_group``); None: the default group."""
     if dims is None:
         return None
-    return getattr(dims, "stage_group", None) or getattr(dims, "world_group", None)
+    group = getattr(dims, "stage_group", None)
+    return group if group is not None else getattr(dims, "world_group", None)
 
 
 @torch.no_grad()
