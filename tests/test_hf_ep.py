@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 import epscale
 from epscale.config import to_dict
 from epscale.interop.generate import load_model
-from epscale.interop.hf import export_hf, import_hf, run_config
+from epscale.interop.hf import import_hf, run_config
+from epscale.interop.hf_export import export_hf
 from epscale.model import build_model
 from epscale.training import checkpoint as ckpt
 

@@ -38,7 +38,8 @@ from epscale.config import MoEConfig, load_recipe
 from epscale.config.schema import RopeScalingConfig
 from epscale.interop.files import HFError
 from epscale.interop.generate import load_model
-from epscale.interop.hf import export_hf, from_pretrained, import_hf, to_pretrained
+from epscale.interop.hf import from_pretrained, import_hf
+from epscale.interop.hf_export import export_hf, to_pretrained
 from epscale.interop.hf_config import recipe_from_hf
 from epscale.model import rope_frequencies
 from epscale.moe.router import TopKRouter

@@ -1,6 +1,7 @@
-"""Hugging Face ``config.json`` <-> an epscale recipe, for the families epscale's model
-implements: Mixtral, Qwen3-MoE and DeepSeek-V3 (MoE), and Llama / Qwen3 (dense, for
-upcycling).
+"""Hugging Face ``config.json`` <-> an epscale recipe: read for Mixtral, Qwen3-MoE and
+DeepSeek-V3 (MoE) and Llama / Qwen3 (dense, for upcycling); written for those MoE
+families and Ernie 4.5 MoE and GLM-4 MoE (:mod:`epscale.interop.hf_families` says which
+one holds a model exactly).
 
 Every field of config.json is either mapped, known not to change the function the model
 computes (token ids, serving hints: :data:`NEUTRAL`), or an error that names it: nothing
@@ -14,13 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from ..config import RunConfig
-from .files import HFError
+from .errors import HFError
+from .hf_families import ARCHITECTURES, EXPORT_FAMILIES, HF_LATENT_NORM_EPS, moe_layer_ids
 
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")  # what import-hf reads
 DENSE_FAMILIES = ("llama", "qwen3")
-ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "deepseek_v3": "DeepseekV3ForCausalLM", "llama": "LlamaForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
 DEFAULT_SEQ_LEN = 4096  # model.seq_len of an import: min(max_position_embeddings, this)
 
 # Fields that do not change the function the model computes.
@@ -36,7 +35,6 @@ NEUTRAL = {
 YARN_KEYS = {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
              "mscale_all_dim", "attention_factor", "truncate"}
 LLAMA3_KEYS = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
-HF_LATENT_NORM_EPS = 1e-6  # DeepSeek-V3's q_a / kv_a layernorms in transformers
 
 
 @dataclass
@@ -284,17 +282,6 @@ def recipe_from_hf(hf: dict, source: Path, seq_len: int | None = None,
 
 
 # ---------------------------------------------------------------------- export
-def choose_family(cfg: RunConfig, source: dict | None) -> str:
-    """The hub format a recipe is written in: the imported one's, else by its features."""
-    if source and source.get("model_type") in MOE_FAMILIES:
-        return source["model_type"]
-    if cfg.model.attention == "mla" or cfg.moe.score_func == "sigmoid":
-        return "deepseek_v3"
-    if cfg.model.qk_norm or cfg.model.num_dense_layers or cfg.model.moe_every > 1:
-        return "qwen3_moe"
-    return "mixtral"
-
-
 def _rope_out(cfg: RunConfig) -> dict | None:
     rs = cfg.model.rope_scaling
     if rs is None:
@@ -313,79 +300,68 @@ def _rope_out(cfg: RunConfig) -> dict | None:
     return out
 
 
-def hf_from_recipe(cfg: RunConfig, family: str, dtype: str,
-                   source: dict | None = None) -> tuple[dict, list[str]]:
-    """config.json for ``cfg`` in ``family``'s format and warnings about what the format
-    cannot hold. What the format cannot express at all is an HFError naming it.
-    ``source``: the config.json the run was imported from (its token ids and other
-    neutral fields are kept)."""
+def hf_from_recipe(cfg: RunConfig, family: str, dtype: str, source: dict | None = None,
+                   special: dict[str, int | None] | None = None) -> dict:
+    """config.json for ``cfg`` in ``family``'s format (what the family holds of ``cfg`` is
+    checked first: :func:`epscale.interop.hf_families.choose`). ``source``: the
+    config.json the run was imported from (its neutral fields are kept); ``special``:
+    bos/eos/pad token ids of the export's tokenizer (they replace the source's)."""
     m, moe = cfg.model, cfg.moe
-    problems, warnings = [], []
-
-    def need(ok: bool, what: str) -> None:
-        if not ok:
-            problems.append(what)
-
-    need(moe.activation == "swiglu", f"moe.activation = {moe.activation!r} (the hub's MoE "
-         "formats are SwiGLU)")
-    moe_ids = [i for i in range(m.num_layers) if m.is_moe_layer(i)]
+    moe_ids = moe_layer_ids(cfg)
     out: dict[str, Any] = {k: v for k, v in (source or {}).items()
                            if k in NEUTRAL and k not in ("architectures", "model_type")}
+    for kind in ("bos", "eos", "pad"):
+        key = f"{kind}_token_id"
+        if special is not None:
+            out[key] = special.get(kind)
+        else:
+            out.setdefault(key, None)
     rope = _rope_out(cfg)
+    rope_params = {"rope_theta": m.rope_theta, **(rope or {"rope_type": "default"})}
     out.update({
         "architectures": [ARCHITECTURES[family]], "model_type": family,
         "vocab_size": m.vocab_size, "hidden_size": m.dim, "num_hidden_layers": m.num_layers,
         "num_attention_heads": m.num_heads, "rms_norm_eps": m.norm_eps, "hidden_act": "silu",
         "tie_word_embeddings": m.tie_embeddings, "attention_dropout": 0.0,
         "rope_theta": m.rope_theta, "rope_scaling": rope, "dtype": dtype,
-        "rope_parameters": {"rope_theta": m.rope_theta, **(rope or {"rope_type": "default"})},
+        "rope_parameters": rope_params,
     })
     out.setdefault("max_position_embeddings", m.seq_len)
     out.setdefault("initializer_range", 0.02)
-    if family in ("mixtral", "qwen3_moe"):
-        need(m.attention == "mha", f"model.attention = {m.attention!r} ({family} has "
-             "multi-head attention)")
-        need(moe.score_func == "softmax", f"moe.score_func = {moe.score_func!r} ({family} "
-             "routes by softmax)")
-        need(moe.num_shared_experts == 0, f"moe.num_shared_experts = {moe.num_shared_experts}"
-             f" ({family} has no shared experts)")
-        need(moe.route_scale == 1.0, f"moe.route_scale = {moe.route_scale} ({family} has no "
-             "routed scaling factor)")
-        need(moe.num_groups == 0, f"moe.num_groups = {moe.num_groups} ({family} has no "
-             "group-limited routing)")
-        head_dim = m.head_dim or m.dim // m.num_heads
-        out.update(num_key_value_heads=m.num_kv_heads or m.num_heads, head_dim=head_dim,
-                   num_experts_per_tok=moe.top_k, router_aux_loss_coef=moe.aux_loss_coeff,
-                   sliding_window=None)
+    shared = moe.shared_width // moe.hidden_dim
+    if family != "deepseek_v3":
+        out.update(num_key_value_heads=m.num_kv_heads or m.num_heads,
+                   head_dim=m.head_dim or m.dim // m.num_heads, num_experts_per_tok=moe.top_k,
+                   router_aux_loss_coef=moe.aux_loss_coeff)
     if family == "mixtral":
-        need(not m.qk_norm, "model.qk_norm = true (mixtral has no QK-norm; qwen3_moe has)")
-        need(moe_ids == list(range(m.num_layers)), "dense layers (every mixtral layer is MoE)")
-        need(moe.route_norm, "moe.route_norm = false (mixtral renormalises the top-k weights)")
         out.update(num_local_experts=moe.num_experts, intermediate_size=moe.hidden_dim,
-                   router_jitter_noise=0.0)
+                   router_jitter_noise=0.0, sliding_window=None)
     elif family == "qwen3_moe":
-        need(m.qk_norm, "model.qk_norm = false (qwen3_moe normalises queries and keys)")
         out.update(num_experts=moe.num_experts, moe_intermediate_size=moe.hidden_dim,
                    intermediate_size=m.dense_hidden_dim, decoder_sparse_step=1,
                    mlp_only_layers=[i for i in range(m.num_layers) if i not in moe_ids],
                    norm_topk_prob=moe.route_norm, use_sliding_window=False,
-                   attention_bias=False)
+                   sliding_window=None, attention_bias=False)
+    elif family == "ernie4_5_moe":
+        out.pop("rope_scaling")
+        out.update(moe_num_experts=moe.num_experts, moe_k=moe.top_k,
+                   moe_intermediate_size=moe.hidden_dim, intermediate_size=m.dense_hidden_dim,
+                   moe_num_shared_experts=shared, moe_layer_start_index=m.num_dense_layers,
+                   moe_layer_end_index=m.num_layers - 1, moe_layer_interval=m.moe_every,
+                   moe_norm_min=1e-20, use_bias=False)
+    elif family == "glm4_moe":
+        rope_params["partial_rotary_factor"] = 1.0
+        out.update(n_routed_experts=moe.num_experts, moe_intermediate_size=moe.hidden_dim,
+                   n_shared_experts=shared, intermediate_size=m.dense_hidden_dim,
+                   first_k_dense_replace=m.num_dense_layers, n_group=moe.num_groups or 1,
+                   topk_group=moe.topk_groups or moe.num_groups or 1,
+                   norm_topk_prob=moe.route_norm, routed_scaling_factor=moe.route_scale,
+                   use_qk_norm=m.qk_norm, attention_bias=False, num_nextn_predict_layers=0)
     elif family == "deepseek_v3":
-        need(m.attention == "mla", f"model.attention = {m.attention!r} (deepseek_v3 has MLA)")
-        need(moe.score_func == "sigmoid", f"moe.score_func = {moe.score_func!r} (deepseek_v3 "
-             "routes by sigmoid)")
-        need(m.moe_every == 1, f"model.moe_every = {m.moe_every} (deepseek_v3: every layer "
-             "after the first k dense ones is MoE)")
-        shared = moe.shared_width
-        need(shared % moe.hidden_dim == 0, f"shared expert width {shared} is not a multiple of "
-             f"moe.hidden_dim = {moe.hidden_dim}")
-        eps = m.norm_eps if m.latent_norm_eps is None else m.latent_norm_eps
-        need(eps == HF_LATENT_NORM_EPS, f"MLA latent norm epsilon {eps} (transformers' "
-             f"deepseek_v3 uses {HF_LATENT_NORM_EPS})")
         groups = moe.num_groups or 1
         out.update(num_key_value_heads=m.num_heads, n_routed_experts=moe.num_experts,
                    num_experts_per_tok=moe.top_k, moe_intermediate_size=moe.hidden_dim,
-                   n_shared_experts=shared // moe.hidden_dim, intermediate_size=m.dense_hidden_dim,
+                   n_shared_experts=shared, intermediate_size=m.dense_hidden_dim,
                    first_k_dense_replace=m.num_dense_layers, n_group=groups,
                    topk_group=moe.topk_groups or groups, norm_topk_prob=moe.route_norm,
                    routed_scaling_factor=moe.route_scale, scoring_func="sigmoid",
@@ -396,9 +372,6 @@ def hf_from_recipe(cfg: RunConfig, family: str, dtype: str,
                    qk_head_dim=m.qk_nope_head_dim + m.qk_rope_head_dim, rope_interleave=True,
                    attention_bias=False, aux_loss_alpha=moe.seq_aux_loss_coeff, seq_aux=True)
         out.pop("num_nextn_predict_layers", None)
-    if problems:
-        raise HFError(f"the run's config cannot be written as {family}: " + "; ".join(problems))
-    if moe.capacity_factor is not None:
-        warnings.append(f"moe.capacity_factor = {moe.capacity_factor}: the {family} format is "
-                        "dropless, so its logits differ wherever epscale dropped a token")
-    return out, warnings
+    else:
+        raise HFError(f"family {family!r} is not one of {', '.join(EXPORT_FAMILIES)}")
+    return out
