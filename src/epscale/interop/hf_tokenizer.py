@@ -101,9 +101,10 @@ def _special_map(config: dict) -> dict:
 
 
 def tokenizer_files(source_dir: Path | None, cfg: RunConfig,
-                    report: Callable[[str], None]) -> TokenizerFiles:
+                    report: Callable[[str], None], byte_level: bool = True) -> TokenizerFiles:
     """The tokenizer files and token ids of the run (see the module docstring;
-    ``source_dir``: RUN_DIR/hf_source, None for a model with no run directory)."""
+    ``source_dir``: RUN_DIR/hf_source, None for a model with no run directory;
+    ``byte_level``: write the byte-level tokenizer for a ``bytes`` run)."""
     spec = cfg.data.tokenizer
     if spec != "bytes":
         try:
@@ -137,6 +138,8 @@ def tokenizer_files(source_dir: Path | None, cfg: RunConfig,
         out.pad = hf.get("pad_token_id") if hf.get("pad_token_id") is not None else \
             _first(out.eos)
         return out
+    if not byte_level:
+        return TokenizerFiles()
     if cfg.model.vocab_size < 256:
         report(f"warning: a 'bytes' run with model.vocab_size = {cfg.model.vocab_size} < 256: "
                "its ids are not bytes, so the export has no tokenizer files")
