@@ -216,3 +216,26 @@ def test_export_folder_must_be_empty_or_its_own(runs, tmp_path, capsys):
     # a file where the folder should be
     (tmp_path / "f").write_text("x")
     assert main(["checkpoint", "export-hf", str(run), str(tmp_path / "f")]) == 2
+
+
+def test_describe_and_each_recipe_name_the_family_it_exports_to():
+    from epscale.commands.describe import describe
+    from epscale.config.recipes import RECIPE_DIR
+
+    for f in sorted(RECIPE_DIR.glob("*.yaml")):
+        comment = " ".join(line for line in f.read_text().splitlines()
+                           if line.startswith("# Hugging Face:") or "export-hf" in line)
+        said = describe(str(f))["hf_export"]
+        try:
+            family = choose(load_recipe(str(f))).family
+        except HFError:
+            assert "refuses" in comment and said.startswith("none"), f.name
+            continue
+        assert f"writes it as {family}, exactly" in comment, f.name
+        assert said == f"{family} ({transformers_arch(family)}), exact", f.name
+
+
+def transformers_arch(family: str) -> str:
+    from epscale.interop.hf_families import ARCHITECTURES
+
+    return ARCHITECTURES[family]

@@ -145,13 +145,15 @@ def load_hf(path):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_import_matches_transformers_and_export_round_trips(name, hf_dirs, tmp_path):
+def test_import_matches_transformers_and_export_round_trips(name, hf_dirs, tmp_path, capsys):
     hf_dir, _ = hf_dirs[name]
     ref = load_hf(hf_dir)
     toks = tokens()
     run = tmp_path / "run"
     assert main(["checkpoint", "import-hf", str(hf_dir), "--out", str(run)]) == 0
-    model, _, _ = load_model(run)
+    assert "training section: continued pretraining" in capsys.readouterr().out
+    model, cfg, _ = load_model(run)
+    assert (cfg.train.lr, cfg.train.min_lr, cfg.train.warmup_steps) == (1e-4, 1e-5, 10)
     with torch.no_grad():
         assert model(toks).shape == (2, 24, V)
     assert_same_function(model, ref, toks)

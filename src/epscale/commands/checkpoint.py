@@ -101,6 +101,11 @@ def _imported(args, path) -> int:
     print(f"imported {args.hf_dir} ({meta.get('hf_family')}: {m['num_layers']} layers, "
           f"{moe_layers} MoE with {moe['num_experts']} experts top-{moe['top_k']}, dim "
           f"{m['dim']}, vocab {m['vocab_size']}) as {path}")
+    t = meta["config"]["train"]
+    print(f"training section: continued pretraining of a trained model: lr {t['lr']:g} "
+          f"(decaying to {t['min_lr']:g}) after {t['warmup_steps']} warm-up steps, not the "
+          "from-scratch defaults (lr 3e-3, 30 warm-up steps); change with train.lr=... "
+          "train.warmup_steps=...")
     print(f"recipe: {args.out}/config.yaml; train on with: epscale train --run-dir {args.out} "
           "[key=value ...]")
     return 0

@@ -59,6 +59,11 @@ SOURCE_DIR = "hf_source"    # RUN_DIR/hf_source: config.json and tokenizer files
 COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
           "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt")
 DEFAULT_SHARD_BYTES = 5 * 2 ** 30
+# The training section of an import: continuing a pretrained model, not a fresh one (the
+# recipe defaults, lr 3e-3 after 30 warm-up steps, would undo much of its training).
+# Peak lr of the order of a pretraining run's final lr, briefly warmed up; override with
+# train.lr=... etc.
+CONTINUED_PRETRAINING = {"lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 10}
 
 
 @dataclass(frozen=True)
@@ -218,13 +223,15 @@ def model_shapes(cfg: RunConfig) -> dict[str, tuple[int, ...]]:
 # ---------------------------------------------------------------------- import
 def read_hf(hf_dir: str | Path, overrides: list[str] | None = None,
             seq_len: int | None = None) -> tuple[Mapped, RunConfig]:
-    """config.json of ``hf_dir`` as an epscale recipe (``overrides``: dotted key=value)."""
+    """config.json of ``hf_dir`` as an epscale recipe (``overrides``: dotted key=value),
+    with a continued-pretraining training section (:data:`CONTINUED_PRETRAINING`)."""
     hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():
         raise HFError(f"'{hf_dir}' is not a directory (expected a Hugging Face model "
                       "directory with config.json and *.safetensors)")
     source = hf_dir / "config.json"
     mapped = recipe_from_hf(read_json(source), source, seq_len)
+    mapped.data["train"] = dict(CONTINUED_PRETRAINING)
     cfg = from_dict(RunConfig, apply_overrides(mapped.data, list(overrides or [])))
     return mapped, cfg
 
