@@ -239,3 +239,27 @@ def transformers_arch(family: str) -> str:
     from epscale.interop.hf_families import ARCHITECTURES
 
     return ARCHITECTURES[family]
+
+
+def test_report_tiles_are_the_console_summary(runs, tmp_path):
+    """The run report's header shows the numbers of the console's end-of-run summary
+    (median tokens/s, final validation loss, the unigram baseline), not the last step's,
+    and says 'dropless' instead of a capacity factor of None."""
+    from epscale.monitor import AlertRules, evaluate, load_run
+    from epscale.monitor.report import header_cards, write_report
+
+    run = load_run(runs["mixtral"])
+    end = [e for e in run.events if e.get("event") == "end"][-1]
+    assert end["unigram_nats"] > 0 and end["final_val_loss"] is not None
+    alerts = evaluate(run, AlertRules())
+    html = write_report(run, alerts, AlertRules(), tmp_path / "r.html").read_text()
+    cards = {k: v for k, v, _ in header_cards(run, {"val_loss": []}, alerts)}
+    from epscale.monitor.runlog import fmt_value
+
+    assert cards["tokens/s (median)"] == fmt_value(end["tokens_per_s"])
+    assert cards["validation loss (final)"] == fmt_value(end["final_val_loss"])
+    assert cards["unigram baseline"] == fmt_value(end["unigram_nats"])
+    assert cards["train loss (mean of last steps)"] == fmt_value(end["final_train_loss"])
+    for k, v in cards.items():
+        assert f">{k}<" in html and f">{v}<" in html
+    assert "dropless" in html and "capacity factor None" not in html
