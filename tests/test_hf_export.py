@@ -263,3 +263,27 @@ def test_report_tiles_are_the_console_summary(runs, tmp_path):
     for k, v in cards.items():
         assert f">{k}<" in html and f">{v}<" in html
     assert "dropless" in html and "capacity factor None" not in html
+
+
+def test_start_up_names_the_tokenizer_in_use_and_the_validation_tokens(bpe_data, tmp_path,
+                                                                       capsys):
+    """The data: line names data.tokenizer (here a copy in another folder, same sha256),
+    not only the path recorded at prepare time, and says how many validation tokens one
+    evaluation reads."""
+    import shutil
+
+    tok_dir, prepared, _ = bpe_data
+    copy = tmp_path / "copy"
+    shutil.copytree(tok_dir, copy)
+    cfg = _cfg("tiny", ["train.steps=1", "train.eval_batches=2"], tmp_path,
+               [f"data.source={prepared}", f"data.tokenizer={copy}", "model.vocab_size=320"])
+    capsys.readouterr()
+    train(cfg, tmp_path / "run")
+    out = "".join(capsys.readouterr().out.split())  # rich wraps long lines anywhere
+
+    def said(text: str) -> bool:
+        return "".join(text.split()) in out[out.index("data:"):]
+
+    assert said(f"tokenizer {copy / 'tokenizer.json'} (data.tokenizer; prepared with "
+                f"{tok_dir / 'tokenizer.json'}, the same sha256)")
+    assert said(f"each evaluation reads {2 * 2 * 48:,} (train.eval_batches = 2 global batches)")
