@@ -153,11 +153,11 @@ def choose(cfg: RunConfig, family: str | None = None, prefer: str | None = None,
     droppable = [f for f in fits if not f.missing]
     if lossy and droppable:
         return droppable[0]
-    why = " | ".join(f"{f.family}: {f.reasons()}" for f in fits)
-    hint = (f"; 'export-hf --lossy' writes it as {droppable[0].family}, dropping "
+    why = "".join(f"\n  {f.family}: {f.reasons()}" for f in fits)
+    hint = (f"\n'export-hf --lossy' writes it as {droppable[0].family}, dropping "
             + "; ".join(droppable[0].dropped) if droppable else
-            "; no family can hold it even with --lossy")
-    raise HFError(f"no transformers family represents this model exactly ({why}){hint}")
+            "\nno family can hold it even with --lossy")
+    raise HFError(f"no transformers family represents this model exactly:{why}{hint}")
 
 
 def describe_export(cfg: RunConfig) -> str:
