@@ -22,6 +22,10 @@ from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
+    Ernie4_5_MoeConfig,
+    Ernie4_5_MoeForCausalLM,
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
     LlamaConfig,
     MixtralConfig,
     MixtralForCausalLM,
@@ -71,6 +75,23 @@ def _deepseek(**kw):
     return DeepseekV3ForCausalLM, DeepseekV3Config(**COMMON, **{**base, **kw})
 
 
+def _ernie(**kw):
+    base = dict(intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+                num_key_value_heads=2, moe_num_experts=8, moe_k=2, moe_num_shared_experts=1,
+                moe_layer_start_index=1, tie_word_embeddings=False)
+    return Ernie4_5_MoeForCausalLM, Ernie4_5_MoeConfig(**COMMON, **{**base, **kw})
+
+
+def _glm(**kw):
+    base = dict(intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+                num_key_value_heads=2, n_routed_experts=8, n_shared_experts=1,
+                num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
+                routed_scaling_factor=2.5, use_qk_norm=True,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                 "partial_rotary_factor": 1.0})
+    return Glm4MoeForCausalLM, Glm4MoeConfig(**COMMON, **{**base, **kw})
+
+
 CASES = {
     "mixtral": lambda: _mixtral(),
     "mixtral-tied": lambda: _mixtral(tie_word_embeddings=True, rope_theta=1e6),
@@ -79,6 +100,8 @@ CASES = {
                                                          "mscale_all_dim": 1.0}),
     "deepseek_v3-no-q-latent": lambda: _deepseek(q_lora_rank=None, rope_interleave=False,
                                                  rms_norm_eps=1e-5),
+    "ernie4_5_moe": lambda: _ernie(),
+    "glm4_moe": lambda: _glm(),
 }
 
 

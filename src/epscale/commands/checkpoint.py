@@ -12,7 +12,8 @@ plain full tensors (``Transformer.load_state_dict(blob["model"])`` works). ``imp
 accepts such a file or a bare model state dict and writes a checkpoint that
 ``epscale train --run-dir RUN_DIR`` resumes from at any dp x ep.
 
-``import-hf`` reads a Hugging Face directory (Mixtral, Qwen3-MoE, DeepSeek-V3; config.json
+``import-hf`` reads a Hugging Face directory (Mixtral, Qwen3-MoE, Ernie 4.5 MoE, GLM-4 MoE,
+DeepSeek-V3; config.json
 and safetensors) into a new run directory (:mod:`epscale.interop.hf`); ``export-hf``
 writes a checkpoint as the transformers family that represents it exactly, with its
 tokenizer and generation settings, or refuses (exit 2) naming why
@@ -44,7 +45,7 @@ def configure_parser(p) -> None:
     ls.add_argument("run_dir")
     ih = sub.add_parser("import-hf", help="Hugging Face model directory -> new run directory")
     ih.add_argument("hf_dir", help="directory with config.json and *.safetensors (Mixtral, "
-                    "Qwen3-MoE or DeepSeek-V3)")
+                    "Qwen3-MoE, Ernie 4.5 MoE, GLM-4 MoE or DeepSeek-V3)")
     ih.add_argument("--out", required=True, metavar="RUN_DIR",
                     help="run directory to create (config.yaml, checkpoints/step_00000000)")
     ih.add_argument("--seq-len", type=int, default=None,

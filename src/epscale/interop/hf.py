@@ -1,6 +1,5 @@
-"""Hugging Face checkpoints to and from epscale: Mixtral, Qwen3-MoE and DeepSeek-V3 (read
-and written), Ernie 4.5 MoE and GLM-4 MoE (written), in the hub's per-expert safetensors
-layout.
+"""Hugging Face checkpoints to and from epscale: Mixtral, Qwen3-MoE, Ernie 4.5 MoE, GLM-4
+MoE and DeepSeek-V3, in the hub's per-expert safetensors layout.
 
     model, cfg = from_pretrained("path/to/hf_dir")       # logits equal transformers'
     import_hf("hf_dir", "runs/x")     # a run directory `epscale train --run-dir` continues
@@ -90,6 +89,7 @@ LAYOUTS = {
 DENSE = ("gate_proj", "up_proj", "down_proj")
 BIAS_ROWS = {"ernie4_5_moe"}     # stores its correction bias as [1, E] (one expert group)
 ROPE_PAIRS = {"ernie4_5_moe"}    # rotary dimensions of q/k as interleaved pairs (MHA)
+MTP_FAMILIES = {"deepseek_v3", "glm4_moe"}  # multi-token-prediction layers after the last
 
 
 @dataclass
@@ -277,7 +277,7 @@ def _ignorable(names: list[str], mapped: Mapped, cfg: RunConfig) -> tuple[set[st
                                                  and cfg.model.tie_embeddings):
             out.add(n)
         elif len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() and \
-                int(parts[2]) >= cfg.model.num_layers and mapped.family == "deepseek_v3":
+                int(parts[2]) >= cfg.model.num_layers and mapped.family in MTP_FAMILIES:
             out.add(n)
             mtp.append(n)
     return out, mtp

@@ -37,7 +37,7 @@ from .hf import (
     run_config,
     source_config,
 )
-from .hf_config import hf_from_recipe
+from .hf_config_out import hf_from_recipe
 from .hf_families import Fit, choose, needs_bias
 from .hf_tokenizer import TokenizerFiles, generation_config, tokenizer_files
 
