@@ -212,6 +212,7 @@ def test_exported_expert_bias_is_the_score_correction_bias(hf_dirs, tmp_path):
     bf16 = load_file(tmp_path / "ds_bf16" / "model.safetensors")
     assert bf16["model.layers.1.mlp.experts.3.up_proj.weight"].dtype == torch.bfloat16
     assert bf16["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    assert bf16["model.layers.1.mlp.gate.weight"].dtype == torch.float32  # routes in fp32
     assert json.loads((tmp_path / "ds_bf16" / "config.json").read_text())["dtype"] == "bfloat16"
     model, cfg = from_pretrained(hf_dirs["mixtral"][0])
     model.layers["0"].ffn.router.expert_bias.fill_(0.5)

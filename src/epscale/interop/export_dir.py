@@ -52,7 +52,12 @@ def prepare(out_dir: Path, will_write: list[str], overwrite: bool, meta: dict) -
     and record ``will_write`` in the manifest."""
     if out_dir.exists() and not out_dir.is_dir():
         raise HFError(f"'{out_dir}' is a file; name a folder to export into")
-    ours = set(exported_files(out_dir)) if out_dir.is_dir() else set()
+    try:
+        ours = set(exported_files(out_dir)) if out_dir.is_dir() else set()
+    except HFError:
+        if not overwrite:
+            raise
+        ours = set()  # an unreadable record: --overwrite treats the folder as foreign
     mine = ours | {MANIFEST}
     present = sorted(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else []
     foreign = [n for n in present if n not in mine]

@@ -38,14 +38,20 @@ from .hf import (
     source_config,
 )
 from .hf_config_out import hf_from_recipe
-from .hf_families import Fit, choose, needs_bias
+from .hf_families import BIAS_FAMILIES, Fit, choose, needs_bias
 from .hf_tokenizer import TokenizerFiles, generation_config, tokenizer_files
 
 
-def _dtype_of(hf_name: str, dtype: torch.dtype) -> torch.dtype:
+def _dtype_of(hf_name: str, dtype: torch.dtype, family: str) -> torch.dtype:
     """The score-correction bias stays fp32 (as the hub's DeepSeek-V3 keeps it: a bias
-    step of 1e-3 on sigmoid scores is below bf16's resolution near 1)."""
-    return torch.float32 if hf_name.endswith("e_score_correction_bias") else dtype
+    step of 1e-3 on sigmoid scores is below bf16's resolution near 1), and so does the
+    router's gate where the family computes it in fp32 (its ``_keep_in_fp32_modules``),
+    as epscale does: a bf16 export then routes as the fp32 model."""
+    if hf_name.endswith("e_score_correction_bias"):
+        return torch.float32
+    if family in BIAS_FAMILIES and hf_name.endswith(".mlp.gate.weight"):
+        return torch.float32
+    return dtype
 
 
 def _bias_nonzero(biases: dict[str, torch.Tensor]) -> bool:
@@ -121,7 +127,7 @@ def export_hf(source: str | Path, out_dir: str | Path, family: str | None = None
     def produce():
         for names in shards:
             loaded = load_tensors(path, {n: shapes[n] for n in names})
-            yield {h: t.to(_dtype_of(h, out_dtype)) for n in names
+            yield {h: t.to(_dtype_of(h, out_dtype, fit.family)) for n in names
                    for h, t in zip(by_name[n].hf, by_name[n].to_hf(loaded.pop(n)))}
 
     out_dir = Path(out_dir)
@@ -154,7 +160,7 @@ def to_pretrained(model, cfg: RunConfig, path: str | Path, family: str | None = 
 
     def produce():
         for names in shards:
-            yield {h: t.to(_dtype_of(h, out_dtype)) for n in names
+            yield {h: t.to(_dtype_of(h, out_dtype, fit.family)) for n in names
                    for h, t in zip(by_name[n].hf, by_name[n].to_hf(state[n]))}
 
     _write(path, fit, cfg, dtype, None, tok, None, shards, by_name, produce, overwrite,
