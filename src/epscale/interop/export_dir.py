@@ -15,12 +15,11 @@ import json
 from pathlib import Path
 
 from .errors import HFError
+from .hf_tokenizer import TOKENIZER_FILES
 
 MANIFEST = "epscale_export.json"
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json",
-               "pytorch_model.bin", "pytorch_model.bin.index.json", "tokenizer.json",
-               "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-               "vocab.json", "merges.txt")
+               "pytorch_model.bin", "pytorch_model.bin.index.json", *TOKENIZER_FILES)
 
 
 def is_model_file(name: str) -> bool:

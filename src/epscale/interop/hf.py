@@ -53,10 +53,10 @@ from ..training.checkpoint.state import saved_keys
 from ..training.checkpoint.store import quiet
 from .files import HFError, HFWeights, read_json
 from .hf_config import Mapped, recipe_from_hf
+from .hf_tokenizer import TOKENIZER_FILES
 
 SOURCE_DIR = "hf_source"    # RUN_DIR/hf_source: config.json and tokenizer files of the import
-COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-          "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt")
+COPIED = ("config.json", "generation_config.json", *TOKENIZER_FILES)
 DEFAULT_SHARD_BYTES = 5 * 2 ** 30
 # The training section of an import: continuing a pretrained model, not a fresh one (the
 # recipe defaults, lr 3e-3 after 30 warm-up steps, would undo much of its training).

@@ -67,8 +67,8 @@ def _choose(cfg: RunConfig, family: str | None, prefer: str | None, bias_nonzero
 
 
 def _write(out_dir: Path, fit: Fit, cfg: RunConfig, dtype: str, source: dict | None,
-           tok: TokenizerFiles, source_dir: Path | None, shards: list[list[str]], by_name: dict,
-           produce, overwrite: bool, meta: dict) -> list[str]:
+           tok: TokenizerFiles, source_dir: Path | None, shards: list[list[str]], produce,
+           overwrite: bool, meta: dict) -> list[str]:
     """Everything the folder gets, in an order that leaves a recognisable export behind
     if interrupted (manifest, weights, then config and tokenizer). Returns the files."""
     same = source if source and source.get("model_type") == fit.family else None
@@ -132,7 +132,7 @@ def export_hf(source: str | Path, out_dir: str | Path, family: str | None = None
 
     out_dir = Path(out_dir)
     files = _write(out_dir, fit, cfg, dtype, src_cfg, tok, run_dir / SOURCE_DIR, shards,
-                   by_name, produce, overwrite, {"checkpoint": str(path), "step": meta.get("step")})
+                   produce, overwrite, {"checkpoint": str(path), "step": meta.get("step")})
     report(f"exported {path} as {fit.family}{' (lossy)' if fit.dropped else ' (exact)'} to "
            f"{out_dir}: {', '.join(files)}; tokenizer: {tok.source}")
     return out_dir
@@ -163,7 +163,7 @@ def to_pretrained(model, cfg: RunConfig, path: str | Path, family: str | None = 
             yield {h: t.to(_dtype_of(h, out_dtype, fit.family)) for n in names
                    for h, t in zip(by_name[n].hf, by_name[n].to_hf(state[n]))}
 
-    _write(path, fit, cfg, dtype, None, tok, None, shards, by_name, produce, overwrite,
+    _write(path, fit, cfg, dtype, None, tok, None, shards, produce, overwrite,
            {"checkpoint": None})
     return path
 
