@@ -600,12 +600,12 @@ class Trainer:
         every = self.cfg.train.eval_every
         return self.step == self.cfg.train.steps or (every > 0 and self.step % every == 0)
 
-    @torch.no_grad()
     def _val_tokens(self) -> int:
         """Validation tokens one evaluation reads (all ranks): train.eval_batches global
         batches of seq_len windows."""
         return self.cfg.train.eval_batches * self.loader.samples_per_step * self.cfg.model.seq_len
 
+    @torch.no_grad()
     def evaluate(self) -> float:
         """Mean validation loss over the fixed validation batches of every rank."""
         self.model.eval()
