@@ -27,6 +27,9 @@ event names of metrics.jsonl must come in the same order. Exit status 1 on any
 difference. The speed columns print each side's median tokens/s over the steps after the
 first, measured in this one run; ``--rounds R`` runs each side R times, alternating base
 and new (so a busy machine hits both alike), and prints the median of the runs' medians.
+A busy machine moves wall-clock figures a lot; the CPU columns (user + system seconds of
+all of a run's processes, start-up included: the same work on both sides) move less. A
+base/new CPU ratio above 1 means the working tree used less CPU.
 """
 
 from __future__ import annotations
@@ -36,12 +39,12 @@ import json
 import math
 import os
 import re
+import resource
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import warnings
 from pathlib import Path
 
@@ -79,8 +82,15 @@ def cases(steps: int) -> dict[str, list[tuple[int, list[str]]]]:
     }
 
 
+def children_cpu_s() -> float:
+    """CPU seconds (user + system) of this process's finished children and theirs."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def launch(src: Path, run_dir: Path, nproc: int, overrides: list[str], log) -> float:
-    """One ``epscale train`` of the tree ``src`` (its ``src`` directory); its seconds."""
+    """One ``epscale train`` of the tree ``src`` (its ``src`` directory); the CPU seconds
+    it took, all its processes together (start-up included)."""
     flags = [o for o in overrides if o.startswith("--")]
     keys = [o for o in overrides if not o.startswith("--")]
     config = str(ROOT / "configs" / "tiny.yaml")
@@ -88,13 +98,13 @@ def launch(src: Path, run_dir: Path, nproc: int, overrides: list[str], log) -> f
            "--run-dir", str(run_dir), *(["--nproc", str(nproc)] if nproc > 1 else []),
            *flags, *keys]
     env = {**os.environ, "PYTHONPATH": str(src)}
-    t0 = time.perf_counter()
+    cpu0 = children_cpu_s()
     proc = subprocess.run(cmd, env=env, cwd=run_dir.parent, capture_output=True, text=True)
     log.write(f"$ PYTHONPATH={src} {' '.join(cmd)}\n{proc.stdout}{proc.stderr}\n")
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} (PYTHONPATH={src}) failed with status "
                          f"{proc.returncode}:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-    return time.perf_counter() - t0
+    return children_cpu_s() - cpu0
 
 
 def read_metrics(run_dir: Path) -> tuple[list[dict], list[str]]:
@@ -234,24 +244,27 @@ def main(argv=None) -> int:
             print(f"base: {args.base} ({base_src}); new: {args.new or 'the working tree'} "
                   f"({new_src})")
             print(f"{'case':10s} {'metrics':>8s} {'ckpt':>14s} {'base tok/s':>11s} "
-                  f"{'new tok/s':>10s} {'new/base':>8s}")
+                  f"{'new tok/s':>10s} {'new/base':>8s} {'base CPU s':>10s} {'new CPU s':>9s} "
+                  f"{'base/new':>8s}")
             for name in args.cases.split(","):
-                runs, tps = {}, {"base": [], "new": []}
+                runs, tps, cpu = {}, {"base": [], "new": []}, {"base": [], "new": []}
                 for r in range(args.rounds):  # base, new, base, new, ...
                     for side, src in sides.items():
                         run_dir = work / side / f"{name}.{r}" if r else work / side / name
                         shutil.rmtree(run_dir, ignore_errors=True)  # a kept one from before
                         run_dir.parent.mkdir(parents=True, exist_ok=True)
-                        for nproc, over in table[name]:
-                            launch(src, run_dir, nproc, over, log)
+                        cpu[side].append(sum(launch(src, run_dir, nproc, over, log)
+                                             for nproc, over in table[name]))
                         runs.setdefault(side, run_dir)  # the first round's are compared
                         tps[side].append(median_tps(run_dir))
                 diffs = compare_metrics(runs["base"], runs["new"])
                 ck_diffs, n = compare_checkpoints(runs["base"], runs["new"])
                 tb, tn = statistics.median(tps["base"]), statistics.median(tps["new"])
+                cb, cn = statistics.median(cpu["base"]), statistics.median(cpu["new"])
                 ok_m = "same" if not diffs else f"{len(diffs)} diff"
                 ok_c = f"same ({n})" if not ck_diffs else f"{len(ck_diffs)} diff"
-                print(f"{name:10s} {ok_m:>8s} {ok_c:>14s} {tb:11.0f} {tn:10.0f} {tn / tb:8.3f}")
+                print(f"{name:10s} {ok_m:>8s} {ok_c:>14s} {tb:11.0f} {tn:10.0f} {tn / tb:8.3f} "
+                      f"{cb:10.1f} {cn:9.1f} {cb / cn:8.3f}")
                 for d in (diffs + ck_diffs)[:20]:
                     print(f"    {d}")
                 failed |= bool(diffs or ck_diffs)
