@@ -28,8 +28,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("dispatch",),
     ("moe",),
     ("placement",),
+    ("model", "model_init"),  # the model knows nothing of parallelism
     ("parallel",),
-    ("model", "launch"),
+    ("launch",),
     ("sim",),
     ("metrics",),
     ("training",),
@@ -168,3 +169,16 @@ def test_the_checker_sees_cycles_and_local_imports():
     src = ast.parse(modules[name].read_text())
     assert any(isinstance(n, ast.ImportFrom) for n in ast.walk(src))
     assert "epscale.training.loop" in _imports(name, modules[name], modules)
+
+
+def test_the_model_knows_nothing_of_parallelism():
+    """``epscale.model`` imports no ``epscale.parallel`` module, directly or through
+    others: parallelism is applied to the built model (``parallel.parallelize_model``)."""
+    graph = _graph()
+    seen, todo = set(), ["epscale.model"]
+    while todo:
+        for m in graph[todo.pop()]:
+            if m not in seen:
+                seen.add(m)
+                todo.append(m)
+    assert not sorted(m for m in seen if m.startswith("epscale.parallel")), sorted(seen)

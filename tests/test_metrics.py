@@ -296,6 +296,31 @@ def test_record_reduces_across_ranks_in_one_collective():
     assert rec0["layers"][0]["bias_min"] == rec0["layers"][0]["bias_max"] == 0.5
 
 
+def test_fields_pack_and_read_back_by_name():
+    """The step's one flat vector, by name: host numbers and device tensors in table
+    order, nested tables, matrices; a value of the wrong size is an error, not a shift."""
+    import numpy as np
+
+    from epscale.metrics.fields import Fields
+
+    pair = Fields([("x", ()), ("y", ())])
+    f = Fields([("n", ()), ("t", (3,)), ("sub", pair), ("m", (2, 2))])
+    assert f.size == 10 and f.slices["sub"] == slice(4, 6)
+    values = {"n": 1, "t": torch.tensor([2.0, 3.0, 4.0], dtype=torch.float64),
+              "sub": {"x": 5, "y": 6.5}, "m": np.array([[7.0, 8.0], [9.0, 10.0]])}
+    flat = f.pack(values, torch.device("cpu"))
+    assert flat.dtype == torch.float64 and flat.tolist() == [1, 2, 3, 4, 5, 6.5, 7, 8, 9, 10]
+    out = f.unpack(flat.tolist())
+    assert out["n"] == 1.0 and out["t"] == [2.0, 3.0, 4.0] and out["sub"] == {"x": 5.0, "y": 6.5}
+    assert out["m"].tolist() == [[7.0, 8.0], [9.0, 10.0]]
+    with pytest.raises(ValueError, match="'t' is a tensor of 2 values"):
+        f.pack({**values, "t": torch.zeros(2)}, torch.device("cpu"))
+    with pytest.raises(ValueError, match="'m' has 3 values"):
+        f.pack({**values, "m": [1.0, 2.0, 3.0]}, torch.device("cpu"))
+    with pytest.raises(ValueError, match="twice"):
+        Fields([("a", ()), ("a", ())])
+
+
 # ---------------------------------------------------------------------- sinks
 
 

@@ -115,6 +115,9 @@ def _equivalence(runner, rank, world, dims, backends, cases, tag):
                 assert all(isinstance(d, SpillDispatcher) for d in spills)
                 active = [d.last_plan.active for d in spills]
                 assert active == [bool(hot)] * layers, active
+                rows = [d.spilled_rows() for d in spills]  # what the step record reports
+                assert rows == [sum(s.rows for s in d.last_plan.spills) for d in spills]
+                assert (min(rows) > 0) == bool(hot), rows
                 if hot:
                     plan = spills[0].last_plan
                     assert plan.imbalance(after=True) < plan.imbalance(after=False)

@@ -72,9 +72,20 @@ def losses_by_step(steps: list[dict]) -> dict[int, float]:
 # --------------------------------------------------------------------------------------
 
 
-def test_run_dir_metrics_and_learning(tmp_path):
+def test_run_dir_metrics_and_learning(tmp_path, monkeypatch):
+    from epscale.training.step import AccumulationStep
+
+    grad_in_validation = []
+    validate = AccumulationStep.validation_loss_sum
+
+    def spy(self, batches):
+        grad_in_validation.append(torch.is_grad_enabled())
+        return validate(self, batches)
+
+    monkeypatch.setattr(AccumulationStep, "validation_loss_sum", spy)
     run = tmp_path / "run"
     result = train(tiny_cfg(tmp_path, **{"moe.bias_update_speed": 0.01}), run)
+    assert grad_in_validation == [False, False]  # steps 4 and 8, without autograd
     assert result.step == 8 and not result.stopped
     assert (run / "config.yaml").is_file()
     assert load_config(run / "config.yaml").model.dim == 64

@@ -26,9 +26,7 @@ from .config import ModelConfig, MoEConfig, RunConfig
 from .config.schema import RopeScalingConfig
 from .moe.experts import FeedForward
 from .moe.layer import MoE
-from .parallel import activation
-from .parallel.materialize import initialize_, reset_buffers_
-from .parallel.shard import mark_all_expert_params
+from .model_init import initialize_
 
 
 class RMSNorm(nn.Module):
@@ -288,6 +286,11 @@ class LatentAttention(nn.Module):
         return self.wo(o_BHSh.transpose(1, 2).reshape(B, S, self.num_heads * self.v_dim))
 
 
+def run_plainly(fn: Callable[..., torch.Tensor], *args) -> torch.Tensor:
+    """``fn(*args)``: a block's forward without activation checkpointing."""
+    return fn(*args)
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + ffn(norm(x))."""
 
@@ -301,16 +304,17 @@ class Block(nn.Module):
         self.ffn = MoE(moe_cfg) if self.is_moe else FeedForward(cfg.dim, cfg.dense_hidden_dim,
                                                                 moe_cfg.activation)
         self.timer: Callable[[str], ContextManager] = lambda name: contextlib.nullcontext()
-        # train.activation_checkpointing (epscale.parallel.activation): 'none', 'full', 'selective'
-        self.checkpointing = "none"
+        # how forward runs the block: plainly, or recomputed in backward (set by
+        # epscale.parallel.activation for train.activation_checkpointing)
+        self.run_forward: Callable[..., torch.Tensor] = run_plainly
 
     def forward(self, x_BSD: torch.Tensor, kv: LayerKV | None = None,
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         if kv is not None:  # incremental decoding: inference, nothing to recompute
             return self._forward(x_BSD, kv)
         if attn_mask is not None:
-            return activation.run(self._forward, self.checkpointing, x_BSD, None, attn_mask)
-        return activation.run(self._forward, self.checkpointing, x_BSD)
+            return self.run_forward(self._forward, x_BSD, None, attn_mask)
+        return self.run_forward(self._forward, x_BSD)
 
     def _forward(self, x_BSD: torch.Tensor, kv: LayerKV | None = None,
                  attn_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -367,7 +371,7 @@ class Transformer(nn.Module):
         """How parameter ``name`` starts: N(0, 0.02) for embeddings and dense projections,
         residual outputs (``wo``, ``w2``) scaled by 1/sqrt(2*layers) (GPT-2), the router
         N(0, 1/sqrt(D)), routed experts N(0, 1/sqrt(D)) in and N(0, 1/sqrt(F)) out, norms
-        ones. The values come from :func:`epscale.parallel.materialize.initialize_`, the
+        ones. The values come from :func:`epscale.model_init.initialize_`, the
         same at every layout."""
         std = 0.02
         if name.endswith("norm.weight"):
@@ -451,7 +455,7 @@ def build_model(cfg: RunConfig, device: torch.device | str | None = None,
     """The full (unsharded) model on ``device`` (default: torch's default device, the CPU
     unless ``torch.set_default_device`` said otherwise), initialised from ``seed`` (default
     ``train.seed``), identical on every rank and to any sharded build of the same seed
-    (:func:`materialize`)."""
+    (``epscale.parallel.materialize``)."""
     seed = cfg.train.seed if seed is None else seed
     torch.manual_seed(seed)
     model = Transformer(cfg.model, cfg.moe)
@@ -461,20 +465,6 @@ def build_model(cfg: RunConfig, device: torch.device | str | None = None,
 
 def build_meta_model(cfg: RunConfig) -> Transformer:
     """The model on the meta device: shapes only, no memory. Parallelize and shard it,
-    then :func:`materialize` each rank's part."""
+    then materialise each rank's part (:func:`epscale.parallel.parallelize_model`)."""
     with torch.device("meta"):
         return Transformer(cfg.model, cfg.moe)
-
-
-def materialize(model: Transformer, device: torch.device | str, seed: int, dims=None,
-                roots: list[nn.Module] | None = None) -> None:
-    """Allocate a (parallelized, possibly FSDP-sharded) meta-device ``model`` on
-    ``device`` and fill each rank's shard of every parameter with the values a
-    single-process :func:`build_model` of ``seed`` holds there; buffers are set again.
-    ``roots``: the modules FSDP was applied to last, when not ``model`` itself (the
-    pipeline stages of a rank: together they hold all of its parameters)."""
-    for root in roots or [model]:
-        root.to_empty(device=device)
-    mark_all_expert_params(model)  # to_empty registered new parameter objects
-    initialize_(model, model.param_init, seed, dims)
-    reset_buffers_(model)

@@ -107,6 +107,11 @@ class Dispatcher(ABC):
         """Of ``bytes_sent``, the bytes that crossed nodes."""
         return 0
 
+    def spilled_rows(self) -> int | None:
+        """Rows the last dispatch sent to a helper rank instead of their expert's own
+        (spill-over, ``epscale.placement.spill``); None for a backend that never spills."""
+        return None
+
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(experts={self.num_experts}, "
                 f"local={self.num_local_experts}, offset={self.expert_offset})")

@@ -3,9 +3,11 @@
 ``StepStatsCollector`` hooks every :class:`epscale.MoE` in a model and accumulates, on the
 device and without host syncs, what each forward routed (``moe.last_stats``). Once per step
 every rank calls ``collector.record(...)``: the per-layer counters, the step's scalars and
-each rank's own numbers (step time, memory, wait time) are packed into one flat float64
-tensor, summed with a single ``all_reduce`` (per-rank numbers sit in per-rank slots, so a
-sum gathers them), copied to the host once, and turned into the metrics.jsonl step record::
+each rank's own numbers (step time, memory, wait time) are packed by name into one flat
+float64 tensor (``self.fields``, a :class:`~epscale.metrics.fields.Fields` table built once;
+per-rank numbers sit in per-rank rows, so a sum gathers them), summed with a single
+``all_reduce``, copied to the host once, read back by name and
+turned into the metrics.jsonl step record::
 
     collector = StepStatsCollector(model, ep=dims.ep, flops_per_token=flops_per_token(cfg))
     timers = StepTimers(device); collector.attach_timer(timers)
@@ -40,16 +42,24 @@ from torch import nn
 
 from ..moe.layer import is_recomputing, named_moe_layers
 from .balance import max_vio, rank_loads
+from .fields import Fields
 from .flops import mfu as _mfu
 from .flops import peak_flops as _peak_flops
 from .timers import COMM_SECTIONS, STANDARD_SECTIONS
 
-# Values each rank writes into its own slot of the flat tensor.
+# Values each rank writes into its own row of the rank matrix (a sum then gathers them).
 _RANK_FIELDS = ("step_time_s", "mem_mb", "sync_s", "num_tokens")
-# Per-layer device accumulator: E counts, then these.
-_LAYER_DEV = ("entropy_sum", "nonfinite", "dropped")
-# Per-layer host counters, then these per-layer local-only values (averaged over ranks).
-_LAYER_HOST = ("num_tokens", "num_forwards", "bias_min", "bias_max")
+
+
+def _routed_fields(num_experts: int) -> Fields:
+    """A layer's device accumulator: what its training forwards routed since the last
+    record (summed on the device, no host sync)."""
+    return Fields([("tokens_per_expert", (num_experts,)), ("router_entropy_sum", ()),
+                   ("nonfinite_inputs", ()), ("dropped", ())])
+
+
+_BIAS = Fields([("min", ()), ("max", ())])          # a layer's expert-bias range
+_FORWARDS = Fields([("num_tokens", ()), ("num_forwards", ())])  # a layer's host counters
 
 
 def process_memory_mb(device: torch.device | None = None) -> float:
@@ -135,9 +145,21 @@ class StepStatsCollector:
                 placement = np.arange(E) // (E // ep)
             self.expert_to_rank.append(placement)
         self.placement = None
-        self._dev_acc = [torch.zeros(m.cfg.num_experts + len(_LAYER_DEV), dtype=torch.float64,
-                                     device=self.device) for _lid, _n, m in self.layers]
-        self._host_acc = [[0, 0] for _ in self.layers]
+        self._routed = [_routed_fields(m.cfg.num_experts) for _lid, _n, m in self.layers]
+        self._dev_acc = [torch.zeros(f.size, dtype=torch.float64, device=self.device)
+                         for f in self._routed]
+        self._host_acc = [{"num_tokens": 0, "num_forwards": 0} for _ in self.layers]
+        # The step's ONE all-reduce, by name: every MoE layer of the whole model (zeros for
+        # the ones another pipeline stage holds), then the step's numbers, then one row
+        # per rank. Device parts first, then the host ones (one host tensor).
+        self.fields = Fields(
+            [(f"layers.{lid}.routed", _routed_fields(E)) for (lid, _i), E in
+             zip(self.slots, self.num_experts)]
+            + [(f"layers.{lid}.bias", _BIAS) for lid, _i in self.slots]
+            + [("loss_tensor", ()), ("loss_value", ()), ("loss_count", ()), ("num_tokens", ()),
+               ("breakdown", Fields([(k, ()) for k in STANDARD_SECTIONS]))]
+            + [(f"layers.{lid}.forwards", _FORWARDS) for lid, _i in self.slots]
+            + [("ranks", (self.world, len(_RANK_FIELDS)))])
         self._zero_streak = [np.zeros(E, dtype=np.int64) for E in self.num_experts]
         self._hooks = [m.register_forward_hook(self._make_hook(i))
                        for i, (_lid, _name, m) in enumerate(self.layers)]
@@ -151,26 +173,25 @@ class StepStatsCollector:
             counts = st.get("tokens_per_expert")
             if counts is None:
                 return
-            acc = self._dev_acc[idx]
-            E = acc.numel() - len(_LAYER_DEV)
+            acc, at = self._dev_acc[idx], self._routed[idx].slices
             with torch.no_grad():  # device adds only: no host sync here
-                acc[:E] += counts.to(acc.device, torch.float64)
+                acc[at["tokens_per_expert"]] += counts.to(acc.device, torch.float64)
                 ent = st.get("router_entropy")
                 if isinstance(ent, torch.Tensor):
-                    acc[E] += ent.to(acc.device, torch.float64)
+                    acc[at["router_entropy_sum"]] += ent.to(acc.device, torch.float64)
                 elif ent is not None:
-                    acc[E] += float(ent)
+                    acc[at["router_entropy_sum"]] += float(ent)
                 bad = st.get("num_nonfinite_inputs")
                 if isinstance(bad, torch.Tensor):
-                    acc[E + 1] += bad.to(acc.device, torch.float64)
+                    acc[at["nonfinite_inputs"]] += bad.to(acc.device, torch.float64)
                 drop = st.get("num_dropped", 0)  # a device tensor under capacity, else 0
                 if isinstance(drop, torch.Tensor):
-                    acc[E + 2] += drop.to(acc.device, torch.float64)
+                    acc[at["dropped"]] += drop.to(acc.device, torch.float64)
                 elif drop:
-                    acc[E + 2] += float(drop)
+                    acc[at["dropped"]] += float(drop)
             host = self._host_acc[idx]
-            host[0] += int(st.get("num_tokens", 0))
-            host[1] += 1
+            host["num_tokens"] += int(st.get("num_tokens", 0))
+            host["num_forwards"] += 1
         return hook
 
     def set_placement(self, placement: Any) -> None:
@@ -196,7 +217,7 @@ class StepStatsCollector:
         for acc in self._dev_acc:
             acc.zero_()
         for host in self._host_acc:
-            host[:] = [0, 0]
+            host.update(num_tokens=0, num_forwards=0)
 
     def close(self) -> None:
         """Remove the forward hooks."""
@@ -225,72 +246,54 @@ class StepStatsCollector:
 
         bd = dict(breakdown or {})
         L = len(self.slots)
-        # Host part: globals, breakdown, per-layer host counters, per-rank slots.
         loss_t = loss.detach().double().reshape(()) if isinstance(loss, torch.Tensor) else None
-        host: list[float] = [0.0 if loss is None or loss_t is not None else float(loss),
-                             0.0 if loss is None else 1.0, float(num_tokens)]
-        host += [float(bd.get(k, 0.0)) for k in STANDARD_SECTIONS]
-        for _lid, idx in self.slots:
-            host += [0.0, 0.0] if idx is None else [float(v) for v in self._host_acc[idx]]
-        rank_slots = np.zeros((self.world, len(_RANK_FIELDS)))
+        ranks = np.zeros((self.world, len(_RANK_FIELDS)))
         mem = process_memory_mb(self.device) if mem_mb is None else float(mem_mb)
-        rank_slots[self.rank] = [step_time_s, mem, float(bd.get("sync", 0.0)), num_tokens]
-        host_t = torch.tensor(host + rank_slots.reshape(-1).tolist(), dtype=torch.float64)
-        # Device part: per-layer counters, expert-bias ranges, the loss tensor.
-        def absent(n: int) -> torch.Tensor:  # a layer another pipeline stage holds
+        ranks[self.rank] = [step_time_s, mem, float(bd.get("sync", 0.0)), num_tokens]
+
+        def zeros(n: int) -> torch.Tensor:
             return torch.zeros(n, dtype=torch.float64, device=self.device)
 
-        dev_parts = [absent(E + len(_LAYER_DEV)) if idx is None else self._dev_acc[idx]
-                     for (_lid, idx), E in zip(self.slots, self.num_experts)]
+        values: dict[str, Any] = {
+            # always a loss-tensor slot, so every rank packs the same layout
+            "loss_tensor": loss_t if loss_t is not None else zeros(1),
+            "loss_value": 0.0 if loss is None or loss_t is not None else float(loss),
+            "loss_count": 0.0 if loss is None else 1.0,
+            "num_tokens": float(num_tokens),
+            "breakdown": {k: float(bd.get(k, 0.0)) for k in STANDARD_SECTIONS},
+            "ranks": ranks,
+        }
         with torch.no_grad():
-            for _lid, idx in self.slots:
-                if idx is None:
-                    dev_parts.append(absent(2))
+            for (lid, idx), E in zip(self.slots, self.num_experts):
+                key = f"layers.{lid}"
+                if idx is None:  # a layer another pipeline stage holds
+                    values.update({f"{key}.routed": zeros(_routed_fields(E).size),
+                                   f"{key}.bias": zeros(_BIAS.size),
+                                   f"{key}.forwards": {"num_tokens": 0.0, "num_forwards": 0.0}})
                     continue
                 bias = self.layers[idx][2].router.expert_bias.detach().to(self.device,
                                                                           torch.float64)
-                dev_parts.append(torch.stack([bias.min(), bias.max()]))
-            # Always one loss slot, so every rank packs the same layout.
-            dev_parts.append(loss_t.to(self.device).reshape(1) if loss_t is not None
-                             else torch.zeros(1, dtype=torch.float64, device=self.device))
-            flat = torch.cat(dev_parts + [host_t.to(self.device)]) if dev_parts else host_t.to(self.device)
+                values.update({f"{key}.routed": self._dev_acc[idx],
+                               f"{key}.bias": torch.stack([bias.min(), bias.max()]),
+                               f"{key}.forwards": self._host_acc[idx]})
+            flat = self.fields.pack(values, self.device)
         if self.distributed and self.world > 1:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)  # the one collective
-        vals = flat.tolist()  # the one device->host copy (host sync) of the step
+        red = self.fields.unpack(flat.tolist())  # the one device->host copy (host sync) of the step
         self.reset()
 
-        # ---- unpack (same order as packed)
-        pos = 0
-        counts_by_layer, ent_sum, nonfinite, dropped = [], [], [], []
-        for E in self.num_experts:
-            counts_by_layer.append(vals[pos:pos + E])
-            ent_sum.append(vals[pos + E])
-            nonfinite.append(vals[pos + E + 1])
-            dropped.append(vals[pos + E + 2])
-            pos += E + len(_LAYER_DEV)
-        bias_rng = []
+        routed = [red[f"layers.{lid}.routed"] for lid, _idx in self.slots]
+        loss_sum = red["loss_tensor"]
+        loss_sum += red["loss_value"]
+        loss_n, tokens_total = red["loss_count"], red["num_tokens"] / self.pp
         holders = self.world / self.pp  # the ranks that hold each layer
-        for _ in range(L):
-            bias_rng.append((vals[pos] / holders, vals[pos + 1] / holders))
-            pos += 2
-        loss_sum = vals[pos]  # the tensor-loss slot
-        pos += 1
-        loss_sum += vals[pos]
-        loss_n, tokens_total = vals[pos + 1], vals[pos + 2] / self.pp
-        pos += 3
-        bd_sum = vals[pos:pos + len(STANDARD_SECTIONS)]
-        pos += len(STANDARD_SECTIONS)
-        layer_host = []
-        for _ in range(L):
-            layer_host.append(vals[pos:pos + 2])
-            pos += 2
-        slots = np.asarray(vals[pos:pos + self.world * len(_RANK_FIELDS)]).reshape(
-            self.world, len(_RANK_FIELDS))
+        slots = red["ranks"]
+        rank = {name: slots[:, j] for j, name in enumerate(_RANK_FIELDS)}
 
-        rank_step = slots[:, 0]
+        rank_step = rank["step_time_s"]
         step_time = float(rank_step.max())
         mean_step = float(rank_step.mean())
-        time_breakdown = {k: v / self.world for k, v in zip(STANDARD_SECTIONS, bd_sum)}
+        time_breakdown = {k: v / self.world for k, v in red["breakdown"].items()}
         for k, v in bd.items():  # non-standard sections: this rank's own numbers
             if k not in time_breakdown:
                 time_breakdown[k] = float(v)
@@ -302,12 +305,14 @@ class StepStatsCollector:
         layers_out = []
         total_assign = total_dropped = 0.0
         idle_by_rank = np.zeros(self.ep)
+        counts_by_layer = [r["tokens_per_expert"] for r in routed]
         placed_loads_LR = (self.placement.rank_loads(np.asarray(counts_by_layer, dtype=np.float64))
-                        if self.placement is not None and self.layers else None)
+                           if self.placement is not None and self.layers else None)
         for idx, (lid, _local) in enumerate(self.slots):
             counts = counts_by_layer[idx]
-            n_tok, n_fwd = layer_host[idx]
-            n_drop = dropped[idx]
+            forwards, bias = red[f"layers.{lid}.forwards"], red[f"layers.{lid}.bias"]
+            n_tok, n_fwd = forwards["num_tokens"], forwards["num_forwards"]
+            n_drop = routed[idx]["dropped"]
             assign = n_tok * self.top_k[idx]
             total_assign += assign
             total_dropped += n_drop
@@ -328,11 +333,12 @@ class StepStatsCollector:
                 "rank_idle": idle,
                 "max_vio": max_vio(counts),
                 "dropped_frac": n_drop / assign if assign > 0 else 0.0,
-                "router_entropy": ent_sum[idx] / n_fwd if n_fwd > 0 else 0.0,
-                "bias_min": bias_rng[idx][0],
-                "bias_max": bias_rng[idx][1],
+                "router_entropy": (routed[idx]["router_entropy_sum"] / n_fwd if n_fwd > 0
+                                   else 0.0),
+                "bias_min": bias["min"] / holders,
+                "bias_max": bias["max"] / holders,
                 "dead_experts": [int(e) for e in np.nonzero(streak >= self.dead_after_steps)[0]],
-                "nonfinite_inputs": int(nonfinite[idx]),
+                "nonfinite_inputs": int(routed[idx]["nonfinite_inputs"]),
             })
         rank_idle = (idle_by_rank / L).tolist() if L else []
         rec: dict[str, Any] = {
@@ -354,10 +360,10 @@ class StepStatsCollector:
             "layers": layers_out,
             "rank_step_time_s": rank_step.tolist(),
             "rank_wait_frac": [float(s / t) if t > 0 else 0.0
-                               for s, t in zip(slots[:, 2], rank_step)],
+                               for s, t in zip(rank["sync_s"], rank_step)],
             "rank_idle": rank_idle,
-            "mem_mb": float(slots[:, 1].max()),
-            "rank_mem_mb": slots[:, 1].tolist(),
+            "mem_mb": float(rank["mem_mb"].max()),
+            "rank_mem_mb": rank["mem_mb"].tolist(),
             "num_tokens": int(round(tokens_total)),
             "world_size": self.world,
         }

@@ -23,8 +23,30 @@ from torch import nn
 from .layer import moe_layers, named_moe_layers
 
 
-def _default_group(dims) -> object | None:
-    return getattr(dims, "world_group", None) if dims is not None else None
+def _holders_group(dims) -> object | None:
+    """The ranks that hold the same MoE layers: every rank, or under a pipeline the ranks
+    of this rank's stages (``dims.stage_group``); None: the default group."""
+    if dims is None:
+        return None
+    group = getattr(dims, "stage_group", None)
+    return group if group is not None else getattr(dims, "world_group", None)
+
+
+@torch.no_grad()
+def step_loads(module: nn.Module, dims=None) -> torch.Tensor:
+    """The step's loads [L, E] (float64, layer order): every MoE layer's
+    ``tokens_per_expert`` counter (its routed assignments since ``reset_token_counts``)
+    summed over the ranks that hold the layer, with ONE all-reduce for all layers. The
+    counters also count forwards outside training (validation): take the loads before
+    those run. What the bias update and the re-placement (``epscale.placement``) use."""
+    layers = moe_layers(module)
+    if not layers:
+        return torch.zeros((0, 0), dtype=torch.float64)
+    loads_LE = torch.stack([m.tokens_per_expert.detach().to(torch.float64) for m in layers])
+    group = _holders_group(dims)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(loads_LE, group=group)  # one collective for all layers
+    return loads_LE
 
 
 @torch.no_grad()
@@ -37,10 +59,9 @@ def update_expert_biases(module: nn.Module, dims=None, u: float = 1e-3,
     dims: the ParallelDims (None: one process, or reduce over the default group).
     u: the update speed (``moe.bias_update_speed``; 0 leaves the biases untouched).
     counts: the step's loads summed over every rank, either a float tensor [L, E] in layer
-        order or {layer id: tokens_per_expert_E} as the metrics step record holds them
-        (layer ids from ``epscale.moe.layer.named_moe_layers``); no communication
-        then. None: the layers' ``tokens_per_expert`` buffers (accumulated over the step's
-        micro-batches) are stacked and summed over all ranks with ONE all-reduce.
+        order (what :func:`step_loads` returns) or {layer id: tokens_per_expert_E} (layer
+        ids from ``epscale.moe.layer.named_moe_layers``); no communication then. None:
+        :func:`step_loads` (the layers' counters, ONE all-reduce).
     reset: zero the layers' token counters afterwards.
     Returns the loads [L, E] (float64) the update used. Every rank applies the same update,
     so the replicated biases stay identical.
@@ -51,10 +72,7 @@ def update_expert_biases(module: nn.Module, dims=None, u: float = 1e-3,
     if u < 0:
         raise ValueError(f"update_expert_biases: u={u} must be >= 0 (moe.bias_update_speed)")
     if counts is None:
-        loads_LE = torch.stack([m.tokens_per_expert.detach().to(torch.float64) for m in layers])
-        group = _default_group(dims)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(loads_LE, group=group)  # one collective for all layers
+        loads_LE = step_loads(module, dims)
     elif isinstance(counts, torch.Tensor):
         loads_LE = counts.detach().to(torch.float64)
     else:

@@ -52,6 +52,10 @@ def run(fn: Callable[..., torch.Tensor], mode: str, *args) -> torch.Tensor:
     raise ValueError(f"activation checkpointing mode {mode!r}; allowed: {', '.join(MODES)}")
 
 
+def _run_as(mode: str, fn: Callable[..., torch.Tensor], *args) -> torch.Tensor:
+    return run(fn, mode, *args)
+
+
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The transformer blocks of ``model`` (its ``layers``: a ModuleDict keyed by layer
     index, as epscale's Transformer holds them, or a list), in depth order; [] without."""
@@ -70,7 +74,7 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> None:
     if mode not in MODES:
         raise ValueError(f"train.activation_checkpointing = {mode!r}; allowed: {', '.join(MODES)}")
     for block in transformer_blocks(model):
-        block.checkpointing = mode
+        block.run_forward = partial(_run_as, mode)
     if mode != "none":
         for moe in moe_layers(model):
             moe.drop_kept_buffers()

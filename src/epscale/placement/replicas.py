@@ -33,6 +33,7 @@ from torch import nn
 
 from ..dispatch.base import Dispatcher
 from ..dispatch.comm import Exchange, group_info
+from ..moe.balance import step_loads
 from ..moe.layer import moe_layers
 from ..ops import count_experts, count_ids
 from .eplb import Placement, _build, plan_placement
@@ -431,8 +432,8 @@ class Rebalancer:
     re-plans. window: steps of loads the plan uses (default ``every``). optimizer: moved
     along with the weights. num_groups: expert groups for the hierarchical policy.
 
-    Each step call ``observe(counts)`` with the step's all-reduced logical loads ([L, E], or
-    {layer: counts} as the metrics record holds them; identical on every rank), then
+    Each step call ``observe()`` (or ``observe(loads_LE)`` with the step's loads from
+    :func:`epscale.moe.balance.step_loads` when they are at hand), then
     ``maybe_replace(step)``; it returns the new Placement when it moved, else None.
     """
 
@@ -448,9 +449,11 @@ class Rebalancer:
         self.loads: deque = deque(maxlen=window or every)
         self.num_moves = 0
 
-    def observe(self, counts_LE: Any) -> None:
-        if isinstance(counts_LE, dict):
-            counts_LE = [counts_LE[k] for k in sorted(counts_LE)]
+    def observe(self, counts_LE: Any = None) -> None:
+        """Add the step's logical loads [L, E] (all-reduced, identical on every rank) to
+        the window; None reads them from the layers' counters (one all-reduce)."""
+        if counts_LE is None:
+            counts_LE = step_loads(self.module, self.dims)
         self.loads.append(np.asarray(counts_LE.tolist() if isinstance(counts_LE, torch.Tensor)
                                      else counts_LE, dtype=np.float64))
 

@@ -304,6 +304,13 @@ class SpillDispatcher(Dispatcher):
     def bytes_sent(self) -> int:
         return self.plain.bytes_sent() + sum(d.bytes_sent() for d in self._inners.values())
 
+    def spilled_rows(self) -> int | None:
+        """Rows the last dispatch spilled (0 when its plan was inactive; None before the
+        first dispatch)."""
+        if self.last_plan is None:
+            return None
+        return sum(sp.rows for sp in self.last_plan.spills)
+
     def __repr__(self) -> str:
         return (f"SpillDispatcher(experts={self.num_experts}, threshold={self.threshold}, "
                 f"min_rows={self.min_rows}, plain={self.plain!r})")

@@ -4,11 +4,13 @@ and graceful stop.
 
 Legend: B micro-batch sequences per rank, S sequence length, E experts, L MoE layers.
 
-One step on every rank: ``grad_accum`` x (data -> forward -> backward) -> sync_gradients
+One step on every rank: ``grad_accum`` x (data -> forward -> backward), or the pipeline
+schedule over them (``training.step``) -> sync_gradients
 -> grad norm (one all-reduce that also carries the stop flag and non-finite losses) ->
-AdamW (or a skip) -> StepStatsCollector.record (ONE all-reduce of every per-rank number)
--> expert-bias update from the all-reduced counts -> metrics.jsonl/heartbeat -> spike
-check -> validation / checkpoint when due.
+AdamW (or a skip) -> the step's expert loads from the MoE layers' counters (one
+all-reduce) -> validation when due -> StepStatsCollector.record (ONE all-reduce of every
+per-rank number) -> expert-bias update and re-placement from those loads ->
+metrics.jsonl/heartbeat -> spike check -> checkpoint when due.
 """
 
 from __future__ import annotations
@@ -32,15 +34,13 @@ from ..kernels.cpu import describe_chunks, describe_elementwise
 from ..launch.preflight import run_preflight
 from ..launch.watchdog import Watchdog
 from ..metrics import MetricsWriter, StepStatsCollector, StepTimers, peak_flops
-from ..model import build_meta_model, build_model, materialize, next_token_loss
-from ..moe.balance import update_expert_biases
-from ..parallel import parallelize, sync_gradients
-from ..parallel.activation import apply_activation_checkpointing
-from ..parallel.fsdp import apply_fsdp, finish_gradients
-from ..parallel.pipeline import Pipeline, StageChunk, keep_stages, stage_layers, stage_placement
+from ..model import build_meta_model, build_model, next_token_loss
+from ..moe.balance import step_loads, update_expert_biases
+from ..parallel import parallelize_model, sync_gradients
+from ..parallel.fsdp import finish_gradients
+from ..parallel.pipeline import Pipeline, StageChunk, stage_layers
 from ..placement import plan_placement
 from ..placement.replicas import Rebalancer, get_placement, placement_from_dict, placement_to_dict
-from ..placement.spill import apply_spill
 from ..sim.pipeline import bubble_fraction, layers_per_stage
 from ..sim.sizing import model_size
 from . import checkpoint as ckpt
@@ -52,6 +52,7 @@ from .elastic import (check_memory, fit_batch, release_standby, split_standby, s
 from .guard import SpikeGuard
 from .optim import build_optimizer, ensure_optimizer_state, grad_norm_and_flags, lr_at, set_lr
 from .prelaunch import CHECKED_ENV, check_run
+from .step import AccumulationStep, PipelineStep
 
 class ReportedByRankZero(ConfigError):
     """A configuration error that rank 0 reports; the other ranks stop with it quietly."""
@@ -97,10 +98,26 @@ class Trainer:
 
     # ================================================================== set-up
     def setup(self) -> None:
-        cfg, env = self.cfg, self.env
+        """Everything a run needs, in order: the process group and the layout, the run
+        directory, the model and its parallelism, the optimizer, the data, the metrics;
+        then the start-up header and the resume from the newest checkpoint."""
+        self._start_process_group()
+        layout_note = self._resolve_layout()
+        self._open_run_dir()
+        placement, placement_note = self._build_model()
+        self._build_optimizer(placement)
+        self._open_data()
+        self._open_metrics(placement)
+        self._print_start(layout_note, placement_note)
+        self._resume()
+
+    def _start_process_group(self) -> None:
+        """The device, the process group, this rank's place in it, rank 0's run directory,
+        the hosts, and the previous attempt's layout."""
+        env = self.env
         self.device = pick_device(env)
         set_threads(env, self.device)
-        self._owns_group = init_process_group(env, self.device, single=cfg.parallel.fsdp)
+        self._owns_group = init_process_group(env, self.device, single=self.cfg.parallel.fsdp)
         # from the process group where there is one (a caller may have created it)
         self.rank, self.world = ((dist.get_rank(), dist.get_world_size())
                                  if dist.is_initialized() else (env.rank, env.world_size))
@@ -113,6 +130,11 @@ class Trainer:
         # have changed the world size since).
         self.previous = self._broadcast(
             previous_attempt(self.run_dir / "metrics.jsonl") if self.rank == 0 else None)
+
+    def _resolve_layout(self) -> str | None:
+        """``self.dims`` and this attempt's config (``train.grad_accum`` fitted to the
+        world); returns the start-up header's note about the layout, if any."""
+        cfg, env = self.cfg, self.env
         try:
             self.dims, layout_note = make_dims(cfg.parallel, env, cfg.moe.num_experts)
             cfg, batch_note = fit_batch(cfg, self.world)  # train.global_batch_size kept
@@ -132,7 +154,12 @@ class Trainer:
                 f"world of whole nodes the config trains at is {self.world} (not "
                 f"{self.world + self.standby}: {why_not(cfg, self.world + self.standby)})"
                 if self.standby else None)
-        layout_note = "; ".join(n for n in (layout_note, batch_note, idle) if n) or None
+        return "; ".join(n for n in (layout_note, batch_note, idle) if n) or None
+
+    def _open_run_dir(self) -> None:
+        """The console, the pre-launch checks, the run directory (config.yaml, logs), the
+        collective watchdog and the pre-flight check of the interconnect."""
+        cfg = self.cfg
         self.console = TrainConsole(self.rank == 0, cfg.train.steps)
         self._check_before_writing()
         if self.rank == 0:
@@ -152,6 +179,11 @@ class Trainer:
             self.console.print(report.format())
             self._log(report.format())
 
+    def _build_model(self):
+        """The model, parallelized (:func:`epscale.parallel.parallelize_model`), and the
+        step strategy that runs it. Returns (the redundant-expert placement or None, a
+        line saying where it came from)."""
+        cfg = self.cfg
         self.use_bf16 = cfg.train.dtype == "bfloat16" or (cfg.train.dtype == "auto"
                                                             and self.device.type == "cuda")
         self.fsdp = cfg.parallel.fsdp
@@ -161,71 +193,65 @@ class Trainer:
         # one-process build would hold).
         on_meta = self.fsdp or self.pp > 1
         self.model = build_meta_model(cfg) if on_meta else build_model(cfg, self.device)
-        self.stages: list[int] = []
-        if self.pp > 1:  # keep this rank's stages' blocks only (names unchanged)
-            self.layers_per_stage = layers_per_stage(cfg)
-            self.stages = stage_placement(cfg.parallel.pp_schedule, self.pp,
-                                          cfg.parallel.pp_virtual_stages)[self.dims.pp_rank]
-            keep_stages(self.model, self.stages, self.layers_per_stage)
+        self.layers_per_stage = layers_per_stage(cfg) if self.pp > 1 else []
         self._resume_from = self._find_checkpoint()
-        self.rebalancer = None
         placement, placement_note = None, None
-        if self.world > 1 and cfg.parallel.redundant_experts:
+        if self.world > 1 and cfg.parallel.redundant_experts:  # (never with a pipeline)
             placement, placement_note = self._initial_placement()
-        if self.world > 1 or self.fsdp:
-            parallelize(self.model, self.dims, dispatcher=cfg.parallel.dispatcher,
-                        overlap_chunks=cfg.parallel.overlap_chunks,
-                        payload=cfg.parallel.payload, placement=placement)
-            if cfg.parallel.spill_threshold is not None and self.dims.ep > 1:
-                apply_spill(self.model, self.dims, cfg.parallel.spill_threshold,
-                            cfg.parallel.spill_min_rows)
-        apply_activation_checkpointing(self.model, cfg.train.activation_checkpointing)
-        self.chunks: list[StageChunk] = []
-        if self.pp > 1:
-            ranges = stage_layers(self.layers_per_stage)
-            self.chunks = [StageChunk(self.model, s, len(ranges), ranges[s],
-                                      autocast=self._autocast) for s in self.stages]
-        self.fsdp_notes: list[str] = []
-        if self.fsdp:
-            self.fsdp_notes = apply_fsdp(
-                self.model, self.dims, param_dtype=torch.bfloat16 if self.use_bf16 else None,
-                prefetch=cfg.train.activation_checkpointing != "selective",
-                roots=self.chunks or None)
-        if on_meta:
-            materialize(self.model, self.device, cfg.train.seed, self.dims,
-                        roots=self.chunks or None)
+        parts = parallelize_model(self.model, self.dims, cfg, self.device,
+                                  layers_per_stage=self.layers_per_stage, placement=placement,
+                                  param_dtype=torch.bfloat16 if self.use_bf16 else None,
+                                  autocast=self._autocast)
+        self.stages, self.fsdp_notes = parts.stages, parts.notes
         self.moe_layers = self.model.moe_layers()
+        self.timers = StepTimers(self.device)
+        self.model.set_timer(self.timers.section)
+        self.stepper = self._step_strategy(parts.chunks)
+        return placement, placement_note
+
+    def _step_strategy(self, chunks: list[StageChunk]) -> AccumulationStep | PipelineStep:
+        """Plain gradient accumulation, or this rank's pipeline stages run by the schedule."""
+        cfg = self.cfg
+        if not chunks:
+            return AccumulationStep(self.model, self.device, self.timers, self._autocast,
+                                    self.rank, self.world)
+        for chunk in chunks:
+            chunk.timer = self.timers.section
+        # activations between stages: bf16 when FSDP casts the weights, else fp32
+        # (autocast keeps the residual stream in fp32)
+        act = torch.bfloat16 if self.use_bf16 and self.fsdp else torch.float32
+        pipeline = Pipeline(chunks, self.dims, cfg.parallel.pp_schedule, cfg.train.grad_accum,
+                            (cfg.train.micro_batch_size, cfg.model.seq_len), cfg.model.dim,
+                            cfg.model.vocab_size, act, self.device, next_token_loss)
+        return PipelineStep(pipeline, self.device, self.timers, self.dims)
+
+    def _build_optimizer(self, placement) -> None:
+        """AdamW over this rank's parameters, and the re-placement of experts that moves
+        their optimizer state along (a redundant-expert placement with rebalance_every)."""
+        cfg = self.cfg
         self.opt = build_optimizer(self.model, cfg.train)
         ensure_optimizer_state(self.opt)
+        self.rebalancer = None
         if placement is not None and cfg.parallel.rebalance_every > 0:
             self.rebalancer = Rebalancer(self.model, self.dims, every=cfg.parallel.rebalance_every,
                                          window=cfg.parallel.rebalance_window, optimizer=self.opt,
                                          num_groups=max(1, cfg.moe.num_groups))
 
-        self.splits = load_data(cfg.data, cfg.model.vocab_size)  # opened, not read
-        # the data-parallel ranks: a pipeline's stages share their micro-batches
-        data_rank, data_world = ((self.dims.stage_rank, self.dims.stage_size) if self.pp > 1
-                                 else (self.rank, self.world))
+    def _open_data(self) -> None:
+        """The data (opened, not read), this rank's loader and the validation batches."""
+        cfg = self.cfg
+        self.splits = load_data(cfg.data, cfg.model.vocab_size)
         self.loader = DataLoader(self.splits, cfg.model.seq_len, cfg.train.micro_batch_size,
-                                 cfg.train.grad_accum, data_rank, data_world, cfg.data.seed)
+                                 cfg.train.grad_accum, self.stepper.data_rank,
+                                 self.stepper.data_world, cfg.data.seed)
         self.val_batches = self.loader.val_batches(cfg.train.eval_batches)
         if cfg.data.doc_masking:
             self.model.set_document_masking(self.splits.eos_id)
 
+    def _open_metrics(self, placement) -> None:
+        """The step statistics, the metrics sinks, the spike guard and the counters."""
+        cfg = self.cfg
         self.size = model_size(cfg)
-        self.timers = StepTimers(self.device)
-        self.model.set_timer(self.timers.section)
-        self.pipeline = None
-        if self.chunks:
-            for chunk in self.chunks:
-                chunk.timer = self.timers.section
-            # activations between stages: bf16 when FSDP casts the weights, else fp32
-            # (autocast keeps the residual stream in fp32)
-            act = torch.bfloat16 if self.use_bf16 and self.fsdp else torch.float32
-            self.pipeline = Pipeline(
-                self.chunks, self.dims, cfg.parallel.pp_schedule, cfg.train.grad_accum,
-                (cfg.train.micro_batch_size, cfg.model.seq_len), cfg.model.dim,
-                cfg.model.vocab_size, act, self.device, next_token_loss)
         dtype = torch.bfloat16 if self.use_bf16 else torch.float32
         all_moe = [(i, cfg.moe.num_experts, cfg.moe.top_k) for i in range(cfg.model.num_layers)
                    if cfg.model.is_moe_layer(i)]
@@ -244,8 +270,6 @@ class Trainer:
                                 cfg.train.spike_patience)
         self.step, self.num_skipped, self.num_rollbacks = 0, 0, 0
         self.unigram = unigram_entropy(self.splits, cfg.model.vocab_size) if self.rank == 0 else None
-        self._print_start(layout_note, placement_note)
-        self._resume()
 
     def _check_before_writing(self) -> None:
         """The pre-launch checks (layout, data, run directory, checkpoint against the
@@ -491,10 +515,7 @@ class Trainer:
         for moe in self.moe_layers:
             moe.reset_token_counts()
         accum = cfg.train.grad_accum
-        if self.pipeline is None:
-            loss_sum, has_loss = self._accumulation_step(accum), True
-        else:
-            loss_sum, has_loss = self._pipeline_step(accum)
+        loss_sum, has_loss = self.stepper.train(self.loader, accum)
         self.loader.end_step()
         with T.section("sync"):  # the gradient all-reduces: communication, and rank waits
             if self.world > 1 or self.fsdp:
@@ -515,69 +536,36 @@ class Trainer:
         step_time = time.perf_counter() - t0
         breakdown = T.breakdown()  # before validation, whose forwards use the same sections
         self.step = step
+        loads_LE = self._balance_loads(skip)  # before validation's forwards count theirs
         extra: dict[str, Any] = {}
-        plans = [getattr(m.dispatcher, "last_plan", None) for m in self.moe_layers]
-        if any(p is not None for p in plans):  # spill-over: rows moved in the last micro-batch
-            extra["spilled_rows"] = sum(sp.rows for p in plans if p is not None for sp in p.spills)
+        spilled = [m.dispatcher.spilled_rows() for m in self.moe_layers]
+        if any(n is not None for n in spilled):  # spill-over: rows moved in the last micro-batch
+            extra["spilled_rows"] = sum(n for n in spilled if n is not None)
         if self._eval_due():
             extra["val_loss"] = self.evaluate()
         rec = self.collector.record(step, step_time_s=step_time,
                                     num_tokens=accum * cfg.train.micro_batch_size * cfg.model.seq_len,
                                     loss=loss_sum if has_loss else None, lr=lr, grad_norm=grad_norm,
                                     breakdown=breakdown, skipped=skip, extra=extra)
-        counts = {lay["layer"]: lay["tokens_per_expert"] for lay in rec["layers"]}
-        if not skip and cfg.moe.bias_update_speed > 0:
-            update_expert_biases(self.model, self.dims, cfg.moe.bias_update_speed, counts)
-        if self.rebalancer is not None and not skip:
-            self._rebalance(step, counts)
+        if loads_LE is not None and cfg.moe.bias_update_speed > 0:
+            update_expert_biases(self.model, self.dims, cfg.moe.bias_update_speed, loads_LE)
+        if loads_LE is not None and self.rebalancer is not None:
+            self._rebalance(step, loads_LE)
         self._stop_flag = stop or (self.stop_at is not None and step >= self.stop_at)
         return rec
 
-    def _accumulation_step(self, accum: int) -> torch.Tensor:
-        """One step's ``accum`` micro-batches, forward and backward one after another, the
-        gradients summed (each loss over ``accum``); returns the mean micro-batch loss."""
-        T = self.timers
-        loss_sum = torch.zeros((), device=self.device)
-        for _ in range(accum):
-            with T.section("data"):
-                x_BS, y_BS = self.loader.next_micro_batch()
-                x_BS, y_BS = x_BS.to(self.device, non_blocking=True), y_BS.to(self.device, non_blocking=True)
-            with T.section("forward"):
-                with self._autocast():
-                    loss = self.model.loss(x_BS, y_BS)
-                    total = (loss + self.model.aux_loss()) / accum
-            with T.section("backward"):
-                total.backward()
-            loss_sum += loss.detach().float() / accum
-        return loss_sum
+    def _balance_loads(self, skipped: bool) -> torch.Tensor | None:
+        """The step's expert loads [L, E] from the MoE layers' counters, summed over the
+        ranks that hold each layer (one all-reduce), for the expert-bias update and the
+        re-placement; None when neither runs this step (or it was skipped)."""
+        if skipped or (self.cfg.moe.bias_update_speed <= 0 and self.rebalancer is None):
+            return None
+        return step_loads(self.model, self.dims)
 
-    def _stacked(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]):
-        """A step's micro-batches as one batch each of inputs and targets (the pipeline
-        schedule cuts them apart again), on the device."""
-        x_BS = torch.cat([x for x, _y in micro_batches]).to(self.device, non_blocking=True)
-        y_BS = torch.cat([y for _x, y in micro_batches]).to(self.device, non_blocking=True)
-        return x_BS, y_BS
-
-    def _pipeline_step(self, accum: int) -> tuple[torch.Tensor, bool]:
-        """One step's ``accum`` micro-batches through the pipeline schedule (forward and
-        backward). Returns (the mean micro-batch loss, whether this rank has it: the ranks
-        of the last stage do; the others return 0). Timed: each stage's forward as
-        'forward', the rest of the schedule as 'backward' (so it includes the
-        point-to-point waits and the pipeline's bubble)."""
-        T = self.timers
-        with T.section("data"):
-            batches = [self.loader.next_micro_batch() for _ in range(accum)]
-        x_BS, y_BS = self._stacked(batches)
-        with T.section("backward"):
-            losses = self.pipeline.train_step(x_BS, y_BS)
-        if not losses:
-            return torch.zeros((), device=self.device), False
-        return torch.stack([l.detach().float() for l in losses]).mean(), True
-
-    def _rebalance(self, step: int, counts: dict) -> None:
+    def _rebalance(self, step: int, loads_LE: torch.Tensor) -> None:
         """Feed the step's loads to the re-placement window; re-place when due (moves
         expert weights and AdamW state between ranks; the model's function is unchanged)."""
-        self.rebalancer.observe(counts)
+        self.rebalancer.observe(loads_LE)
         old = get_placement(self.model)
         t0 = time.perf_counter()
         new = self.rebalancer.maybe_replace(step)
@@ -612,29 +600,20 @@ class Trainer:
         every = self.cfg.train.eval_every
         return self.step == self.cfg.train.steps or (every > 0 and self.step % every == 0)
 
-    @torch.no_grad()
     def _val_tokens(self) -> int:
         """Validation tokens one evaluation reads (all ranks): train.eval_batches global
         batches of seq_len windows."""
         return self.cfg.train.eval_batches * self.loader.samples_per_step * self.cfg.model.seq_len
 
+    @torch.no_grad()
     def evaluate(self) -> float:
         """Mean validation loss over the fixed validation batches of every rank."""
         self.model.eval()
-        total = torch.zeros((), device=self.device, dtype=torch.float64)
-        if self.pipeline is None:
-            for x_BS, y_BS in self.val_batches:
-                with self._autocast():
-                    total += self.model.loss(x_BS.to(self.device), y_BS.to(self.device)).double()
-        else:  # a step's worth of micro-batches at a time, forward only; the last stage sums
-            m = self.cfg.train.grad_accum
-            for i in range(0, len(self.val_batches), m):
-                losses = self.pipeline.eval_losses(*self._stacked(self.val_batches[i:i + m]))
-                total += sum(l.double() for l in losses) if losses else 0.0
+        total = self.stepper.validation_loss_sum(self.val_batches)
         total /= len(self.val_batches)
         if self.world > 1:  # the mean over the data-parallel ranks (the last stage's)
             dist.all_reduce(total)
-            total /= self.world // self.pp
+            total /= self.stepper.data_world
         self.model.train()
         return float(total)
 

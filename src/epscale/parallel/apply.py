@@ -1,0 +1,106 @@
+"""Parallelizing the model, in one place and in one fixed order (torchtitan's
+``parallelize_*`` shape): the trainer builds the model (on the meta device for FSDP and
+pipelines), calls :func:`parallelize_model` once, and gets back what it runs. The model
+itself knows nothing of parallelism.
+
+The order, and why:
+
+1. pipeline split: a rank keeps only its stages' blocks (names unchanged), each stage run
+   by a :class:`~epscale.parallel.pipeline.StageChunk`; everything below then touches
+   only what this rank holds.
+2. expert parallelism: each EP rank keeps its experts' rows (or its slots of a
+   redundant-expert placement) and a dispatcher that moves tokens to them; spill-over
+   wraps that dispatcher.
+3. activation checkpointing: the blocks run their forward recomputed in backward.
+4. compile: (no compilation yet; ``train.compile`` goes here: after the blocks' forward is
+   final, before FSDP wraps them.)
+5. FSDP: experts on the expert mesh, blocks and roots on the dense mesh.
+6. materialisation: a meta-built model gets its weights, each rank its shards only, with
+   the values a one-process build holds there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..config import RunConfig
+from ..model import Transformer
+from ..placement.eplb import Placement
+from ..placement.spill import apply_spill
+from .activation import apply_activation_checkpointing
+from .dims import ParallelDims
+from .fsdp import apply_fsdp
+from .materialize import materialize
+from .pipeline import StageChunk, keep_stages, stage_layers, stage_placement
+from .shard import parallelize
+
+
+@dataclass
+class Parallelized:
+    """What :func:`parallelize_model` made of this rank's model.
+
+    stages: the pipeline stages this rank holds, in the order it runs them ([] without a
+    pipeline). chunks: one StageChunk per held stage (the modules the pipeline schedule
+    runs and FSDP wraps last). notes: lines for the start-up header."""
+
+    stages: list[int] = field(default_factory=list)
+    chunks: list[StageChunk] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def parallelize_model(model: Transformer, dims: ParallelDims, cfg: RunConfig,
+                      device: torch.device, *,
+                      layers_per_stage: list[int] | None = None,
+                      placement: Placement | None = None,
+                      param_dtype: torch.dtype | None = None,
+                      autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
+                      ) -> Parallelized:
+    """Apply ``cfg.parallel`` and ``cfg.train``'s recomputation to ``model`` in place, for
+    this rank of ``dims`` (the order: see the module docstring).
+
+    model: built by ``epscale.model.build_model`` (on ``device``) or ``build_meta_model``
+    (then materialised here, from ``train.seed``). layers_per_stage: blocks per pipeline
+    stage (parallel.pp > 1). placement: a redundant-expert placement for the EP ranks.
+    param_dtype: FSDP's compute dtype (bf16 mixed precision; None keeps fp32).
+    autocast: the context the pipeline stages run their forward under."""
+    par, train = cfg.parallel, cfg.train
+    on_meta = any(p.is_meta for p in model.parameters())
+    out = Parallelized()
+
+    # 1. pipeline split
+    if par.pp > 1:
+        out.stages = stage_placement(par.pp_schedule, par.pp,
+                                     par.pp_virtual_stages)[dims.pp_rank]
+        keep_stages(model, out.stages, layers_per_stage)
+        ranges = stage_layers(layers_per_stage)
+        out.chunks = [StageChunk(model, s, len(ranges), ranges[s], autocast=autocast)
+                      for s in out.stages]
+
+    # 2. expert parallelism: sharding, dispatcher wiring, spill-over
+    if dims.world_size > 1 or par.fsdp:
+        parallelize(model, dims, dispatcher=par.dispatcher, overlap_chunks=par.overlap_chunks,
+                    payload=par.payload, placement=placement)
+        if par.spill_threshold is not None and dims.ep > 1:
+            apply_spill(model, dims, par.spill_threshold, par.spill_min_rows)
+
+    # 3. activation checkpointing
+    apply_activation_checkpointing(model, train.activation_checkpointing)
+
+    # 4. compile: nothing yet (train.compile, issue 31, goes here)
+
+    # 5. FSDP
+    roots: list[nn.Module] | None = out.chunks or None
+    if par.fsdp:
+        out.notes = apply_fsdp(model, dims, param_dtype=param_dtype,
+                               prefetch=train.activation_checkpointing != "selective",
+                               roots=roots)
+
+    # 6. materialisation, shard by shard
+    if on_meta:
+        materialize(model, device, train.seed, dims, roots=roots)
+    return out

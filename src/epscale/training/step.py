@@ -1,0 +1,107 @@
+"""How a training step runs its micro-batches and how validation runs, behind one
+interface the loop calls: plain gradient accumulation (:class:`AccumulationStep`) or a
+pipeline schedule (:class:`PipelineStep`). The loop itself has no pipeline branches.
+
+Legend: B micro-batch sequences per rank, S sequence length, m micro-batches per step.
+
+The interface (both classes):
+
+* ``data_rank``, ``data_world``: this rank's place among the ranks that read different
+  data (every rank; under a pipeline, the ranks of one stage: its stages share their
+  micro-batches).
+* ``train(loader, accum)``: one step's ``accum`` micro-batches forward and backward, the
+  gradients summed as for ``(loss + aux) / accum`` each; returns (the mean micro-batch
+  loss, a 0-dim tensor; whether this rank has it: under a pipeline only the ranks of the
+  last stage do, the others return 0).
+* ``validation_loss_sum(batches)``: the sum of the validation batches' losses this rank
+  computes (float64, 0-dim; 0 on ranks without the last stage), forward only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..metrics import StepTimers
+from ..parallel.dims import ParallelDims
+from ..parallel.pipeline import Pipeline
+from .data import DataLoader
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs x_BS, targets y_BS), on the host
+
+
+class AccumulationStep:
+    """``accum`` micro-batches forward and backward one after another through the whole
+    model; every rank reads its own data."""
+
+    def __init__(self, model: nn.Module, device: torch.device, timers: StepTimers,
+                 autocast: Callable[[], contextlib.AbstractContextManager], rank: int,
+                 world: int):
+        self.model, self.device, self.timers, self.autocast = model, device, timers, autocast
+        self.data_rank, self.data_world = rank, world
+
+    def train(self, loader: DataLoader, accum: int) -> tuple[torch.Tensor, bool]:
+        T = self.timers
+        loss_sum = torch.zeros((), device=self.device)
+        for _ in range(accum):
+            with T.section("data"):
+                x_BS, y_BS = loader.next_micro_batch()
+                x_BS, y_BS = (x_BS.to(self.device, non_blocking=True),
+                              y_BS.to(self.device, non_blocking=True))
+            with T.section("forward"):
+                with self.autocast():
+                    loss = self.model.loss(x_BS, y_BS)
+                    total = (loss + self.model.aux_loss()) / accum
+            with T.section("backward"):
+                total.backward()
+            loss_sum += loss.detach().float() / accum
+        return loss_sum, True
+
+    def validation_loss_sum(self, batches: list[Batch]) -> torch.Tensor:
+        total = torch.zeros((), device=self.device, dtype=torch.float64)
+        for x_BS, y_BS in batches:
+            with self.autocast():
+                total += self.model.loss(x_BS.to(self.device), y_BS.to(self.device)).double()
+        return total
+
+
+class PipelineStep:
+    """A step's micro-batches through the pipeline schedule (``pipeline``: this rank's
+    stages); the ranks of one stage read different data, a stage's pipeline ranks the
+    same. Timed: each stage's forward as 'forward', the rest of the schedule as
+    'backward' (so it includes the point-to-point waits and the pipeline's bubble)."""
+
+    def __init__(self, pipeline: Pipeline, device: torch.device, timers: StepTimers,
+                 dims: ParallelDims):
+        self.pipeline, self.device, self.timers = pipeline, device, timers
+        self.data_rank, self.data_world = dims.stage_rank, dims.stage_size
+
+    def _stacked(self, micro_batches: list[Batch]) -> Batch:
+        """A step's micro-batches as one batch each of inputs and targets (the pipeline
+        schedule cuts them apart again), on the device."""
+        x_BS = torch.cat([x for x, _y in micro_batches]).to(self.device, non_blocking=True)
+        y_BS = torch.cat([y for _x, y in micro_batches]).to(self.device, non_blocking=True)
+        return x_BS, y_BS
+
+    def train(self, loader: DataLoader, accum: int) -> tuple[torch.Tensor, bool]:
+        T = self.timers
+        with T.section("data"):
+            batches = [loader.next_micro_batch() for _ in range(accum)]
+        x_BS, y_BS = self._stacked(batches)
+        with T.section("backward"):
+            losses = self.pipeline.train_step(x_BS, y_BS)
+        if not losses:
+            return torch.zeros((), device=self.device), False
+        return torch.stack([l.detach().float() for l in losses]).mean(), True
+
+    def validation_loss_sum(self, batches: list[Batch]) -> torch.Tensor:
+        """A step's worth of micro-batches at a time, forward only; the last stage sums."""
+        total = torch.zeros((), device=self.device, dtype=torch.float64)
+        m = self.pipeline.micro_batches
+        for i in range(0, len(batches), m):
+            losses = self.pipeline.eval_losses(*self._stacked(batches[i:i + m]))
+            total += sum(l.double() for l in losses) if losses else 0.0
+        return total
