@@ -321,7 +321,7 @@ def test_a_smaller_world_that_does_not_fit_memory_is_refused_with_the_numbers():
     """What the trainer checks on CUDA when an elastic restart shrank the world: the
     memory model's per-rank total against the GPU's memory."""
     from epscale.config import ConfigError, load_config, recipe_path
-    from epscale.sim.memory import memory_per_rank
+    from epscale.plan.memory import memory_per_rank
     from epscale.training.elastic import check_memory
 
     cfg = load_config(recipe_path("ref-1t-64e"))

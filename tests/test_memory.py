@@ -1,4 +1,4 @@
-"""The memory estimate (``epscale.sim.memory``) against what epscale builds and keeps: the
+"""The memory estimate (``epscale.plan.memory``) against what epscale builds and keeps: the
 parameter shapes are the built model's, one by one; the bytes a forward keeps for
 backward are what torch's profiler sees it leave allocated (within 5%), for each
 recomputation mode and both expert paths; the layout arithmetic (EP, redundant slots,
@@ -15,8 +15,8 @@ from epscale.metrics.held import forward_kept_bytes
 from epscale.model import Transformer, build_model
 from epscale.moe.layer import moe_layers
 from epscale.parallel.activation import apply_activation_checkpointing
-from epscale.sim.memory import Layout, estimate, local_numel, memory_per_rank, param_shapes
-from epscale.sim.sizing import model_size
+from epscale.plan.memory import Layout, estimate, local_numel, memory_per_rank, param_shapes
+from epscale.plan.sizing import model_size
 from test_sizing import CASES, _cfg
 
 

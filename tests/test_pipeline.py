@@ -20,7 +20,7 @@ import torch
 from dist_utils import CaseRunner, assert_no_failures, copy_checkpoint, run_distributed, run_trainer
 from epscale.config import ConfigError, load_config
 from epscale.parallel.pipeline import AuxLossIntoBackward, keep_stages, stage_layers, stage_placement
-from epscale.sim.pipeline import bubble_fraction, layers_per_stage, micro_batch_problem
+from epscale.plan.pipeline import bubble_fraction, layers_per_stage, micro_batch_problem
 from epscale.training.dist import resolve_layout
 from epscale.training.elastic import fit_batch
 from test_train import assert_losses_close, tiny_cfg

@@ -13,7 +13,7 @@ from epscale.commands.describe import describe
 from epscale.config import ConfigError
 from epscale.model import Transformer
 from epscale.config import PUBLISHED, RECIPES, load_recipe, recipe_path, shrink
-from epscale.sim.sizing import model_size
+from epscale.plan.sizing import model_size
 
 STRICT = ("mixtral-8x7b", "deepseek-v3", "qwen3-30b-a3b")   # the 2% targets
 

@@ -11,9 +11,9 @@ import pytest
 from epscale.cli import main as cli_main
 from epscale.config import ConfigError, ModelConfig, MoEConfig, RunConfig, TrainConfig, ParallelConfig
 from epscale.config import load_recipe
-from epscale.sim import PRESETS, ClusterSpec, load_cluster, simulate
-from epscale.sim.cluster import dump_cluster
-from epscale.sim.routing import (RoutingSpec, inclusion_probs, read_trace, sample_topk, shares_of,
+from epscale.plan import PRESETS, ClusterSpec, load_cluster, simulate
+from epscale.plan.cluster import dump_cluster
+from epscale.plan.routing import (RoutingSpec, inclusion_probs, read_trace, sample_topk, shares_of,
                                  zipf_weights)
 
 

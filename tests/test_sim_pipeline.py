@@ -16,11 +16,11 @@ from epscale.cli import main as cli_main
 from epscale.commands.describe import describe, fit_report
 from epscale.config import (ConfigError, ModelConfig, MoEConfig, ParallelConfig, RunConfig,
                             TrainConfig, load_recipe, recipe_path)
-from epscale.sim import ClusterSpec, simulate
-from epscale.sim.memory import DTYPE_BYTES, Layout, estimate, memory_per_rank, pipeline_memory
-from epscale.sim.pipeline import bubble_fraction, in_flight, schedule_actions
-from epscale.sim.routing import RoutingSpec
-from epscale.sim.sizing import model_size
+from epscale.plan import ClusterSpec, simulate
+from epscale.plan.memory import DTYPE_BYTES, Layout, estimate, memory_per_rank, pipeline_memory
+from epscale.plan.pipeline import bubble_fraction, in_flight, schedule_actions
+from epscale.plan.routing import RoutingSpec
+from epscale.plan.sizing import model_size
 
 GiB = 2 ** 30
 SCHEDULES = [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3),

@@ -14,10 +14,10 @@ import json
 from ..config import PUBLISHED, ConfigError, load_recipe, recipe_path
 from ..config.recipes import requested_scale
 from ..config.schema import PP_SCHEDULES
-from ..sim.fit import AC_MODES
-from ..sim.memory import DTYPE_BYTES, estimate, pipeline_memory, resolve, with_pipeline
-from ..sim.pipeline import bubble_fraction, stage_flops
-from ..sim.sizing import model_size
+from ..plan.fit import AC_MODES
+from ..plan.memory import DTYPE_BYTES, estimate, pipeline_memory, resolve, with_pipeline
+from ..plan.pipeline import bubble_fraction, stage_flops
+from ..plan.sizing import model_size
 from .args import parse_size
 
 
@@ -79,7 +79,7 @@ LAYOUT_KEYS = ("world", "dp", "ep", "fsdp", "dp_replicate", "activation_checkpoi
 
 def describe(config: str, overrides: list[str] | None = None, **layout) -> dict:
     """The describe report as a plain dict (what ``--json`` prints). ``layout``: any of
-    ``LAYOUT_KEYS`` replacing the recipe's (see :func:`epscale.sim.memory.resolve`).
+    ``LAYOUT_KEYS`` replacing the recipe's (see :func:`epscale.plan.memory.resolve`).
     ``scale`` is the scale asked for (by the recipe or a ``scale=`` override): the shrunk
     config itself says 'full'."""
     cfg = load_recipe(config, overrides)
@@ -146,8 +146,8 @@ def fit_report(config: str, overrides: list[str] | None, gpu_mem: str, cluster: 
     """The layouts of ``cluster`` (``nodes``, or ``gpus`` over its GPUs per node, replacing
     its node count) under which one rank of ``config`` fits ``gpu_mem``, fastest first by
     the step model (what ``--fit`` prints)."""
-    from ..sim import load_cluster
-    from ..sim.fit import fit
+    from ..plan import load_cluster
+    from ..plan.fit import fit
 
     limit = parse_size("--fit", gpu_mem)
     cfg = load_recipe(config, overrides)
@@ -198,7 +198,7 @@ def _print_fit(info: dict, console) -> None:
                   f"{r['step_time_s']:.2f} s", f"{r['tokens_per_s_per_gpu']:,.0f}")
     console.print(t)
     console.print(f"#1 as overrides: {' '.join(info['layouts'][0]['overrides'])}")
-    console.print("[dim]memory: sim.memory.estimate (weights, gradients, AdamW, saved activations, "
+    console.print("[dim]memory: plan.memory.estimate (weights, gradients, AdamW, saved activations, "
                   "FSDP's gathered block, dispatch rows; under a pipeline its largest rank, with "
                   "the micro-batches in flight and p2p buffers); step: the simulator's step "
                   "model with loss-free balancing (epscale simulate for the detail). Every "
@@ -230,7 +230,7 @@ def _print_pipeline(info: dict, console) -> None:
     console.print(split)
     console.print(f"bubble: {pipe['bubble']:.1%} of the step for {lay['pp_schedule']} at "
                   f"{lay['micro_batches']} micro-batches per step and pp={lay['pp']} (equal "
-                  f"stages; sim.pipeline.bubble_fraction). p2p per step across each stage "
+                  f"stages; plan.pipeline.bubble_fraction). p2p per step across each stage "
                   f"boundary between ranks: {_fmt_bytes(pipe['p2p_bytes_per_boundary'])} of "
                   "activations forward and as much of gradients backward, per GPU.")
     t = Table(title="memory per pipeline rank (the largest in bold red: the memory table above)")

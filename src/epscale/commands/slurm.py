@@ -17,7 +17,7 @@ from pathlib import Path
 from ..config import ConfigError, RunConfig
 from ..launch.local import pin_global_batch
 from ..launch.slurm import SlurmJob, bad_option, render, submit, write_script
-from ..sim.memory import memory_per_rank
+from ..plan.memory import memory_per_rank
 from ..training.dist import resolve_layout
 from ..training.elastic import check_elastic
 from .args import allow_intermixed, parse_size

@@ -41,8 +41,8 @@ from typing import Any
 
 from ..config import ConfigError, RunConfig
 from ..launch.local import ELASTIC_ENV
-from ..sim.memory import memory_per_rank
-from ..sim.pipeline import micro_batch_problem
+from ..plan.memory import memory_per_rank
+from ..plan.pipeline import micro_batch_problem
 from .dist import LaunchEnv, resolve_layout
 
 

@@ -41,8 +41,8 @@ from ..parallel.pipeline import Pipeline, StageChunk, keep_stages, stage_layers,
 from ..placement import plan_placement
 from ..placement.replicas import Rebalancer, get_placement, placement_from_dict, placement_to_dict
 from ..placement.spill import apply_spill
-from ..sim.pipeline import bubble_fraction, layers_per_stage
-from ..sim.sizing import model_size
+from ..plan.pipeline import bubble_fraction, layers_per_stage
+from ..plan.sizing import model_size
 from . import checkpoint as ckpt
 from .console import TrainConsole
 from .data import DataLoader, load_data, unigram_entropy

@@ -42,13 +42,13 @@ around their mean (independent tokens); a trace brings its own measured steps.
 Pipeline (``parallel.pp`` = p > 1, m micro-batches, stages the outermost dimension: pipeline
 rank q holds GPUs [q W, (q + 1) W), W = world / p, and each stage runs the layout above
 over its W GPUs). A stage's time per micro-batch is its blocks' non-expert work (its
-share of :func:`epscale.sim.pipeline.stage_flops`, the head on the last) plus its MoE
+share of :func:`epscale.plan.pipeline.stage_flops`, the head on the last) plus its MoE
 layers' times as above; a rank's is the sum over its stages, plus its p2p receives (each
 stage's input from another rank in forward and its output gradient in backward: T x D
 in the compute dtype, over NVLink when both ranks' GPUs share a node, else the NIC; not
 hidden) and its FSDP gathers beyond its compute. The slowest rank sets the pace:
 pipeline time = m x (slowest rank's time) / (1 - bubble), the bubble of the schedule at m
-(:func:`epscale.sim.pipeline.bubble_fraction`, equal stages assumed there). The
+(:func:`epscale.plan.pipeline.bubble_fraction`, equal stages assumed there). The
 data-parallel reduction of each rank's own weights over its stage's ranks follows, the
 slowest rank's counted. Tokens per GPU: m x T per step over the p GPUs of a pipeline.
 """
@@ -61,13 +61,14 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..config import ConfigError, RunConfig
-from ..parallel.pipeline import stage_layers, stage_placement
 from .sizing import expert_params_per_expert, model_size
 from .balance import (BalanceParams, Strategy, contiguous_placement, parse_strategy,
                       redundant_placement, temper)
 from .cluster import ClusterSpec
 from .memory import cached_param_shapes, block_of
-from .pipeline import bubble_fraction, layers_per_stage, micro_batches, stage_flops
+from .placement import plan_spill
+from .pipeline import (bubble_fraction, layers_per_stage, micro_batches, stage_flops, stage_layers,
+                       stage_placement)
 from .routing import (RoutingSpec, fit_weights, inclusion_probs, layer_shares, sample_topk,
                       shares_of)
 
@@ -339,8 +340,6 @@ def _strategy_loads(strat: Strategy, base_w, trace_steps, lay: Layout, moe, para
     rows = rank_rows.sum(axis=3)                                   # [S, L, R]
     spills = np.zeros(rows.shape)                                  # expert weights moved
     if strat.spill and P == E:     # spill-over plans on the plain contiguous layout
-        from ..placement.llep import plan_spill
-
         for si in range(S):
             for layer in range(L):
                 plan = plan_spill(np.rint(counts[si, layer]).astype(np.int64), R,

@@ -42,7 +42,7 @@ where it has them), plus the stage output the schedule keeps until that micro-ba
 backward (T x D in the compute dtype; fp32 logits T x V on the last stage); a stage that
 receives its input keeps no copy of it under full recomputation (the block's saved input
 is the receive buffer). The rank keeps several micro-batches' sets at once: the peak of
-its schedule's order (:func:`epscale.sim.pipeline.schedule_actions`, torch's own order),
+its schedule's order (:func:`epscale.plan.pipeline.schedule_actions`, torch's own order),
 a forward holding its set until the backward of that micro-batch and stage; a backward
 split in two (the zero-bubble schedules) frees it at its weight half (assumed: the input
 half frees little, the weight gradients need the saved inputs of every matrix product,
@@ -68,8 +68,8 @@ from functools import lru_cache
 
 from ..config import ConfigError, ModelConfig, MoEConfig, RunConfig
 from ..config.schema import PP_SCHEDULES
-from ..parallel.pipeline import stage_layers, stage_placement
-from .pipeline import in_flight, layers_per_stage, micro_batch_problem, micro_batches, schedule_actions
+from .pipeline import (in_flight, layers_per_stage, micro_batch_problem, micro_batches, schedule_actions,
+                       stage_layers, stage_placement)
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
                "float8": 1, "fp8": 1}
@@ -467,7 +467,7 @@ def cached_param_shapes(model: ModelConfig, moe: MoEConfig) -> tuple[ParamShape,
 @lru_cache(maxsize=4096)
 def _rank_peak(schedule: str, pp: int, m: int, virtual_stages: int, rank: int,
                stage_bytes: tuple[tuple[int, float], ...]) -> tuple[float, int]:
-    """:func:`epscale.sim.pipeline.in_flight` of one rank's schedule order."""
+    """:func:`epscale.plan.pipeline.in_flight` of one rank's schedule order."""
     return in_flight(schedule_actions(schedule, pp, m, virtual_stages, rank), dict(stage_bytes))
 
 

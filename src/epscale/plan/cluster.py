@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from ..config import ConfigError, from_dict, load_yaml
+from ..config import ConfigError, apply_overrides, from_dict, load_yaml
 
 
 @dataclass(frozen=True)
@@ -90,8 +90,6 @@ PRESETS: dict[str, ClusterSpec] = {
 def load_cluster(spec: str | Path, overrides: list[str] | None = None) -> ClusterSpec:
     """A preset name or a cluster YAML file (the ClusterSpec fields at top level), with
     optional ``key=value`` overrides (e.g. ``nodes=16``)."""
-    from ..config import apply_overrides
-
     if str(spec) in PRESETS:
         data = asdict(PRESETS[str(spec)])
     elif Path(spec).is_file():
