@@ -11,11 +11,12 @@ import argparse
 import dataclasses
 import json
 
-from ..config import PUBLISHED, ConfigError, load_recipe, recipe_path
+from ..config import PUBLISHED, ConfigError, RunConfig, load_recipe, recipe_path
 from ..config.recipes import requested_scale
 from ..config.schema import PP_SCHEDULES
 from ..plan.fit import AC_MODES
-from ..plan.memory import DTYPE_BYTES, estimate, pipeline_memory, resolve, with_pipeline
+from ..plan.layout import Layout
+from ..plan.memory import DTYPE_BYTES, Activations, estimate, pipeline_memory, resolve
 from ..plan.pipeline import bubble_fraction, stage_flops
 from ..plan.sizing import model_size
 from .args import parse_size
@@ -85,26 +86,26 @@ def describe(config: str, overrides: list[str] | None = None, **layout) -> dict:
     cfg = load_recipe(config, overrides)
     size = model_size(cfg)
     lay_args = {k: v for k, v in layout.items() if v is not None}
-    lay = resolve(cfg, **lay_args)
-    mem = estimate(cfg, lay)
+    cfg, lay, acts = resolve(cfg, **lay_args)
+    mem = estimate(cfg, lay, acts)
     out = {"name": cfg.name, "config": str(recipe_path(config)),
            "scale": requested_scale(config, overrides),
            **size.as_dict(), "memory": mem.as_dict()}
     out["layout"] = {"world": lay.world, "ep": lay.ep, "fsdp": lay.fsdp,
-                     "activation_checkpointing": lay.activation_checkpointing,
-                     "micro_batch_size": lay.micro_batch_size, "compute_dtype": lay.compute_dtype,
-                     "description": lay.describe()}
+                     "activation_checkpointing": acts.activation_checkpointing,
+                     "micro_batch_size": lay.micro_batch_size, "compute_dtype": acts.compute_dtype,
+                     "description": lay.label(pipeline=True)}
     if lay.fsdp:
         out["layout"].update(dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, efsdp=lay.efsdp)
     else:
-        out["layout"]["dp"] = lay.stage_world // lay.ep   # of one stage under a pipeline
+        out["layout"]["dp"] = lay.dp   # of one stage under a pipeline
     if lay.ep > 1:
         out["layout"]["redundant_experts"] = lay.redundant_experts
     if lay.pp > 1:
         out["layout"].update(pp=lay.pp, pp_schedule=lay.pp_schedule,
                              pp_virtual_stages=lay.pp_virtual_stages,
                              micro_batches=lay.micro_batches)
-        out["pipeline"] = pipeline_report(cfg, lay)
+        out["pipeline"] = pipeline_report(cfg, lay, acts)
     if size.num_moe_layers:
         # What an expert's GEMMs see per micro-batch and MoE layer with balanced routing:
         # the EP group's tokens times top-k, spread over the experts. It sets how close the
@@ -120,11 +121,12 @@ def describe(config: str, overrides: list[str] | None = None, **layout) -> dict:
     return out
 
 
-def pipeline_report(cfg, lay) -> dict:
-    """The pipeline part of :func:`describe` (``lay.pp`` > 1): stages, bubble, p2p traffic
-    and each pipeline rank's memory (``largest_rank``: the one ``memory`` reports)."""
-    ranks = pipeline_memory(cfg, lay)
-    flops = stage_flops(with_pipeline(cfg, lay.pp, lay.pp_schedule, lay.pp_virtual_stages))
+def pipeline_report(cfg: RunConfig, lay: Layout, acts: Activations) -> dict:
+    """The pipeline part of :func:`describe` (``lay.pp`` > 1; ``cfg`` has its pipeline
+    keys): stages, bubble, p2p traffic and each pipeline rank's memory (``largest_rank``:
+    the one ``memory`` reports)."""
+    ranks = pipeline_memory(cfg, lay, acts)
+    flops = stage_flops(cfg)
     owner = {s: r.rank for r in ranks for s in r.stages}
     stages, start = [], 0
     for s, k in enumerate(lay.layers_per_stage):
@@ -137,7 +139,7 @@ def pipeline_report(cfg, lay) -> dict:
             "bubble": bubble_fraction(lay.pp_schedule, lay.pp, lay.micro_batches,
                                       lay.pp_virtual_stages),
             "p2p_bytes_per_boundary": lay.micro_batches * T * cfg.model.dim
-            * DTYPE_BYTES[lay.compute_dtype],
+            * DTYPE_BYTES[acts.compute_dtype],
             "largest_rank": largest.rank, "ranks": [r.as_dict() for r in ranks]}
 
 

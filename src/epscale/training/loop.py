@@ -41,6 +41,7 @@ from ..parallel.pipeline import Pipeline, StageChunk, keep_stages, stage_layers,
 from ..placement import plan_placement
 from ..placement.replicas import Rebalancer, get_placement, placement_from_dict, placement_to_dict
 from ..placement.spill import apply_spill
+from ..plan.layout import Layout
 from ..plan.pipeline import bubble_fraction, layers_per_stage
 from ..plan.sizing import model_size
 from . import checkpoint as ckpt
@@ -114,7 +115,8 @@ class Trainer:
         self.previous = self._broadcast(
             previous_attempt(self.run_dir / "metrics.jsonl") if self.rank == 0 else None)
         try:
-            self.dims, layout_note = make_dims(cfg.parallel, env, cfg.moe.num_experts)
+            self.layout = Layout.from_config(cfg, self.world, ranks_per_node=cfg.parallel.ranks_per_node)
+            self.dims, layout_note = make_dims(self.layout), self.layout.note
             cfg, batch_note = fit_batch(cfg, self.world)  # train.global_batch_size kept
             shrunk = self.previous and int(self.previous.get("world_size") or 0) > self.world
             if shrunk and self.device.type == "cuda":  # fewer shards each: does it still fit?
