@@ -54,7 +54,8 @@ def measure_activations(over: list[str], impl: str, ac: str, device: str = "cpu"
     from epscale.model import build_model
     from epscale.moe.layer import moe_layers
     from epscale.parallel.activation import apply_activation_checkpointing
-    from epscale.plan.memory import Layout, estimate
+    from epscale.plan.layout import Layout
+    from epscale.plan.memory import Activations, estimate
 
     cfg = load_config(None, BASE + over + [f"moe.experts_impl={impl}"])
     torch.manual_seed(0)
@@ -83,9 +84,8 @@ def measure_activations(over: list[str], impl: str, ac: str, device: str = "cpu"
     else:
         kept, loss = forward_kept_bytes(forward)
     loss.backward()
-    lay = Layout.of(cfg, world=1, ep=1, compute_dtype="bfloat16" if cuda else "float32",
-                    experts_impl=impl, activation_checkpointing=ac)
-    return kept, estimate(cfg, lay).activations
+    acts = Activations(ac, "bfloat16" if cuda else "float32", impl)
+    return kept, estimate(cfg, Layout.from_config(cfg, 1, ep=1), acts).activations
 
 
 def _state_worker(rank, world, over, run_dir):

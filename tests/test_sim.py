@@ -177,7 +177,7 @@ def test_trace_group_limited_and_scale():
 
 
 def test_layout_errors_are_clear():
-    with pytest.raises(ConfigError, match="parallel.ep = 12"):
+    with pytest.raises(ConfigError, match="'parallel.ep' = 12 is invalid"):
         simulate(_cfg(E=24, ep=12), ClusterSpec(nodes=2, gpus_per_node=8))
     with pytest.raises(ConfigError, match="dispatcher 'nccl'"):
         simulate(_cfg(), ClusterSpec(nodes=2, gpus_per_node=8), dispatchers=("nccl",))
