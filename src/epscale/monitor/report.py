@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from ..plan.layout import record_label
 from .alerts import Alert, AlertRules
 from .report_assets import CSS, JS
 from .runlog import RunLog, fmt_value as _fmt, layers_of, num
@@ -242,7 +243,8 @@ def render_html(run: RunLog, data: dict[str, Any], alerts: list[Alert], now: flo
         facts.append(("MoE", f"{moe.get('num_experts', '?')} experts, top-{moe.get('top_k', '?')}, "
                              f"capacity factor {moe.get('capacity_factor', 'none (dropless)')}"))
     if par:
-        facts.append(("layout", f"dp={par.get('dp', 1)} × ep={par.get('ep', 1)}, dispatcher "
+        start = next((e for e in reversed(run.events) if e.get("event") == "start"), None)
+        facts.append(("layout", f"{record_label(start, par)}, dispatcher "
                                 f"{par.get('dispatcher', '?')}"))
     cards = [("step", last.get("step", "—"), False), ("loss", _fmt(last.get("loss")), False),
              ("tokens/s", _fmt(last.get("tokens_per_s")), False),

@@ -504,9 +504,3 @@ def placement_from_dict(d: dict[str, Any]) -> Placement:
     E = int(d["num_experts"])
     counts = np.stack([np.bincount(row, minlength=E) for row in phy2log])
     return _build(phy2log, counts, int(d["num_ranks"]), int(d["num_nodes"]))
-
-
-def placement_rank_loads(placement: Placement, load_LE: Sequence) -> torch.Tensor:
-    """[L, R] rows each EP rank computes under ``placement`` (tokens split evenly over
-    replicas), for the balance metrics."""
-    return placement.rank_loads(torch.as_tensor(np.asarray(load_LE, dtype=np.float64)))

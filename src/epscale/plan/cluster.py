@@ -12,7 +12,7 @@ MoE layer and pass (kernel launches, router, permutation bookkeeping).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import yaml
@@ -108,7 +108,3 @@ def load_cluster(spec: str | Path, overrides: list[str] | None = None) -> Cluste
 def dump_cluster(cluster: ClusterSpec, path: str | Path, comment: str = "") -> None:
     text = "".join(f"# {line}\n" for line in comment.splitlines()) if comment else ""
     Path(path).write_text(text + yaml.safe_dump(cluster.as_dict(), sort_keys=False))
-
-
-def with_nodes(cluster: ClusterSpec, nodes: int) -> ClusterSpec:
-    return replace(cluster, nodes=nodes)

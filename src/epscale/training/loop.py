@@ -41,7 +41,7 @@ from ..parallel.pipeline import Pipeline, StageChunk, keep_stages, stage_layers,
 from ..placement import plan_placement
 from ..placement.replicas import Rebalancer, get_placement, placement_from_dict, placement_to_dict
 from ..placement.spill import apply_spill
-from ..plan.layout import Layout
+from ..plan.layout import Layout, record_label
 from ..plan.pipeline import bubble_fraction, layers_per_stage
 from ..plan.sizing import model_size
 from . import checkpoint as ckpt
@@ -384,9 +384,8 @@ class Trainer:
         self.writer.event("resume", step=self.step, path=path,
                           from_world_size=meta.get("world_size"), from_pp=meta.get("pp", 1),
                           from_dp=meta.get("dp"), from_ep=meta.get("ep"))
-        pp = f"pp={meta['pp']} x " if int(meta.get("pp") or 1) > 1 else ""
-        self.console.print(f"resumed from {path} (step {self.step}, written at {pp}"
-                           f"dp={meta.get('dp')} x ep={meta.get('ep')})")
+        written = record_label(meta, (meta.get("config") or {}).get("parallel"))
+        self.console.print(f"resumed from {path} (step {self.step}, written at {written})")
         self._log(f"resume: {path} step={self.step}")
 
     def _restore_meta(self, meta: dict) -> None:
@@ -423,13 +422,7 @@ class Trainer:
         self._log(f"warning: {text}")
 
     def _layout_text(self) -> str:
-        d = self.dims
-        if not self.fsdp:
-            text = f"dp={d.dp} x ep={d.ep}"
-        else:
-            text = (f"FSDP dp_replicate={d.dp_replicate} x dp_shard={d.dp_shard} (dense weights "
-                    f"sharded over dp_shard; experts over ep={d.ep}, then efsdp={d.efsdp})")
-        return f"pp={self.pp} x {text} in each stage" if self.pp > 1 else text
+        return self.layout.label()
 
     def _pipeline_text(self) -> str:
         """The start-up header's pipeline line: schedule, stages and their blocks."""
