@@ -300,7 +300,8 @@ class Layout:
             world, ep = int(rec["world_size"]), int(rec["ep"])
             fsdp = bool(rec["fsdp"] if "fsdp" in rec else par.get("fsdp", False))
             rep = int(rec.get("dp_replicate") or par.get("dp_replicate") or 1) if fsdp else 1
-            return cls(world, ep, int(rec.get("pp") or 1), fsdp, rep)
+            # the schedule is not recorded: GPipe's, which runs any micro-batch count
+            return cls(world, ep, int(rec.get("pp") or 1), fsdp, rep, pp_schedule="gpipe")
         except (KeyError, TypeError, ValueError):   # ConfigError is a ValueError
             return None
 
