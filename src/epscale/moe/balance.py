@@ -20,15 +20,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..plan.layout import Dims
 from .layer import moe_layers, named_moe_layers
 
 
-def _default_group(dims) -> object | None:
+def _default_group(dims: Dims | None) -> object | None:
     return getattr(dims, "world_group", None) if dims is not None else None
 
 
 @torch.no_grad()
-def update_expert_biases(module: nn.Module, dims=None, u: float = 1e-3,
+def update_expert_biases(module: nn.Module, dims: Dims | None = None, u: float = 1e-3,
                          counts: Mapping[int, Sequence[float]] | torch.Tensor | None = None,
                          reset: bool = False) -> torch.Tensor:
     """Loss-free balancing: ``b_i += u * sign(mean load - load_i)`` in every MoE layer.

@@ -176,8 +176,8 @@ class SingleProcessDims:
     """The ParallelDims attributes for one process (no process group needed)."""
 
     rank, world_size, dp, ep, ep_rank, dp_rank = 0, 1, 1, 1, 0, 0
-    ranks_per_node, num_nodes, node_rank = 1, 1, 0
-    ep_group = dp_group = mesh = None
+    ranks_per_node, num_nodes, node_rank, ep_ranks_per_node, ep_num_nodes = 1, 1, 0, 1, 1
+    ep_group = dp_group = mesh = ep_inter_group = ep_intra_group = None
     fsdp, dp_replicate, dp_shard, efsdp = False, 1, 1, 1
     pp, pp_rank, stage_rank, stage_size = 1, 0, 0, 1
     pp_group = stage_group = world_group = None

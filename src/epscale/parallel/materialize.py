@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from ..plan.layout import Dims
 from .shard import expert_global_rows, is_expert_param
 
 BLOCK_ELEMENTS = 1 << 20
@@ -62,7 +63,7 @@ def fill_normal_(local: torch.Tensor, full_shape: tuple[int, ...], offset: tuple
     return local
 
 
-def full_view(param: torch.Tensor, dims=None) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+def full_view(param: torch.Tensor, dims: Dims | None = None) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
     """(local tensor, full shape, offset of the local tensor in the full one) of a
     parameter: plain (the whole tensor), an FSDP DTensor (its shard), or a routed-expert
     weight sliced over expert parallelism (rows ``ep_rank * e`` on; sharded by FSDP too)."""
@@ -81,7 +82,7 @@ def full_view(param: torch.Tensor, dims=None) -> tuple[torch.Tensor, tuple[int, 
 
 
 @torch.no_grad()
-def initialize_(module: nn.Module, spec: InitSpec, seed: int, dims=None,
+def initialize_(module: nn.Module, spec: InitSpec, seed: int, dims: Dims | None = None,
                 names: Iterable[str] | None = None) -> None:
     """Fill every parameter of ``module`` (or those in ``names``) by ``spec`` from ``seed``:
     the same values at every layout (one process, EP, FSDP)."""

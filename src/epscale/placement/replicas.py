@@ -35,6 +35,7 @@ from ..dispatch.base import Dispatcher
 from ..dispatch.comm import Exchange, group_info
 from ..moe.layer import moe_layers
 from ..ops import count_experts, count_ids
+from ..plan.layout import Dims
 from .eplb import Placement, _build, plan_placement
 
 _PLACEMENT_ATTR = "_epscale_placement"     # the module-level Placement after parallelize
@@ -164,7 +165,7 @@ def set_placement(module: nn.Module, placement: Placement) -> None:
     setattr(module, _PLACEMENT_ATTR, placement)
 
 
-def check_placement(layers, dims, placement: Placement) -> None:
+def check_placement(layers, dims: Dims, placement: Placement) -> None:
     """ValueError when ``placement`` does not fit the MoE ``layers`` over ``dims``' EP group."""
     if not isinstance(placement, Placement):
         raise TypeError(f"placement must be an epscale.placement.Placement (from plan_placement), "
@@ -200,7 +201,7 @@ def _placed_layers(module: nn.Module):
     return placement, moe_layers(module)
 
 
-def sync_replica_gradients(module: nn.Module, dims) -> None:
+def sync_replica_gradients(module: nn.Module, dims: Dims) -> None:
     """Sum the gradients of every replicated logical expert over its copies, so each copy
     holds the full gradient. ONE all-reduce over the EP group, of the replicated experts'
     gradients only (experts with a single copy send nothing). A no-op without a placement
@@ -246,7 +247,7 @@ def sync_replica_gradients(module: nn.Module, dims) -> None:
         g.index_copy_(0, dev_mine, buf.index_select(0, pos))
 
 
-def expert_grad_sq_norm(module: nn.Module, dims=None) -> torch.Tensor:
+def expert_grad_sq_norm(module: nn.Module, dims: Dims | None = None) -> torch.Tensor:
     """This rank's share of the squared norm of the *logical* expert gradients: each slot's
     squared norm divided by its expert's replica count, so the sum over the EP group counts
     every logical expert once (what a model without replicas would report). Without a
@@ -300,7 +301,7 @@ def _sources(src_p2l: np.ndarray, dst_p2l: np.ndarray, R: int) -> np.ndarray:
 
 
 @torch.no_grad()
-def relayout_rows(tensors: Sequence[torch.Tensor], src_p2l, dst_p2l, dims
+def relayout_rows(tensors: Sequence[torch.Tensor], src_p2l, dst_p2l, dims: Dims
                   ) -> tuple[list[torch.Tensor], int, int]:
     """This rank's rows of ``tensors`` (each [n_src, ...], row i = slot ``ep_rank*n_src + i``
     of the layout ``src_p2l``) rearranged into the layout ``dst_p2l`` (new tensors
@@ -370,7 +371,7 @@ def logical_layout(num_experts: int) -> np.ndarray:
 
 
 @torch.no_grad()
-def move_to_placement(module: nn.Module, dims, new: Placement,
+def move_to_placement(module: nn.Module, dims: Dims, new: Placement,
                       optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
     """Re-place the experts of a module parallelized with a placement: every rank's
     slots take the weights, and the optimizer's per-parameter state (every state tensor
@@ -436,7 +437,7 @@ class Rebalancer:
     ``maybe_replace(step)``; it returns the new Placement when it moved, else None.
     """
 
-    def __init__(self, module: nn.Module, dims, every: int, window: int | None = None,
+    def __init__(self, module: nn.Module, dims: Dims, every: int, window: int | None = None,
                  optimizer: torch.optim.Optimizer | None = None, num_groups: int = 1):
         if get_placement(module) is None:
             raise ValueError("Rebalancer: the module has no placement; parallelize it with "

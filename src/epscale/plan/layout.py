@@ -22,7 +22,7 @@ process group or torch; ``epscale.parallel.ParallelDims`` builds the groups of a
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 from ..config import ConfigError, RunConfig
 from ..config.schema import PP_SCHEDULES, pp_stages_per_rank
@@ -328,6 +328,43 @@ class Layout:
         return f"pp={self.pp}{detail} x ({inner})"
 
 
+class Dims(Protocol):
+    """What code reads of a run's process groups: ``epscale.parallel.ParallelDims``, or
+    ``SingleProcessDims`` for one process (its groups None). The type of every parameter
+    named ``dims``; the groups are torch's (``Any`` here, where torch is not imported)."""
+
+    layout: Layout
+    rank: int
+    world_size: int
+    dp: int
+    ep: int
+    pp: int
+    fsdp: bool
+    dp_replicate: int
+    dp_shard: int
+    efsdp: int
+    dp_rank: int
+    ep_rank: int
+    pp_rank: int
+    stage_rank: int
+    stage_size: int
+    ranks_per_node: int
+    num_nodes: int
+    node_rank: int
+    ep_ranks_per_node: int
+    ep_num_nodes: int
+    mesh: Any
+    ep_group: Any
+    dp_group: Any
+    pp_group: Any
+    stage_group: Any
+    world_group: Any
+    ep_inter_group: Any
+    ep_intra_group: Any
+
+    def background_group(self) -> Any: ...
+
+
 def record_label(rec: dict[str, Any] | None, parallel: dict[str, Any] | None = None) -> str:
     """:meth:`Layout.label` of a recorded layout (see :meth:`Layout.from_record`); '?' when
     the record holds none."""
@@ -339,4 +376,4 @@ _KEYS = {"ep": "parallel.ep", "pp": "parallel.pp", "dp_replicate": "parallel.dp_
          "micro_batch_size": "train.micro_batch_size", "micro_batches": "train.grad_accum",
          "pp_virtual_stages": "parallel.pp_virtual_stages"}
 
-__all__ = ["Layout", "record_label"]
+__all__ = ["Dims", "Layout", "record_label"]
