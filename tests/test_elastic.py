@@ -180,7 +180,7 @@ def test_ranks_past_the_usable_world_stand_by(tmp_path):
     starts = [e for e in events if e["event"] == "start"]
     assert starts[-1]["world_size"] == 2 and starts[-1]["standby"] == 1, starts
     assert "stands by: this config trains at 2 of the 3 processes" in logs
-    assert "the number of processes (3) must be a multiple of it" in logs  # tiny's ep=2
+    assert "'parallel.ep' = 2 is invalid: must divide the 3 processes" in logs  # tiny's ep=2
     assert "1 more rank(s) of this elastic attempt stand by" in logs
     assert {r["step"] for r in steps} == set(range(1, 7)) and events[-1]["event"] == "end"
     assert steps[-1]["world_size"] == 2

@@ -165,11 +165,9 @@ class ParallelDims:
             DeviceMesh(dev, order, mesh_dim_names=("pp", *names))[names])
 
     def __repr__(self) -> str:
-        fsdp = (f", fsdp: dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard}, "
-                f"efsdp={self.efsdp}" if self.fsdp else "")
-        pp = f"pp={self.pp} (stage {self.pp_rank}), " if self.pp > 1 else ""
-        return (f"ParallelDims(rank={self.rank}, {pp}dp={self.dp}, ep={self.ep}, "
-                f"ranks_per_node={self.ranks_per_node}, ep_nodes={self.ep_num_nodes}{fsdp})")
+        stage = f" (stage {self.pp_rank})" if self.pp > 1 else ""
+        return (f"ParallelDims(rank={self.rank}, {self.layout.label()}{stage}, "
+                f"ranks_per_node={self.ranks_per_node}, ep_nodes={self.ep_num_nodes})")
 
 
 class SingleProcessDims:
