@@ -14,6 +14,7 @@ import json
 from ..config import PUBLISHED, ConfigError, RunConfig, load_recipe, recipe_path
 from ..config.recipes import requested_scale
 from ..config.schema import PP_SCHEDULES
+from ..interop.hf_families import describe_export
 from ..plan.fit import AC_MODES
 from ..plan.layout import Layout
 from ..plan.memory import DTYPE_BYTES, Activations, estimate, pipeline_memory, resolve
@@ -90,7 +91,7 @@ def describe(config: str, overrides: list[str] | None = None, **layout) -> dict:
     mem = estimate(cfg, lay, acts)
     out = {"name": cfg.name, "config": str(recipe_path(config)),
            "scale": requested_scale(config, overrides),
-           **size.as_dict(), "memory": mem.as_dict()}
+           **size.as_dict(), "memory": mem.as_dict(), "hf_export": describe_export(cfg)}
     out["layout"] = {"world": lay.world, "ep": lay.ep, "fsdp": lay.fsdp,
                      "activation_checkpointing": acts.activation_checkpointing,
                      "micro_batch_size": lay.micro_batch_size, "compute_dtype": acts.compute_dtype,
@@ -314,6 +315,7 @@ def run(args) -> int:
                 if rows < 256 else "")
         console.print(f"expert GEMM rows per micro-batch and layer: {rows:,.0f} on average "
                       f"(micro-batch tokens x ep x top_k / experts).{hint}")
+    console.print(f"Hugging Face export (checkpoint export-hf): {info['hf_export']}")
     if pub.get("source"):
         console.print(f"[dim]published: {pub['source']}[/]")
     return 0
