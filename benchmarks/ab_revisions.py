@@ -236,7 +236,7 @@ def main(argv=None) -> int:
         limit = 5e-2 if dtype != torch.float32 else 1e-4
         for name, shape in shapes.items():
             if args.path == "ep":
-                from epscale.sim.calibrate import spawn_local
+                from epscale.tune.calibrate import spawn_local
 
                 per_rank = spawn_local(_ep_worker, args.nproc,
                                        (base_dir, shape, args.dtype, args.dispatcher, args.rounds,

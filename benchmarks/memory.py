@@ -1,4 +1,4 @@
-"""The memory estimate (``epscale describe``, ``epscale.sim.memory``) against measurement,
+"""The memory estimate (``epscale describe``, ``epscale.plan.memory``) against measurement,
 side by side in one run, on this machine's CPU (fp32: the CPU trainer's dtype).
 
 1. Activations: one process builds each model, runs a forward under each recomputation
@@ -54,7 +54,8 @@ def measure_activations(over: list[str], impl: str, ac: str, device: str = "cpu"
     from epscale.model import build_model
     from epscale.moe.layer import moe_layers
     from epscale.parallel.activation import apply_activation_checkpointing
-    from epscale.sim.memory import Layout, estimate
+    from epscale.plan.layout import Layout
+    from epscale.plan.memory import Activations, estimate
 
     cfg = load_config(None, BASE + over + [f"moe.experts_impl={impl}"])
     torch.manual_seed(0)
@@ -83,9 +84,8 @@ def measure_activations(over: list[str], impl: str, ac: str, device: str = "cpu"
     else:
         kept, loss = forward_kept_bytes(forward)
     loss.backward()
-    lay = Layout.of(cfg, world=1, ep=1, compute_dtype="bfloat16" if cuda else "float32",
-                    experts_impl=impl, activation_checkpointing=ac)
-    return kept, estimate(cfg, lay).activations
+    acts = Activations(ac, "bfloat16" if cuda else "float32", impl)
+    return kept, estimate(cfg, Layout.from_config(cfg, 1, ep=1), acts).activations
 
 
 def _state_worker(rank, world, over, run_dir):
@@ -130,9 +130,9 @@ def main() -> int:
     from rich.table import Table
 
     from epscale.config import load_config, load_recipe
-    from epscale.sim.calibrate import spawn_local
+    from epscale.tune.calibrate import spawn_local
     from simulate import machine   # benchmarks/simulate.py: the machine line
-    from epscale.sim.memory import memory_per_rank
+    from epscale.plan.memory import memory_per_rank
 
     console = Console(width=150)
     console.print(f"machine: {machine()}")

@@ -15,7 +15,7 @@ is the longest rank's schedule time and a rank's busy time is its own less its w
 measured bubble = 1 - busy / span, the mean over ranks and over the steps after warm-up
 (a rank that finishes early idles until the slowest is done, in the step's next
 collective: counted). The formula column is
-``epscale.sim.pipeline.bubble_fraction`` (equal stages, and for the zero-bubble
+``epscale.plan.pipeline.bubble_fraction`` (equal stages, and for the zero-bubble
 schedules equal forward, input-backward and weight-backward times, which real blocks do
 not have).
 
@@ -102,8 +102,8 @@ def _bubble_worker(rank, nproc, overrides, run_dir):
 
 
 def run_bubbles(args, console) -> dict:
-    from epscale.sim.calibrate import spawn_local
-    from epscale.sim.pipeline import bubble_fraction
+    from epscale.tune.calibrate import spawn_local
+    from epscale.plan.pipeline import bubble_fraction
 
     table = Table(title=f"Pipeline bubble, pp=2 (2 processes, 1 thread each), {args.steps} steps "
                         "(after 1/3 warm-up)")

@@ -31,8 +31,8 @@ from rich.console import Console
 from rich.table import Table
 
 from epscale.config import load_recipe
-from epscale.sim import load_cluster, simulate
-from epscale.sim.routing import RoutingSpec
+from epscale.plan import load_cluster, simulate
+from epscale.plan.routing import RoutingSpec
 
 REPORT = {"idle_plain": 0.34, "idle_balanced": 0.02, "comm_share": 0.03}
 
@@ -95,7 +95,7 @@ def field_report(console: Console) -> dict:
 
 
 def _session(rank, nproc, moe_cfg, tokens, clock):
-    from epscale.sim.calibrate import bench_moe_layer, measure
+    from epscale.tune.calibrate import bench_moe_layer, measure
 
     meas = measure(512, 1024, "swiglu", quick=False, clock=clock)
     return meas, {d: bench_moe_layer(moe_cfg, d, tokens, iters=5, warmup=1, clock=clock)
@@ -122,7 +122,7 @@ def machine() -> str:
 
 def calibration(console: Console) -> None:
     from epscale.config import ModelConfig, MoEConfig, ParallelConfig, RunConfig, TrainConfig
-    from epscale.sim.calibrate import cluster_from, spawn_local
+    from epscale.tune.calibrate import cluster_from, spawn_local
 
     moe_cfg = MoEConfig(dim=512, hidden_dim=1024, num_experts=8, top_k=2)
     tokens = 1024

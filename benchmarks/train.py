@@ -90,7 +90,7 @@ LAYOUTS = {  # name -> overrides; ep=2 and 2 sequences per rank everywhere
 
 def run_layouts(args, console) -> dict:
     from epscale.config import load_config
-    from epscale.sim.memory import memory_per_rank
+    from epscale.plan.memory import memory_per_rank
 
     n = args.nproc
     base = RECIPES["larger"] + ["parallel.ep=2", f"parallel.dp={n // 2}", "train.micro_batch_size=2"]
@@ -136,7 +136,7 @@ def main() -> None:
                                              "steps": args.steps, "results": figures}, indent=1))
         return
     from epscale.config import load_config
-    from epscale.sim.sizing import model_size
+    from epscale.plan.sizing import model_size
 
     console = Console(width=160)
     base_dir = args.keep or Path(tempfile.mkdtemp(prefix="epscale-bench-train-"))

@@ -15,11 +15,11 @@ import json
 import numpy as np
 import pytest
 
-from epscale.sim.calibrate import bench_moe_layer, fit_alltoall, fit_gemm, spawn_local
+from epscale.tune.calibrate import bench_moe_layer, fit_alltoall, fit_gemm, spawn_local
 from epscale.cli import main as cli_main
 from epscale.config import ModelConfig, MoEConfig, ParallelConfig, RunConfig, TrainConfig
-from epscale.sim import ClusterSpec, load_cluster, simulate
-from epscale.sim.routing import RoutingSpec
+from epscale.plan import ClusterSpec, load_cluster, simulate
+from epscale.plan.routing import RoutingSpec
 
 
 def test_fits_recover_known_parameters():

@@ -195,8 +195,11 @@ def test_dump_and_reload_round_trip(tmp_path):
 
 
 def test_redundant_expert_keys_are_validated():
-    from epscale.config import ParallelConfig
-    from epscale.training.dist import resolve_layout
+    from epscale.plan.layout import Layout
+
+    def layout(world, ep, redundant):
+        over = [f"parallel.ep={ep}", f"parallel.redundant_experts={redundant}", "moe.num_experts=8"]
+        return Layout.from_config(load_config(None, over), world)
 
     with pytest.raises(ConfigError, match=r"parallel.redundant_experts.*spill_threshold"):
         load_config(None, ["parallel.redundant_experts=2", "parallel.spill_threshold=1.2"])
@@ -205,11 +208,12 @@ def test_redundant_expert_keys_are_validated():
     with pytest.raises(ConfigError, match=r"parallel.rebalance_window"):
         load_config(None, ["parallel.rebalance_window=0"])
     # The physical slots must divide over the EP ranks; copies need ep >= 2.
-    with pytest.raises(ConfigError, match=r"redundant_experts' = 3 .*11 physical slots.*ep=2"):
-        resolve_layout(ParallelConfig(ep=2, redundant_experts=3), 2, 8)
-    with pytest.raises(ConfigError, match=r"redundant_experts' = 2 is invalid with ep=1"):
-        resolve_layout(ParallelConfig(ep=1, redundant_experts=2), 1, 8)
-    assert resolve_layout(ParallelConfig(ep=2, redundant_experts=4), 2, 8)[:2] == (1, 2)
+    with pytest.raises(ConfigError, match=r"redundant_experts' = 3 .*11 physical slots.*ep = 2"):
+        layout(2, 2, 3)
+    with pytest.raises(ConfigError, match=r"redundant_experts' = 2 .*needs parallel.ep >= 2"):
+        layout(1, 1, 2)
+    lay = layout(2, 2, 4)
+    assert (lay.dp, lay.ep, lay.redundant_experts) == (1, 2, 4)
 
 
 # ----------------------------------------------------------------- issue #24: bad input

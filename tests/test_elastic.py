@@ -180,7 +180,7 @@ def test_ranks_past_the_usable_world_stand_by(tmp_path):
     starts = [e for e in events if e["event"] == "start"]
     assert starts[-1]["world_size"] == 2 and starts[-1]["standby"] == 1, starts
     assert "stands by: this config trains at 2 of the 3 processes" in logs
-    assert "the number of processes (3) must be a multiple of it" in logs  # tiny's ep=2
+    assert "'parallel.ep' = 2 is invalid: must divide the 3 processes" in logs  # tiny's ep=2
     assert "1 more rank(s) of this elastic attempt stand by" in logs
     assert {r["step"] for r in steps} == set(range(1, 7)) and events[-1]["event"] == "end"
     assert steps[-1]["world_size"] == 2
@@ -208,7 +208,7 @@ def test_a_world_no_layout_fits_names_the_missing_ranks(tmp_path):
     out = r.stdout + r.stderr
     assert r.returncode == 2, out[-3000:]
     assert "no valid layout for the 3 process(es)" in out
-    assert "'train.global_batch_size' = 4 cannot be kept at 3 processes" in out
+    assert "'train.global_batch_size' = 4 is invalid: cannot be kept at 3 processes" in out
     assert "missing: 1 of the 4 ranks of the previous layout" in out and f"{host} x1" in out
     assert "the smallest layout this config allows is 1 processes (allowed: 1, 2, 4" in out
     assert "the largest at or below 3: 2" in out
@@ -229,9 +229,14 @@ def test_global_batch_size_derives_grad_accum_or_names_the_key(tmp_path):
     fitted, note = fit_batch(cfg, 2)
     assert fitted.train.grad_accum == 4 and cfg.train.grad_accum == 1  # a copy
     assert "train.grad_accum = 4" in note
-    with pytest.raises(ConfigError, match=r"'train.global_batch_size' = 16 cannot be kept at "
-                                          r"3 processes.*multiple of .* 3 x 2 = 6"):
-        fit_batch(cfg, 3)
+    ep1 = load_config(TINY, ["train.micro_batch_size=2", "train.global_batch_size=16",
+                             "parallel.ep=1"])
+    with pytest.raises(ConfigError, match=r"'train.global_batch_size' = 16 is invalid: cannot be "
+                                          r"kept at 3 processes.*multiple of .* 3 x 2 = 6"):
+        fit_batch(ep1, 3)
+    with pytest.raises(ConfigError, match=r"'parallel.ep' = 2 is invalid: must divide the 3 "
+                                          "processes"):
+        fit_batch(cfg, 3)  # the layout's rules come first
     assert valid_worlds(cfg, 8) == [2, 4, 8]  # tiny's ep=2 needs an even world
     with pytest.raises(ConfigError, match="train.global_batch_size.*multiple of "
                                           "train.micro_batch_size = 3"):
@@ -321,7 +326,7 @@ def test_a_smaller_world_that_does_not_fit_memory_is_refused_with_the_numbers():
     """What the trainer checks on CUDA when an elastic restart shrank the world: the
     memory model's per-rank total against the GPU's memory."""
     from epscale.config import ConfigError, load_config, recipe_path
-    from epscale.sim.memory import memory_per_rank
+    from epscale.plan.memory import memory_per_rank
     from epscale.training.elastic import check_memory
 
     cfg = load_config(recipe_path("ref-1t-64e"))

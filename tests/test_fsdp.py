@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from dist_utils import CaseRunner, assert_no_failures, copy_checkpoint, run_distributed, run_trainer
 from epscale.model import build_model
 from epscale.parallel.materialize import full_view
-from epscale.sim.memory import memory_per_rank
+from epscale.plan.memory import memory_per_rank
 from epscale.training import checkpoint as ckpt
 from epscale.training.loop import train
 from test_train import assert_losses_close, tiny_cfg

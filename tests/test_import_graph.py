@@ -24,6 +24,7 @@ ROOT_PKG = "epscale"
 # Bottom to top: a package may import its own modules and those of lower layers only.
 LAYERS: list[tuple[str, ...]] = [
     ("config", "ops"),
+    ("plan",),
     ("kernels",),
     ("dispatch",),
     ("moe",),
@@ -31,15 +32,17 @@ LAYERS: list[tuple[str, ...]] = [
     ("model", "model_init"),  # the model knows nothing of parallelism
     ("parallel",),
     ("launch",),
-    ("sim",),
     ("metrics",),
     ("training",),
+    ("tune",),
     ("interop",),
     ("monitor",),
     ("commands",),
     ("cli", "__init__", "__main__"),
 ]
 SEAMS = {"epscale.kernels.cpu": "the CPU kernels are used through the package only"}
+# Packages that plan a run without running it: neither they nor what they import touch torch.
+TORCH_FREE = ("epscale.plan",)
 
 
 def _modules() -> dict[str, Path]:
@@ -157,6 +160,33 @@ def test_seams_are_used_through_their_package():
              for seam, why in SEAMS.items()
              if b.startswith(seam + ".") and not a.startswith(seam + ".") and a != seam]
     assert not leaks, "\n".join(leaks)
+
+
+def _third_party(path: Path) -> set[str]:
+    """The top-level names of the non-epscale modules ``path`` imports anywhere."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            out |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.split(".")[0])
+    return out - {ROOT_PKG}
+
+
+def test_planning_packages_are_torch_free():
+    """``epscale.plan`` and every epscale module it reaches import no torch (describe,
+    simulate and slurm render plan on a machine without it)."""
+    graph, modules = _graph(), _modules()
+    reached = {m for m in graph if any(m == p or m.startswith(p + ".") for p in TORCH_FREE)}
+    todo = list(reached)
+    while todo:
+        for b in graph[todo.pop()]:
+            if b not in reached and b != ROOT_PKG:
+                reached.add(b)
+                todo.append(b)
+    torch_users = sorted(m for m in reached if "torch" in _third_party(modules[m]))
+    assert not torch_users, f"import torch though {TORCH_FREE} reach them: {torch_users}"
+    assert any(m.startswith("epscale.plan.") for m in reached)
 
 
 def test_the_checker_sees_cycles_and_local_imports():

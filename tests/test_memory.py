@@ -1,4 +1,4 @@
-"""The memory estimate (``epscale.sim.memory``) against what epscale builds and keeps: the
+"""The memory estimate (``epscale.plan.memory``) against what epscale builds and keeps: the
 parameter shapes are the built model's, one by one; the bytes a forward keeps for
 backward are what torch's profiler sees it leave allocated (within 5%), for each
 recomputation mode and both expert paths; the layout arithmetic (EP, redundant slots,
@@ -15,8 +15,9 @@ from epscale.metrics.held import forward_kept_bytes
 from epscale.model import Transformer, build_model
 from epscale.moe.layer import moe_layers
 from epscale.parallel.activation import apply_activation_checkpointing
-from epscale.sim.memory import Layout, estimate, local_numel, memory_per_rank, param_shapes
-from epscale.sim.sizing import model_size
+from epscale.plan.layout import Layout
+from epscale.plan.memory import Activations, estimate, local_numel, memory_per_rank, param_shapes
+from epscale.plan.sizing import model_size
 from test_sizing import CASES, _cfg
 
 
@@ -56,11 +57,11 @@ def test_layout_arithmetic():
                           compute_dtype="float32")
     assert full.activations < sel.activations < one.activations
     assert full.recompute > 0 and one.recompute == 0
-    with pytest.raises(ConfigError, match="parallel.ep = 3"):
+    with pytest.raises(ConfigError, match="'parallel.ep' = 3 is invalid: must divide moe.num_experts"):
         memory_per_rank(cfg, world=3, ep=3)
     with pytest.raises(ConfigError, match="compute dtype 'int3'"):
         memory_per_rank(cfg, compute_dtype="int3")
-    with pytest.raises(ConfigError, match="dp_replicate = 3"):
+    with pytest.raises(ConfigError, match="'parallel.dp_replicate' = 3 is invalid: must divide the 4 processes"):
         memory_per_rank(cfg, world=4, ep=2, fsdp=True, dp_replicate=3)
 
 
@@ -101,9 +102,7 @@ def test_kept_activations_are_what_a_forward_keeps(impl, ac):
         net.zero_grad(set_to_none=True)
         samples.append(kept)
     kept = sorted(samples)[1]
-    lay = Layout.of(cfg, world=1, ep=1, compute_dtype="float32", experts_impl=impl,
-                    activation_checkpointing=ac)
-    est = estimate(cfg, lay)
+    est = estimate(cfg, Layout.from_config(cfg, 1, ep=1), Activations(ac, "float32", impl))
     assert est.activations == pytest.approx(kept, rel=0.05), (kept, est.activations)
 
 
@@ -172,4 +171,5 @@ def test_describe_takes_a_layout(capsys):
     assert rep["memory"]["total"] > 5 * own["memory"]["total"]
     assert own["memory"]["gathered"] > 0 and rep["memory"]["gathered"] == 0
     assert cli_main(["describe", "ref-1t-64e", "--world", "1000"]) == 2
-    assert "parallel.ep = 64 is invalid: must divide the world (1000)" in capsys.readouterr().err
+    assert ("'parallel.ep' = 64 is invalid: must divide dp_shard = 500 (the 1000 processes / "
+            "dp_replicate 2)") in capsys.readouterr().err

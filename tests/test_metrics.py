@@ -227,7 +227,7 @@ def test_helpers():
 
 def test_flops_and_peak(monkeypatch):
     from epscale.config import RunConfig
-    from epscale.sim.sizing import model_size
+    from epscale.plan.sizing import model_size
 
     cfg = RunConfig()
     assert flops_per_token(cfg) == model_size(cfg).flops_per_token > 0

@@ -1,5 +1,5 @@
 """The decoder-only MoE transformer: layer pattern, causality, RoPE (and its YaRN variant),
-GQA/MLA, QK-norm, head tying, the KV cache, sizes matching epscale.sim.sizing, and input
+GQA/MLA, QK-norm, head tying, the KV cache, sizes matching epscale.plan.sizing, and input
 errors. (Each feature against transformers' own model: tests/test_hf_models.py.)"""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from epscale.model import (Attention, KVCache, Transformer, apply_rope, build_mo
                            rope_softmax_scale, rope_tables)
 from epscale.moe.experts import FeedForward
 from epscale.moe.layer import MoE
-from epscale.sim.sizing import model_size
+from epscale.plan.sizing import model_size
 
 
 def cfg(*over: str):

@@ -28,6 +28,11 @@ def _dims_checks(runner: CaseRunner, rank: int, world: int) -> None:
         assert dims.mesh.mesh_dim_names == ("dp", "ep")
         assert tuple(dims.mesh.mesh.shape) == (1, world)
         assert dims.ranks_per_node == world and dims.num_nodes == 1 and dims.node_rank == 0
+    with runner.case("dims of a Layout, groups built on first use"):
+        dims = epscale.ParallelDims(epscale.Layout(world, ep=world))
+        assert dims.layout.ranks_per_node == world and "ep_group" not in vars(dims)
+        assert dist.get_process_group_ranks(dims.ep_group) == list(range(world))
+        assert {"mesh", "dp_group", "ep_intra_group"} <= set(vars(dims))
     if world == 4:
         with runner.case("dims dp=2 ep=2"):
             dims = epscale.ParallelDims(dp=2, ep=2)
@@ -44,7 +49,7 @@ def _dims_checks(runner: CaseRunner, rank: int, world: int) -> None:
             assert dist.get_process_group_ranks(dims.ep_inter_group) == [rank % 2, rank % 2 + 2]
             assert dist.get_process_group_ranks(dims.ep_intra_group) == [rank // 2 * 2, rank // 2 * 2 + 1]
     with runner.case("error world != dp*ep"):
-        with pytest.raises(ConfigError, match=r"dp=1 x ep=3 = 3 must equal the world size"):
+        with pytest.raises(ConfigError, match=rf"pp x dp x ep = 1 x 1 x 3 = 3 must equal the number of processes \({world}\)"):
             epscale.ParallelDims(dp=1, ep=3)
     with runner.case("error ranks_per_node"):
         with pytest.raises(ConfigError, match="ranks_per_node"):

@@ -20,8 +20,8 @@ import torch
 from dist_utils import CaseRunner, assert_no_failures, copy_checkpoint, run_distributed, run_trainer
 from epscale.config import ConfigError, load_config
 from epscale.parallel.pipeline import AuxLossIntoBackward, keep_stages, stage_layers, stage_placement
-from epscale.sim.pipeline import bubble_fraction, layers_per_stage, micro_batch_problem
-from epscale.training.dist import resolve_layout
+from epscale.plan.pipeline import bubble_fraction, layers_per_stage, micro_batch_problem
+from epscale.plan.layout import Layout
 from epscale.training.elastic import fit_batch
 from test_train import assert_losses_close, tiny_cfg
 
@@ -241,7 +241,7 @@ def test_bad_pipeline_layouts_name_the_keys(tmp_path):
     with pytest.raises(ConfigError, match=r"train\.grad_accum.*parallel\.pp"):
         fit_batch(cfg, 2)  # 1F1B needs >= pp micro-batches
     with pytest.raises(ConfigError, match=r"parallel\.pp' = 2.*\(3\)"):
-        resolve_layout(cfg.parallel, 3, cfg.moe.num_experts)
+        Layout.from_config(cfg, 3)
     gbs = tiny_cfg(tmp_path, **{"model.tie_embeddings": False, "parallel.pp": 2,
                                 "parallel.pp_schedule": "dualpipev", "model.num_layers": 4,
                                 "train.global_batch_size": 12, "train.micro_batch_size": 2})

@@ -13,7 +13,7 @@ from epscale.commands.describe import describe
 from epscale.config import ConfigError
 from epscale.model import Transformer
 from epscale.config import PUBLISHED, RECIPES, load_recipe, recipe_path, shrink
-from epscale.sim.sizing import model_size
+from epscale.plan.sizing import model_size
 
 STRICT = ("mixtral-8x7b", "deepseek-v3", "qwen3-30b-a3b")   # the 2% targets
 
@@ -122,7 +122,7 @@ def test_unknown_recipe_and_bad_scale_are_clear(capsys):
     with pytest.raises(ConfigError, match="'scale' = 'huge'.*'full', 'tiny'"):
         load_recipe("mixtral-8x7b", ["scale=huge"])
     assert cli_main(["describe", "mixtral-8x7b", "--ep", "3"]) == 2
-    assert "parallel.ep = 3" in capsys.readouterr().err
+    assert "'parallel.ep' = 3 is invalid" in capsys.readouterr().err
 
 
 def test_describe_rows_per_expert(capsys):

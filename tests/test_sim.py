@@ -11,9 +11,9 @@ import pytest
 from epscale.cli import main as cli_main
 from epscale.config import ConfigError, ModelConfig, MoEConfig, RunConfig, TrainConfig, ParallelConfig
 from epscale.config import load_recipe
-from epscale.sim import PRESETS, ClusterSpec, load_cluster, simulate
-from epscale.sim.cluster import dump_cluster
-from epscale.sim.routing import (RoutingSpec, inclusion_probs, read_trace, sample_topk, shares_of,
+from epscale.plan import PRESETS, ClusterSpec, load_cluster, simulate
+from epscale.plan.cluster import dump_cluster
+from epscale.plan.routing import (RoutingSpec, inclusion_probs, read_trace, sample_topk, shares_of,
                                  zipf_weights)
 
 
@@ -177,7 +177,7 @@ def test_trace_group_limited_and_scale():
 
 
 def test_layout_errors_are_clear():
-    with pytest.raises(ConfigError, match="parallel.ep = 12"):
+    with pytest.raises(ConfigError, match="'parallel.ep' = 12 is invalid"):
         simulate(_cfg(E=24, ep=12), ClusterSpec(nodes=2, gpus_per_node=8))
     with pytest.raises(ConfigError, match="dispatcher 'nccl'"):
         simulate(_cfg(), ClusterSpec(nodes=2, gpus_per_node=8), dispatchers=("nccl",))

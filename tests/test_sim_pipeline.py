@@ -16,11 +16,12 @@ from epscale.cli import main as cli_main
 from epscale.commands.describe import describe, fit_report
 from epscale.config import (ConfigError, ModelConfig, MoEConfig, ParallelConfig, RunConfig,
                             TrainConfig, load_recipe, recipe_path)
-from epscale.sim import ClusterSpec, simulate
-from epscale.sim.memory import DTYPE_BYTES, Layout, estimate, memory_per_rank, pipeline_memory
-from epscale.sim.pipeline import bubble_fraction, in_flight, schedule_actions
-from epscale.sim.routing import RoutingSpec
-from epscale.sim.sizing import model_size
+from epscale.plan import ClusterSpec, simulate
+from epscale.plan.layout import Layout
+from epscale.plan.memory import DTYPE_BYTES, Activations, estimate, memory_per_rank, pipeline_memory
+from epscale.plan.pipeline import bubble_fraction, in_flight, schedule_actions
+from epscale.plan.routing import RoutingSpec
+from epscale.plan.sizing import model_size
 
 GiB = 2 ** 30
 SCHEDULES = [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3),
@@ -136,16 +137,16 @@ def test_stage_parameters_add_up_to_the_model(schedule, v):
     cfg = _cfg(pp=2, schedule=schedule, virtual=v, m=8)
     size = model_size(cfg)
     one = memory_per_rank(cfg, world=2)              # a stage of one rank: everything once
-    ranks = pipeline_memory(cfg, Layout.of(cfg, world=2))
+    ranks = pipeline_memory(cfg, Layout.from_config(cfg, 2))
     assert sum(r.memory.params_per_rank for r in ranks) == size.total_params
     assert one.total == max(r.memory.total for r in ranks)
     stages = sorted(s for r in ranks for s in r.stages)
     assert stages == list(range(2 * v)) and sum(b - a for r in ranks for a, b in r.layers) == 8
     # ep=2 inside each stage: a rank holds half of its stages' experts
-    ep = pipeline_memory(cfg, Layout.of(cfg, world=4, ep=2))
+    ep = pipeline_memory(cfg, Layout.from_config(cfg, 4, ep=2))
     assert sum(r.memory.params_per_rank for r in ep) == size.total_params - size.expert_params / 2
     # FSDP over the stage's 4 ranks: a quarter each (whole rows: a little more)
-    f = pipeline_memory(cfg, Layout.of(cfg, world=8, ep=2, fsdp=True))
+    f = pipeline_memory(cfg, Layout.from_config(cfg, 8, ep=2, fsdp=True))
     held = sum(r.memory.params_per_rank for r in f) * 4
     assert size.total_params <= held < size.total_params * 1.15
     assert all(r.memory.gathered > 0 for r in f)
@@ -154,8 +155,8 @@ def test_stage_parameters_add_up_to_the_model(schedule, v):
 def test_1f1b_ranks_keep_p_to_one_micro_batches():
     p, m = 4, 8
     cfg = _cfg(pp=p, m=m, layers=8, dense=0, pp_layers_per_stage=[2, 2, 2, 2])
-    lay = Layout.of(cfg, world=p, compute_dtype="bfloat16", activation_checkpointing="full")
-    ranks = pipeline_memory(cfg, lay)
+    lay, acts = Layout.from_config(cfg, p), Activations.of(cfg, "full", "bfloat16")
+    ranks = pipeline_memory(cfg, lay, acts)
     assert [r.in_flight for r in ranks] == [4, 3, 2, 1]
     T, D, V = 16, 32, 64
     act = T * D * 2
@@ -174,22 +175,22 @@ def test_1f1b_ranks_keep_p_to_one_micro_batches():
     emb = V * D
     assert ranks[0].memory.params_per_rank - ranks[1].memory.params_per_rank == emb
     assert ranks[3].memory.params_per_rank - ranks[2].memory.params_per_rank == emb + D
-    assert estimate(cfg, lay) == max((r.memory for r in ranks), key=lambda x: x.total)
+    assert estimate(cfg, lay, acts) == max((r.memory for r in ranks), key=lambda x: x.total)
 
 
 def test_pipeline_layout_errors_name_the_key():
     cfg = _cfg(pp=2, m=8)
-    with pytest.raises(ConfigError, match="parallel.pp = 2 is invalid: must divide the world"):
+    with pytest.raises(ConfigError, match=r"'parallel.pp' = 2 is invalid: must divide the number of processes \(3\)"):
         memory_per_rank(cfg, world=3)
-    with pytest.raises(ConfigError, match="parallel.ep = 4 is invalid: must divide the ranks of one stage"):
+    with pytest.raises(ConfigError, match=r"'parallel.ep' = 4 is invalid: must divide the 2 ranks of one pipeline stage \(world 4 / pp 2\)"):
         memory_per_rank(cfg, world=4, ep=4)
-    with pytest.raises(ConfigError, match="train.grad_accum = 2 .* 1f1b needs at least pp = 4"):
+    with pytest.raises(ConfigError, match="'train.grad_accum' = 2 .* 1f1b needs at least pp = 4"):
         memory_per_rank(_cfg(pp=2, m=2), world=4, pp=4)
     with pytest.raises(ConfigError, match="'parallel.pp' = 16 .*model.num_layers is 8"):
         memory_per_rank(cfg, pp=16)
     with pytest.raises(ConfigError, match="model.tie_embeddings"):
         memory_per_rank(load_recipe("tiny"), pp=2)
-    with pytest.raises(ConfigError, match="'train.global_batch_size' = 10 .* multiple of the 4 data"):
+    with pytest.raises(ConfigError, match=r"'train.global_batch_size' = 10 .* at 4 data-parallel ranks \(8 / pp 2\)"):
         memory_per_rank(RunConfig(model=cfg.model, moe=cfg.moe, parallel=cfg.parallel,
                                   train=TrainConfig(micro_batch_size=1, global_batch_size=10)),
                         world=8)

@@ -9,7 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from epscale.config import CpuKernelConfig, ModelConfig, MoEConfig, RunConfig
 from epscale.model import Transformer
-from epscale.sim.sizing import model_size
+from epscale.plan.sizing import model_size
 
 CASES = {
     "mha-tied": (dict(num_heads=4), dict()),
@@ -64,6 +64,6 @@ def test_matmul_flops_match_flop_counter(case):
         net(torch.randint(0, cfg.model.vocab_size, (B, S)))
     mm = fc.get_flop_counts()["Global"][torch.ops.aten.mm]
     size = model_size(cfg)
-    from epscale.sim.sizing import attention_flops_per_token
+    from epscale.plan.sizing import attention_flops_per_token
     attn = cfg.model.num_layers * attention_flops_per_token(cfg.model)
     assert size.flops_per_token / 3 - attn == pytest.approx(mm / (B * S), rel=1e-9)

@@ -176,7 +176,7 @@ def test_a_world_the_layout_cannot_use_is_refused_before_queueing(tmp_path, acti
                                "--run-dir", str(tmp_path / "run"), "-o", str(script))
     assert code == 2 and not out, out
     assert ("--nodes 3 x --gpus-per-node 8 = 24 ranks cannot start ref-1t-64e: config key "
-            "'parallel.ep' = 64 is invalid: it must divide dp_shard = 12 (world 24 / "
+            "'parallel.ep' = 64 is invalid: must divide dp_shard = 12 (the 24 processes / "
             "dp_replicate 2)") in err, err
     # FSDP with 2 replicas of ep=64: the world must be a multiple of 128 ranks
     assert ("Use --nodes 16 or a multiple of it (16 x 8 = 128 ranks; the recipe's "
@@ -197,8 +197,8 @@ def test_a_rank_that_does_not_fit_the_gpu_is_refused_unless_told(tmp_path):
     assert code == 2 and not script.exists(), err
     assert ("note: parallel.dp_replicate=2 x parallel.dp_shard=512 != 128 processes: using "
             "dp_shard=64") in err, err
-    assert (f"ref-1t-64e needs about {total / 2 ** 30:,.1f} GiB per rank (FSDP over 128 ranks, "
-            "ep=64" in err and "more than --gpu-mem 80GiB" in err), err
+    assert (f"ref-1t-64e needs about {total / 2 ** 30:,.1f} GiB per rank (HSDP dp_replicate=2 x "
+            "dp_shard=64 (ep=64, efsdp=1)" in err and "more than --gpu-mem 80GiB" in err), err
     assert "describe ref-1t-64e --world 128 --ep 64, or --fit 80GiB" in err
     assert "run on more nodes" in err and "add --no-memory-check" in err
     code, out, err = slurm_cli(*base, "--no-memory-check")

@@ -9,7 +9,7 @@ import pytest
 
 from epscale.cli import main as cli_main
 from epscale.config import load_recipe
-from epscale.sim.sweep import expand_grid, load_results, pareto_front, recommend
+from epscale.tune.sweep import expand_grid, load_results, pareto_front, recommend
 
 
 def test_expand_grid_skips_invalid_points_with_reasons():

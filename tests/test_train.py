@@ -382,8 +382,9 @@ def test_redundant_experts_train_like_plain_ep_resume_and_reshard(tmp_path, plai
 
 
 def test_launch_env_from_torchrun_and_srun(monkeypatch):
-    from epscale.training.dist import detect_env, resolve_layout
-    from epscale.config import ConfigError, ParallelConfig
+    from epscale.training.dist import detect_env
+    from epscale.config import ConfigError
+    from epscale.plan.layout import Layout
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
         monkeypatch.delenv(k, raising=False)
@@ -403,8 +404,12 @@ def test_launch_env_from_torchrun_and_srun(monkeypatch):
     env = detect_env()
     assert (env.launcher, env.rank, env.world_size) == ("torchrun", 1, 2)
     # dp follows the process count when it does not fit; ep must divide it and E
-    assert resolve_layout(ParallelConfig(ep=2), 4, 8)[:2] == (2, 2)
-    with pytest.raises(ConfigError, match="parallel.ep"):
-        resolve_layout(ParallelConfig(ep=3), 3, 8)
-    with pytest.raises(ConfigError, match="multiple of it"):
-        resolve_layout(ParallelConfig(ep=2), 3, 8)
+    def layout(world, ep):
+        return Layout.from_config(load_config(None, [f"parallel.ep={ep}", "moe.num_experts=8"]), world)
+
+    lay = layout(4, 2)
+    assert (lay.dp, lay.ep) == (2, 2) and "using dp=2" in lay.note
+    with pytest.raises(ConfigError, match=r"parallel.ep' = 3 .*moe.num_experts \(8\)"):
+        layout(3, 3)
+    with pytest.raises(ConfigError, match=r"parallel.ep' = 2 .*must divide the 3 processes"):
+        layout(3, 2)

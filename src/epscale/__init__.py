@@ -3,7 +3,9 @@
 from .config import ConfigError, MoEConfig
 from .moe.layer import MoE
 from .parallel import ParallelDims, parallelize
+from .plan.layout import Layout
 
 __version__ = "0.1.0"
 
-__all__ = ["MoE", "MoEConfig", "ConfigError", "ParallelDims", "parallelize", "__version__"]
+__all__ = ["MoE", "MoEConfig", "ConfigError", "Layout", "ParallelDims", "parallelize",
+           "__version__"]

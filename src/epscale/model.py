@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable, ContextManager, Iterator
+from typing import Callable, ContextManager
 
 import torch
 import torch.nn.functional as F
@@ -441,13 +441,6 @@ class Transformer(nn.Module):
 def next_token_loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of the logits against the next tokens (targets -100 skipped)."""
     return F.cross_entropy(logits_BSV.view(-1, logits_BSV.shape[-1]), targets_BS.reshape(-1))
-
-
-def iter_named_expert_params(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
-    """Routed-expert weights (leading dim = experts), by name."""
-    for name, p in model.named_parameters():
-        if ".experts." in f".{name}" and ".shared_experts." not in f".{name}":
-            yield name, p
 
 
 def build_model(cfg: RunConfig, device: torch.device | str | None = None,

@@ -2,5 +2,5 @@
 ``run(args) -> int``. ``epscale.cli`` imports a command's module only when it runs.
 
 Commands hold the command-line glue (options, tables, plots, exit codes); what they do
-lives in the library packages (``training``, ``launch``, ``sim``, ``monitor``, ...).
+lives in the library packages (``training``, ``launch``, ``plan``, ``tune``, ``monitor``, ...).
 """

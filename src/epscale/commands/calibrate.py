@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..sim.calibrate import CLOCKS, calibrate
-from ..sim.cluster import dump_cluster
+from ..tune.calibrate import CLOCKS, calibrate
+from ..plan.cluster import dump_cluster
 
 
 def configure_parser(p) -> None:

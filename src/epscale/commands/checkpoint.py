@@ -26,6 +26,7 @@ from ..interop.files import DTYPES
 from ..interop.hf import import_hf
 from ..interop.hf_export import export_hf
 from ..interop.hf_families import EXPORT_FAMILIES
+from ..plan.layout import record_label
 from ..training import checkpoint as ckpt
 from .args import allow_intermixed, parse_size
 
@@ -83,8 +84,7 @@ def run(args) -> int:
         return 0
     if args.action == "export":
         meta = ckpt.export_full(args.source, args.out)
-        print(f"exported step {meta.get('step')} (written at dp={meta.get('dp')} x "
-              f"ep={meta.get('ep')}) to {args.out}")
+        print(f"exported step {meta.get('step')} (written at {_written_at(meta)}) to {args.out}")
         return 0
     if args.action == "import":
         path = ckpt.import_full(args.source, args.run_dir, args.step)
@@ -112,6 +112,11 @@ def _imported(args, path) -> int:
     return 0
 
 
+def _written_at(meta: dict) -> str:
+    """The layout a checkpoint was written at, labelled as everywhere else."""
+    return record_label(meta, (meta.get("config") or {}).get("parallel"))
+
+
 def _list(args) -> int:
     found = ckpt.list_checkpoints(args.run_dir)
     if not found:
@@ -120,7 +125,7 @@ def _list(args) -> int:
     for step, path in found:
         try:
             meta = ckpt.validate(path)
-            print(f"{path}  step {step}  ok  (dp={meta.get('dp')} x ep={meta.get('ep')})")
+            print(f"{path}  step {step}  ok  ({_written_at(meta)})")
         except ckpt.CheckpointError as e:
             print(f"{path}  step {step}  BAD: {e}")
     return 0

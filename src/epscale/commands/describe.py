@@ -11,14 +11,15 @@ import argparse
 import dataclasses
 import json
 
-from ..config import PUBLISHED, ConfigError, load_recipe, recipe_path
+from ..config import PUBLISHED, ConfigError, RunConfig, load_recipe, recipe_path
 from ..config.recipes import requested_scale
 from ..config.schema import PP_SCHEDULES
 from ..interop.hf_families import describe_export
-from ..sim.fit import AC_MODES
-from ..sim.memory import DTYPE_BYTES, estimate, pipeline_memory, resolve, with_pipeline
-from ..sim.pipeline import bubble_fraction, stage_flops
-from ..sim.sizing import model_size
+from ..plan.fit import AC_MODES
+from ..plan.layout import Layout
+from ..plan.memory import DTYPE_BYTES, Activations, estimate, pipeline_memory, resolve
+from ..plan.pipeline import bubble_fraction, stage_flops
+from ..plan.sizing import model_size
 from .args import parse_size
 
 
@@ -80,32 +81,32 @@ LAYOUT_KEYS = ("world", "dp", "ep", "fsdp", "dp_replicate", "activation_checkpoi
 
 def describe(config: str, overrides: list[str] | None = None, **layout) -> dict:
     """The describe report as a plain dict (what ``--json`` prints). ``layout``: any of
-    ``LAYOUT_KEYS`` replacing the recipe's (see :func:`epscale.sim.memory.resolve`).
+    ``LAYOUT_KEYS`` replacing the recipe's (see :func:`epscale.plan.memory.resolve`).
     ``scale`` is the scale asked for (by the recipe or a ``scale=`` override): the shrunk
     config itself says 'full'."""
     cfg = load_recipe(config, overrides)
     size = model_size(cfg)
     lay_args = {k: v for k, v in layout.items() if v is not None}
-    lay = resolve(cfg, **lay_args)
-    mem = estimate(cfg, lay)
+    cfg, lay, acts = resolve(cfg, **lay_args)
+    mem = estimate(cfg, lay, acts)
     out = {"name": cfg.name, "config": str(recipe_path(config)),
            "scale": requested_scale(config, overrides),
            **size.as_dict(), "memory": mem.as_dict(), "hf_export": describe_export(cfg)}
     out["layout"] = {"world": lay.world, "ep": lay.ep, "fsdp": lay.fsdp,
-                     "activation_checkpointing": lay.activation_checkpointing,
-                     "micro_batch_size": lay.micro_batch_size, "compute_dtype": lay.compute_dtype,
-                     "description": lay.describe()}
+                     "activation_checkpointing": acts.activation_checkpointing,
+                     "micro_batch_size": lay.micro_batch_size, "compute_dtype": acts.compute_dtype,
+                     "description": lay.label(pipeline=True)}
     if lay.fsdp:
         out["layout"].update(dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, efsdp=lay.efsdp)
     else:
-        out["layout"]["dp"] = lay.stage_world // lay.ep   # of one stage under a pipeline
+        out["layout"]["dp"] = lay.dp   # of one stage under a pipeline
     if lay.ep > 1:
         out["layout"]["redundant_experts"] = lay.redundant_experts
     if lay.pp > 1:
         out["layout"].update(pp=lay.pp, pp_schedule=lay.pp_schedule,
                              pp_virtual_stages=lay.pp_virtual_stages,
                              micro_batches=lay.micro_batches)
-        out["pipeline"] = pipeline_report(cfg, lay)
+        out["pipeline"] = pipeline_report(cfg, lay, acts)
     if size.num_moe_layers:
         # What an expert's GEMMs see per micro-batch and MoE layer with balanced routing:
         # the EP group's tokens times top-k, spread over the experts. It sets how close the
@@ -121,11 +122,12 @@ def describe(config: str, overrides: list[str] | None = None, **layout) -> dict:
     return out
 
 
-def pipeline_report(cfg, lay) -> dict:
-    """The pipeline part of :func:`describe` (``lay.pp`` > 1): stages, bubble, p2p traffic
-    and each pipeline rank's memory (``largest_rank``: the one ``memory`` reports)."""
-    ranks = pipeline_memory(cfg, lay)
-    flops = stage_flops(with_pipeline(cfg, lay.pp, lay.pp_schedule, lay.pp_virtual_stages))
+def pipeline_report(cfg: RunConfig, lay: Layout, acts: Activations) -> dict:
+    """The pipeline part of :func:`describe` (``lay.pp`` > 1; ``cfg`` has its pipeline
+    keys): stages, bubble, p2p traffic and each pipeline rank's memory (``largest_rank``:
+    the one ``memory`` reports)."""
+    ranks = pipeline_memory(cfg, lay, acts)
+    flops = stage_flops(cfg)
     owner = {s: r.rank for r in ranks for s in r.stages}
     stages, start = [], 0
     for s, k in enumerate(lay.layers_per_stage):
@@ -138,7 +140,7 @@ def pipeline_report(cfg, lay) -> dict:
             "bubble": bubble_fraction(lay.pp_schedule, lay.pp, lay.micro_batches,
                                       lay.pp_virtual_stages),
             "p2p_bytes_per_boundary": lay.micro_batches * T * cfg.model.dim
-            * DTYPE_BYTES[lay.compute_dtype],
+            * DTYPE_BYTES[acts.compute_dtype],
             "largest_rank": largest.rank, "ranks": [r.as_dict() for r in ranks]}
 
 
@@ -147,8 +149,8 @@ def fit_report(config: str, overrides: list[str] | None, gpu_mem: str, cluster: 
     """The layouts of ``cluster`` (``nodes``, or ``gpus`` over its GPUs per node, replacing
     its node count) under which one rank of ``config`` fits ``gpu_mem``, fastest first by
     the step model (what ``--fit`` prints)."""
-    from ..sim import load_cluster
-    from ..sim.fit import fit
+    from ..plan import load_cluster
+    from ..plan.fit import fit
 
     limit = parse_size("--fit", gpu_mem)
     cfg = load_recipe(config, overrides)
@@ -199,7 +201,7 @@ def _print_fit(info: dict, console) -> None:
                   f"{r['step_time_s']:.2f} s", f"{r['tokens_per_s_per_gpu']:,.0f}")
     console.print(t)
     console.print(f"#1 as overrides: {' '.join(info['layouts'][0]['overrides'])}")
-    console.print("[dim]memory: sim.memory.estimate (weights, gradients, AdamW, saved activations, "
+    console.print("[dim]memory: plan.memory.estimate (weights, gradients, AdamW, saved activations, "
                   "FSDP's gathered block, dispatch rows; under a pipeline its largest rank, with "
                   "the micro-batches in flight and p2p buffers); step: the simulator's step "
                   "model with loss-free balancing (epscale simulate for the detail). Every "
@@ -231,7 +233,7 @@ def _print_pipeline(info: dict, console) -> None:
     console.print(split)
     console.print(f"bubble: {pipe['bubble']:.1%} of the step for {lay['pp_schedule']} at "
                   f"{lay['micro_batches']} micro-batches per step and pp={lay['pp']} (equal "
-                  f"stages; sim.pipeline.bubble_fraction). p2p per step across each stage "
+                  f"stages; plan.pipeline.bubble_fraction). p2p per step across each stage "
                   f"boundary between ranks: {_fmt_bytes(pipe['p2p_bytes_per_boundary'])} of "
                   "activations forward and as much of gradients backward, per GPU.")
     t = Table(title="memory per pipeline rank (the largest in bold red: the memory table above)")

@@ -8,10 +8,10 @@ import time
 from pathlib import Path
 
 from ..config import ConfigError, load_recipe
-from ..sim.balance import STRATEGIES, BalanceParams
-from ..sim.cluster import PRESETS, load_cluster
-from ..sim.routing import RoutingSpec
-from ..sim.step_model import DISPATCHERS, OVERLAPS, SimResult, simulate
+from ..plan.balance import STRATEGIES, BalanceParams
+from ..plan.cluster import PRESETS, load_cluster
+from ..plan.routing import RoutingSpec
+from ..plan.step_model import DISPATCHERS, OVERLAPS, SimResult, simulate
 
 
 def configure_parser(p) -> None:

@@ -3,7 +3,8 @@ runs ``srun torchrun`` (see :mod:`epscale.launch.slurm` and docs/slurm.md).
 
 Before a script is written, the allocation is checked against the recipe, so a job that
 cannot start fails here and not after it has waited in the queue: nodes x procs-per-node
-must be a world the layout can use (``resolve_layout``: ep divides it, and moe.num_experts),
+must be a world the layout can use (:class:`~epscale.plan.layout.Layout`: ep divides it and
+moe.num_experts, the global batch splits over it),
 and with GPUs the estimated memory per rank (``epscale describe``) must fit ``--gpu-mem``.
 """
 
@@ -17,8 +18,8 @@ from pathlib import Path
 from ..config import ConfigError, RunConfig
 from ..launch.local import pin_global_batch
 from ..launch.slurm import SlurmJob, bad_option, render, submit, write_script
-from ..sim.memory import memory_per_rank
-from ..training.dist import resolve_layout
+from ..plan.layout import Layout
+from ..plan.memory import estimate
 from ..training.elastic import check_elastic
 from .args import allow_intermixed, parse_size
 
@@ -135,11 +136,12 @@ def _layout_hint(job: SlurmJob, cfg: RunConfig) -> str:
             f"{own_txt}){ep_txt}.")
 
 
-def check_layout(args, job: SlurmJob, cfg: RunConfig) -> tuple[int, int, str | None]:
-    """(dp, ep, note) of the job's world, or ConfigError naming the options and keys: the
-    trainer would refuse this world at start-up, after the job has waited in the queue."""
+def check_layout(args, job: SlurmJob, cfg: RunConfig) -> Layout:
+    """The :class:`Layout` of the job's world, or ConfigError naming the options and keys
+    (the layout's own message): the trainer would refuse this world at start-up, after the
+    job has waited in the queue."""
     try:
-        return resolve_layout(cfg.parallel, job.world_size, cfg.moe.num_experts)
+        return Layout.from_config(cfg, job.world_size)
     except ConfigError as e:
         par = cfg.parallel
         unit = par.dp_replicate * par.ep if par.fsdp else par.ep
@@ -148,23 +150,20 @@ def check_layout(args, job: SlurmJob, cfg: RunConfig) -> tuple[int, int, str | N
                           f"{hint}".rstrip()) from None
 
 
-def check_memory(cfg: RunConfig, world: int, ep: int, gpu_mem: str) -> None:
-    """ConfigError when the estimated training memory of one rank at this world (what
+def check_memory(cfg: RunConfig, lay: Layout, gpu_mem: str) -> None:
+    """ConfigError when the estimated training memory of one rank at ``lay`` (what
     ``epscale describe --world --ep`` prints; the largest pipeline rank under a pipeline)
     exceeds one GPU's ``gpu_mem``."""
     limit = parse_size("--gpu-mem", gpu_mem)
-    mem = memory_per_rank(cfg, world=world, ep=ep)
-    dp = world // cfg.parallel.pp // ep
+    world, ep = lay.world, lay.ep
+    mem = estimate(cfg, lay)
     if mem.total <= limit:
         return
     parts = ", ".join(f"{k} {_gib(getattr(mem, k))}"
                       for k in ("params", "grads", "optimizer", "activations", "gathered", "comm")
                       if getattr(mem, k))
     par, train = cfg.parallel, cfg.train
-    layout = (f"FSDP over {world // par.pp} ranks, ep={ep}" if par.fsdp
-              else f"dp={dp} x ep={ep}, non-expert weights replicated")
-    if par.pp > 1:
-        layout = f"pp={par.pp} stages of {layout}; the largest pipeline rank"
+    layout = lay.label() + ("; the largest pipeline rank" if lay.pp > 1 else "")
     fixes = []
     if not par.fsdp:
         fixes.append("shard the rest with parallel.fsdp=true")
@@ -186,20 +185,19 @@ def check_job(args, job: SlurmJob) -> None:
     """The checks a job must pass before its script is written (see the module docstring);
     prints the layout note (dp derived from the world) to stderr."""
     cfg = job.run_config
-    dp, ep, note = check_layout(args, job, cfg)
-    if note:
-        print(f"epscale slurm: note: {note}", file=sys.stderr)
+    lay = check_layout(args, job, cfg)
+    if lay.note:
+        print(f"epscale slurm: note: {lay.note}", file=sys.stderr)
     if job.gpus_per_node and args.memory_check:
-        check_memory(cfg, job.world_size, ep, args.gpu_mem)
+        check_memory(cfg, lay, args.gpu_mem)
     if job.elastic:  # the node counts it can shrink to; the smallest must fit memory too
         pinned, _ = pin_global_batch(cfg, job.world_size)
         ok = check_elastic(pinned, job.min_nodes, job.nodes, job.procs_per_node,
                            who="epscale slurm")
         if job.gpus_per_node and args.memory_check:
             smallest = min(ok) * job.procs_per_node
-            _dp, ep_min, _ = resolve_layout(cfg.parallel, smallest, cfg.moe.num_experts)
             try:
-                check_memory(cfg, smallest, ep_min, args.gpu_mem)
+                check_memory(cfg, Layout.from_config(cfg, smallest), args.gpu_mem)
             except ConfigError as e:
                 raise ConfigError(f"--min-nodes {job.min_nodes}: at {min(ok)} node(s) {e}") from None
 

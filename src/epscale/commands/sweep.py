@@ -1,12 +1,12 @@
 """``epscale sweep BASE``: measure a grid of experts x capacity x top-k (x dispatcher)
-around a recipe on this machine and recommend one (see :mod:`epscale.sim.sweep`)."""
+around a recipe on this machine and recommend one (see :mod:`epscale.tune.sweep`)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from ..sim.sweep import pareto_front, recommend, run_sweep
+from ..tune.sweep import pareto_front, recommend, run_sweep
 
 
 def results_table(results: list[dict], pick: dict | None, front_ids: set[str]):

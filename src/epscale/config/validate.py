@@ -32,11 +32,6 @@ def choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:
         fail(key, value, f"must be one of {', '.join(repr(a) for a in allowed)}{extra}")
 
 
-def positive_int(key: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        fail(key, value, "must be a positive integer")
-
-
 def coerce(key: str, value: Any, annotation: Any) -> Any:
     """Check ``value`` against a (resolved) type annotation, converting harmless cases
     (an integral float for an int, an int for a float, a dict for a nested dataclass)."""

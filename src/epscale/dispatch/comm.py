@@ -23,6 +23,8 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ..plan.layout import Dims
+
 FP8_DTYPE = getattr(torch, "float8_e4m3fn", None)
 FP8_MAX = 448.0          # largest finite e4m3fn value
 FP8_BLOCK = 128          # channels that share one scale (DeepEP's per-128-channel scaling)
@@ -86,7 +88,7 @@ class GroupInfo:
                    counter)
 
 
-def group_info(dims, which: str, counter: CommCounter | None = None) -> GroupInfo:
+def group_info(dims: Dims, which: str, counter: CommCounter | None = None) -> GroupInfo:
     """GroupInfo of the ParallelDims ``dims``' group 'ep', 'dp', 'ep_inter' or 'ep_intra'
     (a single-rank group when the real one would be trivial), sharing ``counter``."""
     counter = counter if counter is not None else CommCounter()

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..plan.layout import Dims
 from .base import EPDispatcher
 from .comm import CommCounter, GroupInfo
 from .rows import expand_rows, reduce_rows
@@ -107,7 +108,7 @@ class DeepEPDispatcher(EPDispatcher):
 
     name = "deepep"
 
-    def __init__(self, num_experts: int, dims, hidden_bytes: int = 8192 * 2, workspace=None):
+    def __init__(self, num_experts: int, dims: Dims, hidden_bytes: int = 8192 * 2, workspace=None):
         require_deepep()
         import deep_ep  # an optional dependency: imported only where it is used
 

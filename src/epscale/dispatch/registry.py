@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 
 from ..config import ConfigError
+from ..plan.layout import Dims
 from .allgather import AllGatherDispatcher
 from .alltoall import AllToAllDispatcher
 from .base import Dispatcher
@@ -49,7 +50,7 @@ def check_choice(name: str, payload: str = "auto", overlap_chunks: int = 1) -> N
         require_deepep()
 
 
-def make_dispatcher(name: str, num_experts: int, dims, payload: str = "auto",
+def make_dispatcher(name: str, num_experts: int, dims: Dims, payload: str = "auto",
                     overlap_chunks: int = 1, workspace=None) -> Dispatcher:
     """Build the named backend for one MoE layer with ``num_experts`` experts over the EP
     group of ``dims`` (its own byte counter). ``workspace``: a row-buffer cache for the CPU

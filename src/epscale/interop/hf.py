@@ -66,25 +66,25 @@ CONTINUED_PRETRAINING = {"lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 10}
 
 
 @dataclass(frozen=True)
-class Layout:
-    """Where a family keeps its MoE layer's tensors."""
+class HFTensorMap:
+    """Where a Hugging Face family keeps its MoE layer's tensors."""
 
     moe: str                          # module name of the MoE block
     experts: tuple[str, str, str]     # gate (w1), up (w3), down (w2) of one expert
     bias: str | None = None           # the router's score-correction bias, if the format has one
 
 
-LAYOUTS = {
-    "mixtral": Layout("block_sparse_moe", ("w1", "w3", "w2")),
-    "qwen3_moe": Layout("mlp", ("gate_proj", "up_proj", "down_proj")),
-    "deepseek_v3": Layout("mlp", ("gate_proj", "up_proj", "down_proj"),
+TENSOR_MAPS = {
+    "mixtral": HFTensorMap("block_sparse_moe", ("w1", "w3", "w2")),
+    "qwen3_moe": HFTensorMap("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "deepseek_v3": HFTensorMap("mlp", ("gate_proj", "up_proj", "down_proj"),
                           "gate.e_score_correction_bias"),
-    "glm4_moe": Layout("mlp", ("gate_proj", "up_proj", "down_proj"),
+    "glm4_moe": HFTensorMap("mlp", ("gate_proj", "up_proj", "down_proj"),
                        "gate.e_score_correction_bias"),
-    "ernie4_5_moe": Layout("mlp", ("gate_proj", "up_proj", "down_proj"),
+    "ernie4_5_moe": HFTensorMap("mlp", ("gate_proj", "up_proj", "down_proj"),
                            "moe_statics.e_score_correction_bias"),
-    "llama": Layout("mlp", ("gate_proj", "up_proj", "down_proj")),
-    "qwen3": Layout("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "llama": HFTensorMap("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "qwen3": HFTensorMap("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 DENSE = ("gate_proj", "up_proj", "down_proj")
 BIAS_ROWS = {"ernie4_5_moe"}     # stores its correction bias as [1, E] (one expert group)
@@ -138,7 +138,7 @@ def rules(model_shapes: dict[str, tuple[int, ...]], cfg: RunConfig, family: str,
           interleave: bool) -> list[Rule]:
     """The rules of every epscale tensor the hub format holds, in state-dict order."""
     m = cfg.model
-    lay = LAYOUTS[family]
+    lay = TENSOR_MAPS[family]
     rope = m.qk_rope_head_dim if m.attention == "mla" else (m.head_dim or m.dim // m.num_heads)
     perm = torch.cat((torch.arange(0, rope, 2), torch.arange(1, rope, 2)))
     qk, H = m.qk_nope_head_dim + rope, m.num_heads
@@ -162,7 +162,7 @@ def rules(model_shapes: dict[str, tuple[int, ...]], cfg: RunConfig, family: str,
     return out
 
 
-def _layer_rule(name, rest, p, shape, lay: Layout, family, interleave, perm, qk, H, m):
+def _layer_rule(name, rest, p, shape, lay: HFTensorMap, family, interleave, perm, qk, H, m):
     attn = {"attention_norm.weight": "input_layernorm.weight",
             "ffn_norm.weight": "post_attention_layernorm.weight",
             "attention.wo.weight": "self_attn.o_proj.weight"}

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import RunConfig
 from .errors import HFError
 from .hf_families import HF_LATENT_NORM_EPS
 

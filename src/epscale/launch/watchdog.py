@@ -68,11 +68,6 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather
                "monitored_barrier")
 
 
-def nccl_flight_recorder_env(dump_dir: str | Path) -> dict[str, str]:
-    """The TORCH_NCCL_* variables that enable NCCL's flight recorder, dumps in ``dump_dir``."""
-    return {n: v.replace("{dump_dir}", str(dump_dir)) for n, v, _ in NCCL_FLIGHT_RECORDER_ENV}
-
-
 class CollectiveTimeout(RuntimeError):
     """A collective did not finish within the timeout. The message names rank, op and step."""
 

@@ -1,7 +1,7 @@
 """Peak device FLOP/s and model FLOPs utilisation (MFU).
 
 MFU = achieved model FLOP/s per process / peak FLOP/s of one device. The model FLOPs per
-token come from ``epscale.sim.sizing`` (forward + backward, active experts only, causal
+token come from ``epscale.plan.sizing`` (forward + backward, active experts only, causal
 attention).
 """
 
@@ -12,7 +12,7 @@ import os
 import torch
 
 from ..config import RunConfig
-from ..sim.sizing import model_size
+from ..plan.sizing import model_size
 
 # Dense bf16 tensor-core peak FLOP/s (no sparsity) by device-name fragment; fp32 runs use
 # the TF32 column. Unknown GPUs fall back to EPSCALE_PEAK_FLOPS or the A100 figures.
@@ -34,7 +34,7 @@ CPU_FLOPS_PER_CORE = 32 * 2.5e9
 
 def flops_per_token(cfg: RunConfig) -> float:
     """Training FLOPs (forward + backward) per token of ``cfg``'s model: the count of
-    ``epscale.sim.sizing.model_size`` (active matmul weights, causal attention)."""
+    ``epscale.plan.sizing.model_size`` (active matmul weights, causal attention)."""
     return float(model_size(cfg).flops_per_token)
 
 

@@ -1,4 +1,4 @@
-"""What a training step holds, measured (the counterpart of ``epscale.sim.memory``'s
+"""What a training step holds, measured (the counterpart of ``epscale.plan.memory``'s
 estimate): the bytes of this rank's parameter, gradient and optimizer-state storages, and
 the bytes a forward leaves allocated for backward.
 

@@ -20,10 +20,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..plan.layout import Dims
 from .layer import moe_layers, named_moe_layers
 
 
-def _holders_group(dims) -> object | None:
+def _holders_group(dims: Dims | None) -> object | None:
     """The ranks that hold the same MoE layers: every rank, or under a pipeline the ranks
     of this rank's stages (``dims.stage_group``); None: the default group."""
     if dims is None:
@@ -33,7 +34,7 @@ def _holders_group(dims) -> object | None:
 
 
 @torch.no_grad()
-def step_loads(module: nn.Module, dims=None) -> torch.Tensor:
+def step_loads(module: nn.Module, dims: Dims | None = None) -> torch.Tensor:
     """The step's loads [L, E] (float64, layer order): every MoE layer's
     ``tokens_per_expert`` counter (its routed assignments since ``reset_token_counts``)
     summed over the ranks that hold the layer, with ONE all-reduce for all layers. The
@@ -50,7 +51,7 @@ def step_loads(module: nn.Module, dims=None) -> torch.Tensor:
 
 
 @torch.no_grad()
-def update_expert_biases(module: nn.Module, dims=None, u: float = 1e-3,
+def update_expert_biases(module: nn.Module, dims: Dims | None = None, u: float = 1e-3,
                          counts: Mapping[int, Sequence[float]] | torch.Tensor | None = None,
                          reset: bool = False) -> torch.Tensor:
     """Loss-free balancing: ``b_i += u * sign(mean load - load_i)`` in every MoE layer.

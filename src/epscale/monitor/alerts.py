@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..config import ConfigError, apply_overrides, from_dict, load_yaml
+from ..plan.layout import record_label
 from .runlog import RunLog, finite, layers_of, num, processes_gone
 
 
@@ -459,12 +460,6 @@ def rule_checkpoint_failed(run: RunLog) -> list[Alert]:
                   f"disk space, the permissions of {run.run_dir}/checkpoints)")]
 
 
-def _layout_text(lay: dict[str, Any]) -> str:
-    if lay.get("fsdp"):
-        return f"FSDP {lay.get('dp_replicate')} x {lay.get('dp_shard')}, ep={lay.get('ep')}"
-    return f"dp={lay.get('dp')} x ep={lay.get('ep')}"
-
-
 def rule_layout_change(run: RunLog, r: AlertRules) -> list[Alert]:
     """An elastic restart changed the layout (a 'layout_change' event within the last
     ``recent_records`` records): ranks lost or joined, the grad_accum that keeps the
@@ -499,7 +494,7 @@ def rule_layout_change(run: RunLog, r: AlertRules) -> list[Alert]:
         out.append(Alert(
             "layout_change", "run", ev["step"],
             f"step {ev['step']}: layout {old.get('world_size')} -> {new.get('world_size')} "
-            f"processes ({_layout_text(old)} -> {_layout_text(new)}), {who}{batch}"
+            f"processes ({record_label(old)} -> {record_label(new)}), {who}{batch}"
             f"{lost_steps}{timing}"))
     return out
 

@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from ..plan.layout import record_label
 from .alerts import Alert, AlertRules
 from .report_assets import CSS, JS
 from .runlog import RunLog, fmt_value as _fmt, layers_of, num
@@ -281,7 +282,8 @@ def render_html(run: RunLog, data: dict[str, Any], alerts: list[Alert], now: flo
                              + ("dropless (no capacity limit)" if cf is None else
                                 f"capacity factor {cf}")))
     if par:
-        facts.append(("layout", f"dp={par.get('dp', 1)} × ep={par.get('ep', 1)}, dispatcher "
+        start = next((e for e in reversed(run.events) if e.get("event") == "start"), None)
+        facts.append(("layout", f"{record_label(start, par)}, dispatcher "
                                 f"{par.get('dispatcher', '?')}"))
     cards = header_cards(run, data, alerts)
     out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',

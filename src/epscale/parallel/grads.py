@@ -12,12 +12,13 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..placement.replicas import sync_replica_gradients
+from ..plan.layout import Dims
 from .shard import expert_param_ids, is_expert_param
 
 BUCKET_BYTES = 32 * 1024 * 1024
 
 
-def sync_gradients(module: nn.Module, dims, bucket_bytes: int = BUCKET_BYTES) -> None:
+def sync_gradients(module: nn.Module, dims: Dims, bucket_bytes: int = BUCKET_BYTES) -> None:
     """Make every rank's grads the gradient of the MEAN of all ranks' losses. Call once
     after backward.
 

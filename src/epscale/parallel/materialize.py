@@ -13,10 +13,11 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from ..model import Transformer
 from ..model_init import initialize_
+from ..plan.layout import Dims
 from .shard import expert_global_rows, is_expert_param, mark_all_expert_params
 
 
-def full_view(param: torch.Tensor, dims=None) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+def full_view(param: torch.Tensor, dims: Dims | None = None) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
     """(local tensor, full shape, offset of the local tensor in the full one) of a
     parameter: plain (the whole tensor), an FSDP DTensor (its shard), or a routed-expert
     weight sliced over expert parallelism (rows ``ep_rank * e`` on; sharded by FSDP too)."""

@@ -33,31 +33,14 @@ import torch
 from torch import nn
 
 from ..config import ConfigError
-from ..config.schema import PP_SCHEDULES, pp_stages_per_rank
+from ..config.schema import PP_SCHEDULES
 from ..moe.layer import MoE
+from ..plan.pipeline import stage_layers, stage_placement
 
 SCHEDULE_CLASSES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe",
                     "interleaved_1f1b": "ScheduleInterleaved1F1B",
                     "zero_bubble": "ScheduleInterleavedZeroBubble",
                     "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
-
-
-def stage_placement(schedule: str, pp: int, virtual_stages: int = 1) -> list[list[int]]:
-    """For each pipeline rank, the stage indices it holds (in the order it runs them)."""
-    v = pp_stages_per_rank(schedule, virtual_stages)
-    kind = PP_SCHEDULES[schedule]
-    if kind == "v":
-        return [[r, 2 * pp - 1 - r] for r in range(pp)]
-    return [[r + k * pp for k in range(v)] for r in range(pp)]
-
-
-def stage_layers(layers_per_stage: list[int]) -> list[range]:
-    """The block indices of each stage: consecutive runs of the given lengths."""
-    out, start = [], 0
-    for n in layers_per_stage:
-        out.append(range(start, start + n))
-        start += n
-    return out
 
 
 class AuxLossIntoBackward(torch.autograd.Function):

@@ -36,6 +36,7 @@ from ..dispatch.comm import Exchange, group_info
 from ..moe.balance import step_loads
 from ..moe.layer import moe_layers
 from ..ops import count_experts, count_ids
+from ..plan.layout import Dims
 from .eplb import Placement, _build, plan_placement
 
 _PLACEMENT_ATTR = "_epscale_placement"     # the module-level Placement after parallelize
@@ -165,7 +166,7 @@ def set_placement(module: nn.Module, placement: Placement) -> None:
     setattr(module, _PLACEMENT_ATTR, placement)
 
 
-def check_placement(layers, dims, placement: Placement) -> None:
+def check_placement(layers, dims: Dims, placement: Placement) -> None:
     """ValueError when ``placement`` does not fit the MoE ``layers`` over ``dims``' EP group."""
     if not isinstance(placement, Placement):
         raise TypeError(f"placement must be an epscale.placement.Placement (from plan_placement), "
@@ -201,7 +202,7 @@ def _placed_layers(module: nn.Module):
     return placement, moe_layers(module)
 
 
-def sync_replica_gradients(module: nn.Module, dims) -> None:
+def sync_replica_gradients(module: nn.Module, dims: Dims) -> None:
     """Sum the gradients of every replicated logical expert over its copies, so each copy
     holds the full gradient. ONE all-reduce over the EP group, of the replicated experts'
     gradients only (experts with a single copy send nothing). A no-op without a placement
@@ -247,7 +248,7 @@ def sync_replica_gradients(module: nn.Module, dims) -> None:
         g.index_copy_(0, dev_mine, buf.index_select(0, pos))
 
 
-def expert_grad_sq_norm(module: nn.Module, dims=None) -> torch.Tensor:
+def expert_grad_sq_norm(module: nn.Module, dims: Dims | None = None) -> torch.Tensor:
     """This rank's share of the squared norm of the *logical* expert gradients: each slot's
     squared norm divided by its expert's replica count, so the sum over the EP group counts
     every logical expert once (what a model without replicas would report). Without a
@@ -301,7 +302,7 @@ def _sources(src_p2l: np.ndarray, dst_p2l: np.ndarray, R: int) -> np.ndarray:
 
 
 @torch.no_grad()
-def relayout_rows(tensors: Sequence[torch.Tensor], src_p2l, dst_p2l, dims
+def relayout_rows(tensors: Sequence[torch.Tensor], src_p2l, dst_p2l, dims: Dims
                   ) -> tuple[list[torch.Tensor], int, int]:
     """This rank's rows of ``tensors`` (each [n_src, ...], row i = slot ``ep_rank*n_src + i``
     of the layout ``src_p2l``) rearranged into the layout ``dst_p2l`` (new tensors
@@ -371,7 +372,7 @@ def logical_layout(num_experts: int) -> np.ndarray:
 
 
 @torch.no_grad()
-def move_to_placement(module: nn.Module, dims, new: Placement,
+def move_to_placement(module: nn.Module, dims: Dims, new: Placement,
                       optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
     """Re-place the experts of a module parallelized with a placement: every rank's
     slots take the weights, and the optimizer's per-parameter state (every state tensor
@@ -437,7 +438,7 @@ class Rebalancer:
     ``maybe_replace(step)``; it returns the new Placement when it moved, else None.
     """
 
-    def __init__(self, module: nn.Module, dims, every: int, window: int | None = None,
+    def __init__(self, module: nn.Module, dims: Dims, every: int, window: int | None = None,
                  optimizer: torch.optim.Optimizer | None = None, num_groups: int = 1):
         if get_placement(module) is None:
             raise ValueError("Rebalancer: the module has no placement; parallelize it with "
@@ -507,9 +508,3 @@ def placement_from_dict(d: dict[str, Any]) -> Placement:
     E = int(d["num_experts"])
     counts = np.stack([np.bincount(row, minlength=E) for row in phy2log])
     return _build(phy2log, counts, int(d["num_ranks"]), int(d["num_nodes"]))
-
-
-def placement_rank_loads(placement: Placement, load_LE: Sequence) -> torch.Tensor:
-    """[L, R] rows each EP rank computes under ``placement`` (tokens split evenly over
-    replicas), for the balance metrics."""
-    return placement.rank_loads(torch.as_tensor(np.asarray(load_LE, dtype=np.float64)))

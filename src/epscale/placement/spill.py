@@ -42,6 +42,7 @@ from ..dispatch.comm import GroupInfo, all_to_all_bytes
 from ..dispatch.registry import make_dispatcher
 from ..moe.layer import moe_layers
 from ..ops import count_experts
+from ..plan.layout import Dims
 from .llep import SpillPlan, plan_spill
 from .replicas import rank_within_expert
 
@@ -316,7 +317,7 @@ class SpillDispatcher(Dispatcher):
                 f"min_rows={self.min_rows}, plain={self.plain!r})")
 
 
-def apply_spill(module: nn.Module, dims, threshold: float = 1.3, min_rows: int = 32) -> nn.Module:
+def apply_spill(module: nn.Module, dims: Dims, threshold: float = 1.3, min_rows: int = 32) -> nn.Module:
     """Give every MoE layer of an EP-parallelized ``module`` (``epscale.parallelize``)
     per-step spill-over, in place. Returns ``module``."""
     if dims.ep < 2:

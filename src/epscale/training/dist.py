@@ -1,5 +1,5 @@
 """Process set-up for the trainer: which launcher started us (torchrun, srun, none), the
-process group, the device, and the ParallelDims that own the dp x ep groups.
+process group, the device, and the ParallelDims that own the groups of the run's Layout.
 
 torchrun sets RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/MASTER_ADDR/MASTER_PORT; under
 ``srun`` without torchrun we read SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID and take the
@@ -17,8 +17,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..config import ConfigError, ParallelConfig
-from ..parallel import ParallelDims
+from ..config import ConfigError
+from ..parallel.dims import ParallelDims, SingleProcessDims
+from ..plan.layout import Layout
 
 
 @dataclass(frozen=True)
@@ -136,94 +137,8 @@ def shutdown(clean: bool = True, destroy: bool = True) -> None:
                 dist.destroy_process_group()
 
 
-class SingleProcessDims:
-    """The ParallelDims attributes for one process (no process group needed)."""
-
-    rank, world_size, dp, ep, ep_rank, dp_rank = 0, 1, 1, 1, 0, 0
-    ranks_per_node, num_nodes, node_rank = 1, 1, 0
-    ep_group = dp_group = mesh = None
-    fsdp, dp_replicate, dp_shard, efsdp = False, 1, 1, 1
-    pp, pp_rank, stage_rank, stage_size = 1, 0, 0, 1
-    pp_group = stage_group = world_group = None
-
-    @staticmethod
-    def background_group():
-        return None  # one process: background saves need no collectives
-
-
-def resolve_layout(par: ParallelConfig, world_size: int, num_experts: int) -> tuple[int, int, str | None]:
-    """(dp, ep, note) for ``world_size`` processes (each pipeline stage's share of them
-    when parallel.pp > 1): dp is the number of ranks that hold a
-    copy (replicated) or a shard (FSDP) of each expert slice, world / ep; note says what
-    was derived.
-
-    Replicated: dp * ep must equal the number of processes; when it does not and
-    ``world_size`` is a multiple of ep, dp becomes world_size / ep (so a recipe's ep works
-    at any process count). FSDP: world = dp_replicate x dp_shard (dp_shard null, or not
-    fitting: the rest), ep divides dp_shard.
-    """
-    dp, ep, note = par.dp, par.ep, None
-    if par.pp > 1:  # the layout below is each pipeline stage's
-        if world_size % par.pp:
-            raise ConfigError(f"config key 'parallel.pp' = {par.pp} is invalid: the number of "
-                              f"processes ({world_size}) must be a multiple of it (world = pp "
-                              "x the ranks of one stage)")
-        world_size //= par.pp
-    if num_experts % ep:
-        raise ConfigError(f"config key 'parallel.ep' = {ep} is invalid: must divide "
-                          f"moe.num_experts ({num_experts}) so every rank holds whole experts")
-    r = par.redundant_experts
-    if r and ep < 2:
-        raise ConfigError(f"config key 'parallel.redundant_experts' = {r} is invalid with ep={ep}: "
-                          "redundant copies spread load over EP ranks, so they need ep >= 2; "
-                          "set it to 0 or raise parallel.ep")
-    if r and (num_experts + r) % ep:
-        raise ConfigError(f"config key 'parallel.redundant_experts' = {r} is invalid: "
-                          f"moe.num_experts + redundant_experts = {num_experts + r} physical slots "
-                          f"must divide evenly over ep={ep} ranks; use a multiple of {ep}")
-    if par.fsdp:
-        dp_shard = fsdp_shard_size(par, world_size)
-        if par.dp_shard == dp_shard:
-            note = None
-        elif par.dp_shard is None:
-            note = f"parallel.dp_shard = {dp_shard} (the world over dp_replicate = {par.dp_replicate})"
-        else:
-            note = (f"parallel.dp_replicate={par.dp_replicate} x parallel.dp_shard={par.dp_shard} "
-                    f"!= {world_size} processes: using dp_shard={dp_shard}")
-        return world_size // ep, ep, note
-    if dp * ep != world_size:
-        if world_size % ep:
-            raise ConfigError(f"config key 'parallel.ep' = {ep} is invalid: the number of "
-                              f"processes ({world_size}) must be a multiple of it (world = dp x ep)")
-        note = (f"parallel.dp={dp} x parallel.ep={ep} != {world_size} processes: using "
-                f"dp={world_size // ep}")
-        dp = world_size // ep
-    return dp, ep, note
-
-
-def fsdp_shard_size(par: ParallelConfig, world_size: int) -> int:
-    """dp_shard of an FSDP layout at ``world_size`` processes: ``parallel.dp_shard``, or the
-    world over dp_replicate when that is null or does not fit this world (as dp does in the
-    replicated layout; ``resolve_layout`` says so). ConfigError naming the key when the
-    world does not split into dp_replicate x dp_shard with ep | dp_shard."""
-    rep = par.dp_replicate
-    if world_size % rep:
-        raise ConfigError(f"config key 'parallel.dp_replicate' = {rep} is invalid: the number "
-                          f"of processes ({world_size}) must be a multiple of it (world = "
-                          "dp_replicate x dp_shard)")
-    dp_shard = world_size // rep
-    if dp_shard % par.ep:
-        raise ConfigError(f"config key 'parallel.ep' = {par.ep} is invalid: it must divide "
-                          f"dp_shard = {dp_shard} (world {world_size} / dp_replicate {rep}): "
-                          "expert parallelism borrows its ranks from the sharded dimension")
-    return dp_shard
-
-
-def make_dims(par: ParallelConfig, env: LaunchEnv, num_experts: int):
-    """ParallelDims for this run (SingleProcessDims for one process) and the layout note."""
-    dp, ep, note = resolve_layout(par, env.world_size, num_experts)
-    if env.world_size == 1 and not par.fsdp:
-        return SingleProcessDims(), note
-    return ParallelDims(dp=dp, ep=ep, ranks_per_node=par.ranks_per_node,
-                        dp_replicate=par.dp_replicate if par.fsdp else 1, fsdp=par.fsdp,
-                        pp=par.pp), note
+def make_dims(layout: Layout) -> ParallelDims | SingleProcessDims:
+    """The process groups of ``layout`` (SingleProcessDims for one process without FSDP)."""
+    if layout.world == 1 and not layout.fsdp:
+        return SingleProcessDims()
+    return ParallelDims(layout)

@@ -41,51 +41,25 @@ from typing import Any
 
 from ..config import ConfigError, RunConfig
 from ..launch.local import ELASTIC_ENV
-from ..sim.memory import memory_per_rank
-from ..sim.pipeline import micro_batch_problem
-from .dist import LaunchEnv, resolve_layout
+from ..plan.layout import Layout, record_label
+from ..plan.memory import memory_per_rank
+from ..parallel.dims import ParallelDims, SingleProcessDims
+from .dist import LaunchEnv
 
 
 def fit_batch(cfg: RunConfig, world: int) -> tuple[RunConfig, str | None]:
     """``cfg`` with ``train.grad_accum`` derived from ``train.global_batch_size`` at
     ``world`` processes (unchanged when that is null), and a note saying so. ConfigError
-    naming the key when the global batch does not split into world x micro-batches."""
-    t, pp = cfg.train, cfg.parallel.pp
-    if t.global_batch_size is None:
-        check_micro_batches(cfg, t.grad_accum)
+    with the layout's wording (:class:`~epscale.plan.layout.Layout`) when ``cfg`` cannot
+    train there: a degree does not fit, the global batch does not split into world x
+    micro-batches, or the pipeline schedule cannot run the micro-batches."""
+    lay = Layout.from_config(cfg, world)
+    if lay.global_batch_size is None:
         return cfg, None
-    data_world = world // pp  # pipeline stages share their micro-batches
-    who = f"{world} processes" if pp == 1 else f"{data_world} data-parallel ranks ({world} / pp {pp})"
-    per_micro = data_world * t.micro_batch_size
-    if t.global_batch_size % per_micro:
-        raise ConfigError(
-            f"config key 'train.global_batch_size' = {t.global_batch_size} cannot be kept at "
-            f"{who}: it must be a multiple of them x train.micro_batch_size "
-            f"= {data_world} x {t.micro_batch_size} = {per_micro} (grad_accum is derived from it)")
-    accum = t.global_batch_size // per_micro
-    check_micro_batches(cfg, accum, derived=True)
-    note = (f"train.grad_accum = {accum} (train.global_batch_size {t.global_batch_size} over "
-            f"{who} x micro_batch_size {t.micro_batch_size})")
     # copies, not dataclasses.replace: validation would refuse a derived grad_accum
-    fitted, fitted.train = copy.copy(cfg), copy.copy(t)
-    fitted.train.grad_accum = accum
-    return fitted, note
-
-
-def check_micro_batches(cfg: RunConfig, micro_batches: int, derived: bool = False) -> None:
-    """ConfigError naming the keys when the pipeline schedule cannot run ``micro_batches``
-    (train.grad_accum) micro-batches per step."""
-    par = cfg.parallel
-    problem = micro_batch_problem(par.pp_schedule, par.pp, micro_batches) if par.pp > 1 else None
-    if problem is None:
-        return
-    key = ("train.global_batch_size", cfg.train.global_batch_size) if derived else \
-        ("train.grad_accum", micro_batches)
-    raise ConfigError(f"config key '{key[0]}' = {key[1]} is invalid with parallel.pp = "
-                      f"{par.pp}: it gives {micro_batches} micro-batches per step (train."
-                      f"grad_accum, the pipeline's micro-batches), and parallel.pp_schedule "
-                      f"{problem}; raise it (or lower train.micro_batch_size) or choose "
-                      "another schedule")
+    fitted, fitted.train = copy.copy(cfg), copy.copy(cfg.train)
+    fitted.train.grad_accum = lay.micro_batches
+    return fitted, lay.batch_note()
 
 
 STANDBY_RELEASE = "standby_release.json"  # in RUN_DIR/heartbeats: the attempt is over
@@ -170,10 +144,10 @@ def stand_by(run_dir: Path, env: LaunchEnv, used: int, reason: str,
 
 
 def check_world(cfg: RunConfig, world: int) -> None:
-    """ConfigError unless ``cfg`` trains at ``world`` processes: the layout (ep divides the
-    sharded dimension and the experts) and the global batch."""
-    resolve_layout(cfg.parallel, world, cfg.moe.num_experts)
-    fit_batch(cfg, world)
+    """ConfigError unless ``cfg`` trains at ``world`` processes: every rule of its
+    :class:`~epscale.plan.layout.Layout` (the degrees, the experts, the global batch and
+    the pipeline's micro-batches)."""
+    Layout.from_config(cfg, world)
 
 
 def check_memory(cfg: RunConfig, world: int, capacity_bytes: float, what: str) -> None:
@@ -253,26 +227,22 @@ def no_layout_message(cfg: RunConfig, world: int, reason: str,
     return "\n".join(lines)
 
 
-def layout_record(dims, cfg: RunConfig, hosts: list[str]) -> dict[str, Any]:
+def layout_record(dims: ParallelDims | SingleProcessDims, cfg: RunConfig,
+                  hosts: list[str]) -> dict[str, Any]:
     """What a 'start' event says of the layout (read back by :func:`layout_change`)."""
-    t, pp = cfg.train, getattr(dims, "pp", 1)
-    return {"world_size": dims.world_size, "pp": pp, "dp": dims.dp, "ep": dims.ep,
-            "fsdp": bool(getattr(dims, "fsdp", False)),
-            "dp_replicate": getattr(dims, "dp_replicate", 1),
-            "dp_shard": getattr(dims, "dp_shard", 1), "grad_accum": t.grad_accum,
-            "global_batch": dims.world_size // pp * t.grad_accum * t.micro_batch_size,
+    t, lay = cfg.train, dims.layout
+    return {"world_size": lay.world, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep,
+            "fsdp": lay.fsdp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard,
+            "grad_accum": t.grad_accum,
+            "global_batch": lay.stage_size * t.grad_accum * t.micro_batch_size,
             "hosts": list(hosts)}
 
 
 def layout_text(rec: dict[str, Any]) -> str:
-    """'4 processes, dp=2 x ep=2, grad_accum 1' from a :func:`layout_record`."""
-    if rec.get("fsdp"):
-        shape = f"FSDP {rec.get('dp_replicate')} x {rec.get('dp_shard')}, ep={rec.get('ep')}"
-    else:
-        shape = f"dp={rec.get('dp')} x ep={rec.get('ep')}"
-    if int(rec.get("pp") or 1) > 1:
-        shape = f"pp={rec['pp']} x ({shape})"
-    return f"{rec.get('world_size')} processes, {shape}, grad_accum {rec.get('grad_accum', '?')}"
+    """'4 processes, dp=2 x ep=2, grad_accum 1' from a :func:`layout_record` (the layout
+    labelled by :meth:`Layout.label`)."""
+    return (f"{rec.get('world_size')} processes, {record_label(rec)}, grad_accum "
+            f"{rec.get('grad_accum', '?')}")
 
 
 LAYOUT_KEYS = ("world_size", "pp", "dp", "ep", "fsdp", "dp_replicate", "dp_shard")

@@ -41,8 +41,9 @@ from ..parallel.fsdp import finish_gradients
 from ..parallel.pipeline import Pipeline, StageChunk, stage_layers
 from ..placement import plan_placement
 from ..placement.replicas import Rebalancer, get_placement, placement_from_dict, placement_to_dict
-from ..sim.pipeline import bubble_fraction, layers_per_stage
-from ..sim.sizing import model_size
+from ..plan.layout import Layout, record_label
+from ..plan.pipeline import bubble_fraction, layers_per_stage
+from ..plan.sizing import model_size
 from . import checkpoint as ckpt
 from .console import TrainConsole
 from .data import DataLoader, load_data, unigram_entropy
@@ -134,9 +135,10 @@ class Trainer:
     def _resolve_layout(self) -> str | None:
         """``self.dims`` and this attempt's config (``train.grad_accum`` fitted to the
         world); returns the start-up header's note about the layout, if any."""
-        cfg, env = self.cfg, self.env
+        cfg = self.cfg
         try:
-            self.dims, layout_note = make_dims(cfg.parallel, env, cfg.moe.num_experts)
+            self.layout = Layout.from_config(cfg, self.world, ranks_per_node=cfg.parallel.ranks_per_node)
+            self.dims, layout_note = make_dims(self.layout), self.layout.note
             cfg, batch_note = fit_batch(cfg, self.world)  # train.global_batch_size kept
             shrunk = self.previous and int(self.previous.get("world_size") or 0) > self.world
             if shrunk and self.device.type == "cuda":  # fewer shards each: does it still fit?
@@ -407,9 +409,8 @@ class Trainer:
         self.writer.event("resume", step=self.step, path=path,
                           from_world_size=meta.get("world_size"), from_pp=meta.get("pp", 1),
                           from_dp=meta.get("dp"), from_ep=meta.get("ep"))
-        pp = f"pp={meta['pp']} x " if int(meta.get("pp") or 1) > 1 else ""
-        self.console.print(f"resumed from {path} (step {self.step}, written at {pp}"
-                           f"dp={meta.get('dp')} x ep={meta.get('ep')})")
+        written = record_label(meta, (meta.get("config") or {}).get("parallel"))
+        self.console.print(f"resumed from {path} (step {self.step}, written at {written})")
         self._log(f"resume: {path} step={self.step}")
 
     def _restore_meta(self, meta: dict) -> None:
@@ -446,13 +447,7 @@ class Trainer:
         self._log(f"warning: {text}")
 
     def _layout_text(self) -> str:
-        d = self.dims
-        if not self.fsdp:
-            text = f"dp={d.dp} x ep={d.ep}"
-        else:
-            text = (f"FSDP dp_replicate={d.dp_replicate} x dp_shard={d.dp_shard} (dense weights "
-                    f"sharded over dp_shard; experts over ep={d.ep}, then efsdp={d.efsdp})")
-        return f"pp={self.pp} x {text} in each stage" if self.pp > 1 else text
+        return self.layout.label()
 
     def _pipeline_text(self) -> str:
         """The start-up header's pipeline line: schedule, stages and their blocks."""

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from ..config import TrainConfig
 from ..parallel import is_expert_param
 from ..placement.replicas import expert_grad_sq_norm
+from ..plan.layout import Dims
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -51,7 +52,7 @@ def _sq_norm(grads: list[torch.Tensor], device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def grad_norm_and_flags(model: nn.Module, dims, max_norm: float, stop: bool,
+def grad_norm_and_flags(model: nn.Module, dims: Dims, max_norm: float, stop: bool,
                         loss: torch.Tensor) -> tuple[float, bool, bool]:
     """(global grad norm, any rank asked to stop, skip this step), clipping the grads to
     ``max_norm`` (0: no clipping) when the norm is finite. Same answer on every rank.

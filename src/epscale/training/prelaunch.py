@@ -18,9 +18,9 @@ import torch
 from ..config import ConfigError, RunConfig
 from ..dispatch.registry import check_choice
 from ..model import Transformer
+from ..plan.layout import Layout
 from . import checkpoint as ckpt
 from .data import DataLoader, load_data
-from .dist import resolve_layout
 from .elastic import fit_batch
 
 # Set by a launcher that ran the checks, so its workers need not repeat them.
@@ -40,10 +40,10 @@ def check_run(cfg: RunConfig, run_dir: str | Path | None, world_size: int) -> Ch
     """Raise :class:`ConfigError` (a :class:`~epscale.training.checkpoint.CheckpointError`
     for a checkpoint) naming the key, file or directory when ``cfg`` cannot train at
     ``world_size`` processes in ``run_dir``; writes nothing."""
-    _, ep, note = resolve_layout(cfg.parallel, world_size, cfg.moe.num_experts)
+    lay = Layout.from_config(cfg, world_size)
     cfg, batch_note = fit_batch(cfg, world_size)  # grad_accum from train.global_batch_size
-    note = "; ".join(n for n in (note, batch_note) if n) or None
-    if ep > 1:
+    note = "; ".join(n for n in (lay.note, batch_note) if n) or None
+    if lay.ep > 1:
         check_choice(cfg.parallel.dispatcher, cfg.parallel.payload, cfg.parallel.overlap_chunks)
     check_data(cfg, world_size)
     resume_from = None

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from ...moe.layer import named_moe_layers
 from ...parallel import is_expert_param
 from ...placement.replicas import expert_state, get_placement, logical_layout, relayout_rows
+from ...plan.layout import Dims
 from ..optim import ensure_optimizer_state
 from .paths import CheckpointError
 
@@ -27,7 +28,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _wrap(t: torch.Tensor, expert: bool, dims) -> torch.Tensor:
+def _wrap(t: torch.Tensor, expert: bool, dims: Dims) -> torch.Tensor:
     """The checkpoint's view of a live tensor: its place in the full tensor, whatever the
     layout. An FSDP-sharded dense tensor already is that (a DTensor of the full shape); an
     expert slice (replicated over dp, or sharded by FSDP over efsdp) becomes a DTensor of
@@ -55,7 +56,7 @@ class PlacedExperts:
     into them back to every slot that holds the expert (one exchange per layer).
     """
 
-    def __init__(self, model: nn.Module, opt, dims):
+    def __init__(self, model: nn.Module, opt, dims: Dims):
         self.placement = get_placement(model)
         self.dims, self.opt = dims, opt
         if opt is not None and self.placement is not None:
@@ -101,7 +102,7 @@ class PlacedExperts:
                 t.copy_(v)
 
 
-def build_state(model: nn.Module, opt: torch.optim.Optimizer | None, dims,
+def build_state(model: nn.Module, opt: torch.optim.Optimizer | None, dims: Dims,
                 placed: "PlacedExperts | None" = None) -> dict[str, Any]:
     """``{"model": {name: tensor}, "optim": {name: {"step", "exp_avg", "exp_avg_sq"}}}``
     whose tensors share storage with the live parameters and optimizer state (a DCP load

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from ...plan.layout import Dims
 from .paths import (FORMAT_VERSION, CheckpointError, checkpoints_root, prune, read_meta,
                     sha256, step_dir)
 from .state import PlacedExperts, build_state, check_compatible, copy_back, copy_local, saved_keys
@@ -121,7 +122,7 @@ def _agree(failed: str | None) -> str | None:
     return "; ".join(f"rank {r}: {m}" for r, m in bad) if bad else None
 
 
-def save(run_dir: str | Path, step: int, model: nn.Module, opt, dims, meta: dict,
+def save(run_dir: str | Path, step: int, model: nn.Module, opt, dims: Dims, meta: dict,
          keep: int = 2, extra_files: dict[str, Any] | None = None,
          verified: set[Path] | None = None, report=print) -> Path:
     """Collective: every rank calls it. Writes ``step_{step:08d}`` atomically (temporary
@@ -144,7 +145,7 @@ class PendingSave:
     to ``step_N``, pruning. Until then the directory is ``.tmp_step_N`` and the previous
     checkpoints are untouched; a process killed before the rename leaves only that."""
 
-    def __init__(self, run_dir: Path, step: int, dims, meta: dict, keep: int,
+    def __init__(self, run_dir: Path, step: int, dims: Dims, meta: dict, keep: int,
                  verified: set[Path] | None, report, future=None, failed: str | None = None):
         self.run_dir, self.step, self.dims, self.meta = run_dir, step, dims, meta
         self.keep, self.verified, self.report = keep, verified, report
@@ -209,7 +210,7 @@ class PendingSave:
         os.replace(self.tmp, self.final)
 
 
-def save_async(run_dir: str | Path, step: int, model: nn.Module, opt, dims, meta: dict,
+def save_async(run_dir: str | Path, step: int, model: nn.Module, opt, dims: Dims, meta: dict,
                keep: int = 2, extra_files: dict[str, Any] | None = None,
                verified: set[Path] | None = None, report=print, background: bool = True,
                process_group=None) -> PendingSave:
@@ -255,7 +256,7 @@ def save_async(run_dir: str | Path, step: int, model: nn.Module, opt, dims, meta
     return pending
 
 
-def load(path: Path, model: nn.Module, opt, dims, restore_rng: bool = True) -> dict:
+def load(path: Path, model: nn.Module, opt, dims: Dims, restore_rng: bool = True) -> dict:
     """Collective. Loads model (and optimizer state when ``opt`` is given and the
     checkpoint has it) into the live tensors, resharding as needed; returns meta.json."""
     meta = read_meta(path)

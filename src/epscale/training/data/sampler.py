@@ -267,11 +267,6 @@ class DataLoader:
         self.position += count
         self._plan = None
 
-    def skip_steps(self, num_steps: int) -> None:
-        """Advance past ``num_steps`` whole steps without reading them (spike rollback)."""
-        self._advance(num_steps * self.samples_per_step)
-        self._micro = 0
-
     def val_batches(self, num_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's share of the fixed validation set, ``num_batches`` global batches
         (``samples_per_step`` samples each): the same batches at every eval, and the same

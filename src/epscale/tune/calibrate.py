@@ -34,7 +34,7 @@ from ..launch.local import free_port
 from ..moe.experts import GroupedExperts
 from ..moe.layer import MoE
 from ..parallel import ParallelDims, parallelize
-from .cluster import ClusterSpec
+from ..plan.cluster import ClusterSpec
 
 # --------------------------------------------------------------------------- processes
 

@@ -9,9 +9,9 @@ node or spans whole nodes), replicated data parallelism and FSDP with every
 keeps the recipe's global batch (``train.global_batch_size``, else its data-parallel ranks
 x grad_accum x micro_batch_size at the cluster's world): a pipeline of pp ranks runs pp
 times the micro-batches per step; layouts whose micro-batch count the schedule cannot run
-are left out. A layout fits when :func:`epscale.sim.memory.estimate` (the largest
+are left out. A layout fits when :func:`epscale.plan.memory.estimate` (the largest
 pipeline rank) stays within the GPU's memory; the fitting ones are ranked by the step
-model's time (:func:`epscale.sim.step_model.simulate`, one balancing strategy and
+model's time (:func:`epscale.plan.step_model.simulate`, one balancing strategy and
 dispatcher).
 """
 

@@ -12,12 +12,12 @@ MoE layer and pass (kernel launches, router, permutation bookkeeping).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import yaml
 
-from ..config import ConfigError, from_dict, load_yaml
+from ..config import ConfigError, apply_overrides, from_dict, load_yaml
 
 
 @dataclass(frozen=True)
@@ -90,8 +90,6 @@ PRESETS: dict[str, ClusterSpec] = {
 def load_cluster(spec: str | Path, overrides: list[str] | None = None) -> ClusterSpec:
     """A preset name or a cluster YAML file (the ClusterSpec fields at top level), with
     optional ``key=value`` overrides (e.g. ``nodes=16``)."""
-    from ..config import apply_overrides
-
     if str(spec) in PRESETS:
         data = asdict(PRESETS[str(spec)])
     elif Path(spec).is_file():
@@ -110,7 +108,3 @@ def load_cluster(spec: str | Path, overrides: list[str] | None = None) -> Cluste
 def dump_cluster(cluster: ClusterSpec, path: str | Path, comment: str = "") -> None:
     text = "".join(f"# {line}\n" for line in comment.splitlines()) if comment else ""
     Path(path).write_text(text + yaml.safe_dump(cluster.as_dict(), sort_keys=False))
-
-
-def with_nodes(cluster: ClusterSpec, nodes: int) -> ClusterSpec:
-    return replace(cluster, nodes=nodes)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import ConfigError
+from .placement import place_experts
 
 STRATEGIES = ("none", "aux", "loss_free", "redundant", "spill")
 
@@ -77,10 +78,7 @@ def contiguous_placement(num_layers: int, num_experts: int) -> tuple[np.ndarray,
 def redundant_placement(mean_load_LE: np.ndarray, num_ranks: int, num_nodes: int,
                         per_rank: int, num_groups: int) -> tuple[np.ndarray, np.ndarray]:
     """phy2log [L, P] and replica counts [L, E] from the EPLB planner."""
-    from ..placement.eplb import plan_placement
-
     L, E = mean_load_LE.shape
     P = E + per_rank * num_ranks
     groups = num_groups if num_groups and num_groups % num_nodes == 0 else 1
-    plan = plan_placement(mean_load_LE, P, num_nodes, num_ranks, groups)
-    return plan.phy2log.numpy(), plan.replica_count.numpy()
+    return place_experts(mean_load_LE, P, num_nodes, num_ranks, groups)

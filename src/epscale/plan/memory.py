@@ -42,7 +42,7 @@ where it has them), plus the stage output the schedule keeps until that micro-ba
 backward (T x D in the compute dtype; fp32 logits T x V on the last stage); a stage that
 receives its input keeps no copy of it under full recomputation (the block's saved input
 is the receive buffer). The rank keeps several micro-batches' sets at once: the peak of
-its schedule's order (:func:`epscale.sim.pipeline.schedule_actions`, torch's own order),
+its schedule's order (:func:`epscale.plan.pipeline.schedule_actions`, torch's own order),
 a forward holding its set until the backward of that micro-batch and stage; a backward
 split in two (the zero-bubble schedules) frees it at its weight half (assumed: the input
 half frees little, the weight gradients need the saved inputs of every matrix product,
@@ -68,123 +68,37 @@ from functools import lru_cache
 
 from ..config import ConfigError, ModelConfig, MoEConfig, RunConfig
 from ..config.schema import PP_SCHEDULES
-from ..parallel.pipeline import stage_layers, stage_placement
-from .pipeline import in_flight, layers_per_stage, micro_batch_problem, micro_batches, schedule_actions
+from .layout import Layout
+from .pipeline import in_flight, layers_per_stage, schedule_actions, stage_layers, stage_placement
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
                "float8": 1, "fp8": 1}
 
 
 @dataclass(frozen=True)
-class Layout:
-    """How a run is laid out over ``world`` ranks (see ``epscale.config.ParallelConfig``):
-    ``pp`` pipeline ranks of ``world / pp`` each. ``micro_batches`` (m) and
-    ``layers_per_stage`` matter only with pp > 1 (None: balanced by compute)."""
+class Activations:
+    """How one micro-batch's activations are kept (with the :class:`Layout`'s micro-batch
+    size, what the memory model needs beyond the degrees): recomputation, the compute
+    dtype, and what runs the experts (it sets what they save)."""
 
-    world: int
-    ep: int
-    fsdp: bool = False
-    dp_replicate: int = 1
     activation_checkpointing: str = "none"
-    micro_batch_size: int = 1
     compute_dtype: str = "float32"
-    redundant_experts: int = 0
-    experts_impl: str = "grouped_mm"   # what runs the experts: sets what they save
-    pp: int = 1
-    pp_schedule: str = "1f1b"
-    pp_virtual_stages: int = 1
-    micro_batches: int = 1
-    layers_per_stage: tuple[int, ...] | None = None
+    experts_impl: str = "grouped_mm"
 
-    @property
-    def stage_world(self) -> int:
-        """Ranks of one pipeline stage (the world without a pipeline)."""
-        return self.world // self.pp
-
-    @property
-    def dp_shard(self) -> int:
-        return self.stage_world // self.dp_replicate if self.fsdp else 1
-
-    @property
-    def efsdp(self) -> int:
-        return self.dp_shard // self.ep if self.fsdp else 1
+    def __post_init__(self) -> None:
+        if self.compute_dtype not in DTYPE_BYTES:
+            raise ConfigError(f"compute dtype {self.compute_dtype!r} is invalid: must be one of "
+                              f"{', '.join(sorted(DTYPE_BYTES))}")
 
     @staticmethod
-    def of(cfg: RunConfig, *, world: int | None = None, ep: int | None = None,
-           fsdp: bool | None = None, dp_replicate: int | None = None,
-           activation_checkpointing: str | None = None, micro_batch_size: int | None = None,
-           compute_dtype: str | None = None, experts_impl: str | None = None,
-           pp: int | None = None, pp_schedule: str | None = None,
-           pp_virtual_stages: int | None = None) -> Layout:
-        """The recipe's own layout, with any of the arguments replacing its keys (a
-        pipeline's keys are checked as ``load_config`` checks them)."""
-        cfg = with_pipeline(cfg, pp, pp_schedule, pp_virtual_stages)
-        par, train = cfg.parallel, cfg.train
-        ep = par.ep if ep is None else ep
-        fsdp = par.fsdp if fsdp is None else fsdp
-        rep = (par.dp_replicate if dp_replicate is None else dp_replicate) if fsdp else 1
-        if world is None:
-            world = par.pp * (rep * (par.dp_shard or ep) if fsdp else par.dp * ep)
+    def of(cfg: RunConfig, activation_checkpointing: str | None = None,
+           compute_dtype: str | None = None, experts_impl: str | None = None) -> Activations:
+        """The recipe's (bfloat16 compute for train.dtype bfloat16 or auto), with any of the
+        arguments replacing it."""
+        train = cfg.train
         dtype = compute_dtype or ("bfloat16" if train.dtype in ("bfloat16", "auto") else "float32")
         impl = experts_impl or ("cpu_fused" if cfg.moe.experts_impl == "cpu_fused" else "grouped_mm")
-        mbs = micro_batch_size or train.micro_batch_size
-        pipe: dict = {}
-        if par.pp > 1:
-            if not isinstance(world, int) or world < 1 or world % par.pp:
-                raise ConfigError(f"parallel.pp = {par.pp} is invalid: must divide the world "
-                                  f"({world}; world = pp x the ranks of one stage)")
-            pipe = dict(pp=par.pp, pp_schedule=par.pp_schedule,
-                        pp_virtual_stages=par.pp_virtual_stages,
-                        micro_batches=micro_batches(
-                            replace(cfg, train=replace(train, micro_batch_size=mbs)), world),
-                        layers_per_stage=tuple(layers_per_stage(cfg)))
-        lay = Layout(world, ep, fsdp, rep, activation_checkpointing or train.activation_checkpointing,
-                     mbs, dtype, par.redundant_experts, impl, **pipe)
-        lay.check(cfg)
-        return lay
-
-    def check(self, cfg: RunConfig) -> None:
-        E = cfg.moe.num_experts
-        for key, v in (("world", self.world), ("ep", self.ep), ("dp_replicate", self.dp_replicate),
-                       ("pp", self.pp)):
-            if not isinstance(v, int) or v < 1:
-                raise ConfigError(f"layout {key} = {v!r} is invalid: must be a positive integer")
-        if self.world % self.pp:
-            raise ConfigError(f"parallel.pp = {self.pp} is invalid: must divide the world "
-                              f"({self.world}; world = pp x the ranks of one stage)")
-        W = self.stage_world
-        where = (f"the world ({W})" if self.pp == 1 else
-                 f"the ranks of one stage ({W} = world {self.world} / pp {self.pp})")
-        if E % self.ep:
-            raise ConfigError(f"parallel.ep = {self.ep} is invalid: must divide moe.num_experts ({E})")
-        if W % self.ep:
-            raise ConfigError(f"parallel.ep = {self.ep} is invalid: must divide {where}")
-        if self.fsdp and (W % self.dp_replicate or self.dp_shard % self.ep):
-            raise ConfigError(f"parallel.dp_replicate = {self.dp_replicate} with ep = {self.ep} "
-                              f"does not split {'a world' if self.pp == 1 else 'a stage'} of {W} "
-                              "into dp_replicate x dp_shard with ep dividing dp_shard")
-        if self.pp > 1:
-            problem = micro_batch_problem(self.pp_schedule, self.pp, self.micro_batches)
-            if problem:
-                gbs = cfg.train.global_batch_size
-                key = (f"train.global_batch_size = {gbs} (giving {self.micro_batches} "
-                       "micro-batches per step)" if gbs is not None else
-                       f"train.grad_accum = {self.micro_batches} (the micro-batches per step)")
-                raise ConfigError(f"{key} is invalid with parallel.pp = {self.pp}: "
-                                  f"parallel.pp_schedule {problem}")
-
-    def describe(self) -> str:
-        if not self.fsdp:
-            inner = f"replicated dp={self.stage_world // self.ep} x ep={self.ep}"
-        else:
-            inner = (f"FSDP dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} "
-                     f"(ep={self.ep}, efsdp={self.efsdp})")
-        if self.pp == 1:
-            return inner
-        v = len(stage_placement(self.pp_schedule, self.pp, self.pp_virtual_stages)[0])
-        per = f", {v} stages per rank" if v > 1 else ""
-        return (f"pp={self.pp} ({self.pp_schedule}{per}, {self.micro_batches} micro-batches) "
-                f"x {inner} in each stage")
+        return Activations(activation_checkpointing or train.activation_checkpointing, dtype, impl)
 
 
 def with_pipeline(cfg: RunConfig, pp: int | None = None, schedule: str | None = None,
@@ -413,39 +327,41 @@ def _selective_per_token(model: ModelConfig, moe: MoEConfig, moe_layer: bool,
     return D + attn + shared + experts, H + moe.num_experts + K, K
 
 
-def _activation_parts(cfg: RunConfig, lay: Layout) -> tuple[float, list[float], list[float], float]:
+def _activation_parts(cfg: RunConfig, lay: Layout, acts: Activations
+                      ) -> tuple[float, list[float], list[float], float]:
     """(embedding, each block's full set, each block's kept set, head): bytes one
-    micro-batch saves for backward at ``lay`` (kept = full without recomputation)."""
+    micro-batch saves for backward at ``lay`` and ``acts`` (kept = full without
+    recomputation)."""
     model, moe = cfg.model, cfg.moe
     T = lay.micro_batch_size * model.seq_len
-    cb = DTYPE_BYTES[lay.compute_dtype]
+    cb = DTYPE_BYTES[acts.compute_dtype]
 
     def nbytes(parts):
         c, f, i = parts
         return T * (c * cb + f * 4 + i * 8)
 
-    blocks = [nbytes(_dense_saved_per_token(model, moe, model.is_moe_layer(i), lay.experts_impl))
+    blocks = [nbytes(_dense_saved_per_token(model, moe, model.is_moe_layer(i), acts.experts_impl))
               for i in range(model.num_layers)]
     # final norm (fp32 input and output), head input, fp32 logits, the loss's statistics
     head = T * ((2 * model.dim + 1) * 4 + model.dim * cb + model.vocab_size * 4 + 2 * 4 + 1 * 8)
     embed = T * 8
-    if lay.activation_checkpointing == "full":
+    if acts.activation_checkpointing == "full":
         kept = [T * model.dim * cb] * model.num_layers
-    elif lay.activation_checkpointing == "selective":
-        kept = [nbytes(_selective_per_token(model, moe, model.is_moe_layer(i), lay.experts_impl))
+    elif acts.activation_checkpointing == "selective":
+        kept = [nbytes(_selective_per_token(model, moe, model.is_moe_layer(i), acts.experts_impl))
                 for i in range(model.num_layers)]
     else:
         kept = blocks
     return embed, blocks, kept, head
 
 
-def activation_bytes(cfg: RunConfig, lay: Layout) -> tuple[float, float]:
+def activation_bytes(cfg: RunConfig, lay: Layout, acts: Activations) -> tuple[float, float]:
     """(kept, rebuilt): bytes one micro-batch keeps for backward at the end of its forward
     at ``lay``, and the most that recomputation rebuilds at once during backward (one
     block's set beyond what it kept; 0 without recomputation). Without a pipeline: the
     whole model's."""
-    embed, blocks, kept, head = _activation_parts(cfg, lay)
-    if lay.activation_checkpointing not in ("full", "selective"):
+    embed, blocks, kept, head = _activation_parts(cfg, lay, acts)
+    if acts.activation_checkpointing not in ("full", "selective"):
         return embed + sum(blocks) + head, 0.0
     return embed + sum(kept) + head, max(b - k for b, k in zip(blocks, kept))
 
@@ -467,7 +383,7 @@ def cached_param_shapes(model: ModelConfig, moe: MoEConfig) -> tuple[ParamShape,
 @lru_cache(maxsize=4096)
 def _rank_peak(schedule: str, pp: int, m: int, virtual_stages: int, rank: int,
                stage_bytes: tuple[tuple[int, float], ...]) -> tuple[float, int]:
-    """:func:`epscale.sim.pipeline.in_flight` of one rank's schedule order."""
+    """:func:`epscale.plan.pipeline.in_flight` of one rank's schedule order."""
     return in_flight(schedule_actions(schedule, pp, m, virtual_stages, rank), dict(stage_bytes))
 
 
@@ -478,14 +394,16 @@ def block_of(p: ParamShape) -> int | str:
     return "embed" if p.name.startswith("tok_embeddings") else "head"
 
 
-def estimate(cfg: RunConfig, lay: Layout) -> MemoryEstimate:
-    """Memory per rank of ``cfg`` trained at ``lay`` (under a pipeline: the rank that needs
-    the most, see :func:`pipeline_memory`)."""
+def estimate(cfg: RunConfig, lay: Layout, acts: Activations | None = None) -> MemoryEstimate:
+    """Memory per rank of ``cfg`` trained at ``lay`` with its activations kept as ``acts``
+    says (None: the recipe's, :meth:`Activations.of`); under a pipeline the rank that needs
+    the most, see :func:`pipeline_memory`."""
+    acts = acts or Activations.of(cfg)
     if lay.pp > 1:
-        return max(pipeline_memory(cfg, lay), key=lambda r: r.memory.total).memory
+        return max(pipeline_memory(cfg, lay, acts), key=lambda r: r.memory.total).memory
     shapes = cached_param_shapes(cfg.model, cfg.moe)
     n = sum(local_numel(p, lay) for p in shapes)
-    cb = DTYPE_BYTES[lay.compute_dtype]
+    cb = DTYPE_BYTES[acts.compute_dtype]
     gathered = 0.0
     if lay.fsdp:
         by_block: dict[int, int] = {}
@@ -496,17 +414,19 @@ def estimate(cfg: RunConfig, lay: Layout) -> MemoryEstimate:
         gathered = max(by_block.values()) * cb * 3
     T = lay.micro_batch_size * cfg.model.seq_len
     comm = 2 * T * cfg.moe.top_k * cfg.model.dim * cb if lay.ep > 1 else 0.0
-    kept, rebuilt = activation_bytes(cfg, lay)
+    kept, rebuilt = activation_bytes(cfg, lay, acts)
     return MemoryEstimate(params=n * 4, grads=n * 4, optimizer=n * 8, activations=kept,
                           recompute=rebuilt, gathered=gathered, comm=comm, params_per_rank=n)
 
 
-def pipeline_memory(cfg: RunConfig, lay: Layout) -> list[RankMemory]:
-    """Every pipeline rank of ``cfg`` at ``lay`` (pp > 1; the module docstring's
+def pipeline_memory(cfg: RunConfig, lay: Layout, acts: Activations | None = None
+                    ) -> list[RankMemory]:
+    """Every pipeline rank of ``cfg`` at ``lay`` and ``acts`` (pp > 1; the module docstring's
     'Pipeline'): the parameters of its stages, sharded inside the stage, and the
     activations of the micro-batches its schedule keeps at once."""
     if lay.pp < 2:
         raise ConfigError(f"parallel.pp = {lay.pp}: pipeline_memory needs a pipeline (pp > 1)")
+    acts = acts or Activations.of(cfg)
     model = cfg.model
     sizes = list(lay.layers_per_stage or layers_per_stage(
         with_pipeline(cfg, lay.pp, lay.pp_schedule, lay.pp_virtual_stages)))
@@ -514,7 +434,7 @@ def pipeline_memory(cfg: RunConfig, lay: Layout) -> list[RankMemory]:
     n = len(ranges)
     placement = stage_placement(lay.pp_schedule, lay.pp, lay.pp_virtual_stages)
     owner = {s: r for r, held in enumerate(placement) for s in held}
-    cb = DTYPE_BYTES[lay.compute_dtype]
+    cb = DTYPE_BYTES[acts.compute_dtype]
     T = lay.micro_batch_size * model.seq_len
     act = T * model.dim * cb                       # one micro-batch's activations (or gradients)
     m = lay.micro_batches
@@ -532,9 +452,9 @@ def pipeline_memory(cfg: RunConfig, lay: Layout) -> list[RankMemory]:
         mine, whole = shares[kind]
         held[key] = held.get(key, 0) + mine
         full[key] = full.get(key, 0) + whole
-    embed, blocks, kept, head = _activation_parts(cfg, lay)
+    embed, blocks, kept, head = _activation_parts(cfg, lay, acts)
     rebuilt = [b - k for b, k in zip(blocks, kept)]
-    recomputes = lay.activation_checkpointing in ("full", "selective")
+    recomputes = acts.activation_checkpointing in ("full", "selective")
 
     def stage_set(s: int) -> float:
         r = ranges[s]
@@ -543,7 +463,7 @@ def pipeline_memory(cfg: RunConfig, lay: Layout) -> list[RankMemory]:
             out += head + T * model.vocab_size * 4   # and the fp32 logits the schedule keeps
         else:
             out += act                               # the output the schedule keeps
-        if s > 0 and lay.activation_checkpointing == "full":
+        if s > 0 and acts.activation_checkpointing == "full":
             out -= act                             # the first block's input is the receive buffer
         return out
 
@@ -577,25 +497,18 @@ def resolve(run_cfg: RunConfig, *, dp: int | None = None, ep: int | None = None,
             activation_checkpointing: str | None = None, micro_batch_size: int | None = None,
             compute_dtype: str | None = None, experts_impl: str | None = None,
             pp: int | None = None, pp_schedule: str | None = None,
-            pp_virtual_stages: int | None = None) -> Layout:
-    """The recipe's layout with any of these replacing its keys (``pp`` x ``dp`` x ``ep``
+            pp_virtual_stages: int | None = None) -> tuple[RunConfig, Layout, Activations]:
+    """(the recipe with any pipeline keys replaced, its :class:`Layout`, its
+    :class:`Activations`) with any of these replacing its keys (``pp`` x ``dp`` x ``ep``
     sets the world of a replicated layout; ``world`` any layout's)."""
-    ep = run_cfg.parallel.ep if ep is None else ep
-    fsdp_on = run_cfg.parallel.fsdp if fsdp is None else fsdp
-    if world is None and (dp is not None or not fsdp_on):
-        stages = run_cfg.parallel.pp if pp is None else pp
-        world = stages * (run_cfg.parallel.dp if dp is None else dp) * ep
-    if compute_dtype is not None and compute_dtype not in DTYPE_BYTES:
-        raise ConfigError(f"compute dtype {compute_dtype!r} is invalid: must be one of "
-                          f"{', '.join(sorted(DTYPE_BYTES))}")
-    return Layout.of(run_cfg, world=world, ep=ep, fsdp=fsdp_on, dp_replicate=dp_replicate,
-                     activation_checkpointing=activation_checkpointing,
-                     micro_batch_size=micro_batch_size, compute_dtype=compute_dtype,
-                     experts_impl=experts_impl, pp=pp, pp_schedule=pp_schedule,
-                     pp_virtual_stages=pp_virtual_stages)
+    acts = Activations.of(run_cfg, activation_checkpointing, compute_dtype, experts_impl)
+    cfg = with_pipeline(run_cfg, pp, pp_schedule, pp_virtual_stages)
+    lay = Layout.from_config(cfg, world, dp=dp, ep=ep, fsdp=fsdp, dp_replicate=dp_replicate,
+                             micro_batch_size=micro_batch_size)
+    return cfg, lay, acts
 
 
 def memory_per_rank(run_cfg: RunConfig, **layout) -> MemoryEstimate:
     """Memory per rank of ``run_cfg`` at its own layout, or with the keywords of
     :func:`resolve` replacing its keys."""
-    return estimate(run_cfg, resolve(run_cfg, **layout))
+    return estimate(*resolve(run_cfg, **layout))

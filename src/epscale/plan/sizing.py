@@ -1,5 +1,5 @@
 """Analytic model size and FLOPs of a recipe, exact for the model epscale builds (memory per
-rank: :mod:`epscale.sim.memory`).
+rank: :mod:`epscale.plan.memory`).
 
 Everything here is computed from the :class:`~epscale.config.RunConfig` alone (no model is
 built), so a 671B recipe is described in microseconds. The parameter count follows the

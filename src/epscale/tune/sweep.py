@@ -2,7 +2,7 @@
 machine and recommend one.
 
 The grid is num_experts x capacity_factor x top_k x dispatcher. Every point runs in its own
-process (``python -m epscale.sim.sweep --point FILE``), either as a short real training run
+process (``python -m epscale.tune.sweep --point FILE``), either as a short real training run
 (``--mode train``: ``epscale train`` for ``--steps`` steps, read back from its
 metrics.jsonl) or as a layer benchmark (``--mode layer``: one expert-parallel MoE layer,
 trained for ``--steps`` steps to imitate a fixed random teacher FFN). Each point reports
@@ -337,7 +337,7 @@ def run_sweep(args, console) -> tuple[list[dict], list[dict]]:
                     "point_overrides": p.overrides(), "point": asdict(p)}
             (point_dir / "spec.json").write_text(json.dumps(spec, indent=1))
             (point_dir / "result.json").unlink(missing_ok=True)
-            cmd = [sys.executable, "-m", "epscale.sim.sweep", "--point", str(point_dir / "spec.json")]
+            cmd = [sys.executable, "-m", "epscale.tune.sweep", "--point", str(point_dir / "spec.json")]
             env = dict(os.environ)
             try:
                 with (point_dir / "point.log").open("w") as log:

@@ -42,13 +42,13 @@ around their mean (independent tokens); a trace brings its own measured steps.
 Pipeline (``parallel.pp`` = p > 1, m micro-batches, stages the outermost dimension: pipeline
 rank q holds GPUs [q W, (q + 1) W), W = world / p, and each stage runs the layout above
 over its W GPUs). A stage's time per micro-batch is its blocks' non-expert work (its
-share of :func:`epscale.sim.pipeline.stage_flops`, the head on the last) plus its MoE
+share of :func:`epscale.plan.pipeline.stage_flops`, the head on the last) plus its MoE
 layers' times as above; a rank's is the sum over its stages, plus its p2p receives (each
 stage's input from another rank in forward and its output gradient in backward: T x D
 in the compute dtype, over NVLink when both ranks' GPUs share a node, else the NIC; not
 hidden) and its FSDP gathers beyond its compute. The slowest rank sets the pace:
 pipeline time = m x (slowest rank's time) / (1 - bubble), the bubble of the schedule at m
-(:func:`epscale.sim.pipeline.bubble_fraction`, equal stages assumed there). The
+(:func:`epscale.plan.pipeline.bubble_fraction`, equal stages assumed there). The
 data-parallel reduction of each rank's own weights over its stage's ranks follows, the
 slowest rank's counted. Tokens per GPU: m x T per step over the p GPUs of a pipeline.
 """
@@ -61,13 +61,15 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..config import ConfigError, RunConfig
-from ..parallel.pipeline import stage_layers, stage_placement
 from .sizing import expert_params_per_expert, model_size
 from .balance import (BalanceParams, Strategy, contiguous_placement, parse_strategy,
                       redundant_placement, temper)
 from .cluster import ClusterSpec
+from .layout import Layout
 from .memory import cached_param_shapes, block_of
-from .pipeline import bubble_fraction, layers_per_stage, micro_batches, stage_flops
+from .placement import plan_spill
+from .pipeline import (bubble_fraction, layers_per_stage, micro_batches, stage_flops, stage_layers,
+                       stage_placement)
 from .routing import (RoutingSpec, fit_weights, inclusion_probs, layer_shares, sample_topk,
                       shares_of)
 
@@ -103,44 +105,17 @@ class SimResult:
         return asdict(self)
 
 
-@dataclass(frozen=True)
-class Layout:
-    world: int
-    dp: int                       # data-parallel ranks of one stage (world / pp / ep)
-    ep: int
-    ranks_per_node: int           # g: EP-group ranks per node
-    nodes_per_group: int          # n
-    pp: int = 1
-
-    @property
-    def stage_world(self) -> int:
-        return self.world // self.pp
-
-    @staticmethod
-    def of(cluster: ClusterSpec, num_experts: int, ep: int, pp: int = 1) -> "Layout":
-        world, gpn = cluster.world, cluster.gpus_per_node
-        if pp > 1:
-            W = world // pp
-            if world % pp or (W % gpn if W > gpn else gpn % W):
-                raise ConfigError(f"parallel.pp = {pp} is invalid on the cluster's {world} GPUs "
-                                  f"({cluster.nodes} nodes x {gpn}): a stage's world / pp ranks "
-                                  "must fill whole nodes or divide one")
-            if ep < 1 or W % ep:
-                raise ConfigError(f"parallel.ep = {ep} is invalid: must divide the {W} GPUs of "
-                                  f"one pipeline stage (world {world} / pp {pp})")
-        if ep < 1 or world % ep:
-            raise ConfigError(f"parallel.ep = {ep} is invalid: must divide the cluster's "
-                              f"{world} GPUs ({cluster.nodes} nodes x {gpn})")
-        if num_experts % ep:
-            raise ConfigError(f"parallel.ep = {ep} is invalid: must divide moe.num_experts "
-                              f"({num_experts})")
-        if ep > gpn and ep % gpn:
-            raise ConfigError(f"parallel.ep = {ep} is invalid: an EP group larger than a node "
-                              f"must span whole nodes ({gpn} GPUs each)")
-        if ep <= gpn and gpn % ep:
-            raise ConfigError(f"parallel.ep = {ep} is invalid: must divide gpus_per_node ({gpn})")
-        g = min(ep, gpn)
-        return Layout(world, world // pp // ep, ep, g, ep // g, pp)
+def cluster_layout(run_cfg: RunConfig, cluster: ClusterSpec, ep: int) -> Layout:
+    """The recipe's :class:`Layout` on the cluster's GPUs at ``ep`` (a node's GPUs are its
+    ranks per node), and the step model's own rule: a pipeline stage fills whole nodes or
+    divides one."""
+    lay = Layout.from_config(run_cfg, cluster.world, ep=ep, ranks_per_node=cluster.gpus_per_node)
+    W, gpn = lay.stage_size, cluster.gpus_per_node
+    if lay.pp > 1 and (W % gpn if W > gpn else gpn % W):
+        raise ConfigError(f"parallel.pp = {lay.pp} is invalid on the cluster's {lay.world} GPUs "
+                          f"({cluster.nodes} nodes x {gpn}): a stage's world / pp ranks "
+                          "must fill whole nodes or divide one")
+    return lay
 
 
 def _allreduce_time(nbytes: float, n: int, bw_Bps: float, lat_s: float) -> float:
@@ -198,7 +173,7 @@ def simulate(run_cfg: RunConfig, cluster: ClusterSpec, routing: RoutingSpec | No
         raise ConfigError(f"overlap '{overlap}' is invalid: must be one of {', '.join(OVERLAPS)}")
     model, moe, train = run_cfg.model, run_cfg.moe, run_cfg.train
     E, K = moe.num_experts, moe.top_k
-    lay = Layout.of(cluster, E, ep or run_cfg.parallel.ep, run_cfg.parallel.pp)
+    lay = cluster_layout(run_cfg, cluster, ep or run_cfg.parallel.ep)
     size = model_size(run_cfg)
     n_moe = size.num_moe_layers
     if n_moe == 0:
@@ -216,7 +191,7 @@ def simulate(run_cfg: RunConfig, cluster: ClusterSpec, routing: RoutingSpec | No
     half_rows = cluster.gemm_half_rows
     row_bytes = model.dim * act_bytes
 
-    key = (tuple(strategies), lay.ep, lay.ranks_per_node, lay.nodes_per_group, T, n_moe, E, K,
+    key = (tuple(strategies), lay.ep, lay.ep_ranks_per_node, lay.ep_num_nodes, T, n_moe, E, K,
            moe.num_groups, moe.topk_groups, routing, params, step_samples, sample_tokens, seed)
     if loads_cache is not None and key in loads_cache:
         loads, n_dist = loads_cache[key]
@@ -268,7 +243,7 @@ def _strategy_loads(strat: Strategy, base_w, trace_steps, lay: Layout, moe, para
     (:func:`_miss_prob`, draws without replacement). Group-limited routing couples the experts,
     so there the dispatch ratios come from sampled tokens.
     """
-    E, K, R, g, n = moe.num_experts, moe.top_k, lay.ep, lay.ranks_per_node, lay.nodes_per_group
+    E, K, R, g, n = moe.num_experts, moe.top_k, lay.ep, lay.ep_ranks_per_node, lay.ep_num_nodes
     group_rows = T * R * K                               # assignments of one EP group
     grouped = moe.num_groups > 0 and moe.topk_groups < moe.num_groups
     chosen = None
@@ -339,8 +314,6 @@ def _strategy_loads(strat: Strategy, base_w, trace_steps, lay: Layout, moe, para
     rows = rank_rows.sum(axis=3)                                   # [S, L, R]
     spills = np.zeros(rows.shape)                                  # expert weights moved
     if strat.spill and P == E:     # spill-over plans on the plain contiguous layout
-        from ..placement.llep import plan_spill
-
         for si in range(S):
             for layer in range(L):
                 plan = plan_spill(np.rint(counts[si, layer]).astype(np.int64), R,
@@ -361,7 +334,7 @@ def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSp
               grad_bytes, weight_L) -> SimResult:
     rows, gemms = sim["rows"], sim["gemms"]                       # [S, L, R]
     S, L, R = rows.shape
-    g, n = lay.ranks_per_node, lay.nodes_per_group
+    g, n = lay.ep_ranks_per_node, lay.ep_num_nodes
     ac = run_cfg.train.activation_checkpointing
     redo = 1.0 / 3.0 if ac == "full" else 0.0          # a second forward, as a share of fwd+bwd
     transfers = 4 if ac == "none" else 6               # recomputation dispatches again
@@ -492,7 +465,7 @@ def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, ru
     and micro-batch."""
     model, moe, par = run_cfg.model, run_cfg.moe, run_cfg.parallel
     ranges = stage_layers(layers_per_stage(run_cfg))
-    n, W, gpn = len(ranges), lay.stage_world, cluster.gpus_per_node
+    n, W, gpn = len(ranges), lay.stage_size, cluster.gpus_per_node
     placement = stage_placement(par.pp_schedule, lay.pp, par.pp_virtual_stages)
     owner = {s: r for r, held in enumerate(placement) for s in held}
     layer_time = moe_times["layer_time"].mean(axis=0)                  # [L]: per distribution
