@@ -52,6 +52,7 @@ from .elastic import (check_memory, fit_batch, release_standby, split_standby, s
 from .guard import SpikeGuard
 from .optim import build_optimizer, ensure_optimizer_state, grad_norm_and_flags, lr_at, set_lr
 from .prelaunch import CHECKED_ENV, check_run
+from .run_lock import RunLock, restart_wait
 
 class ReportedByRankZero(ConfigError):
     """A configuration error that rank 0 reports; the other ranks stop with it quietly."""
@@ -249,12 +250,15 @@ class Trainer:
 
     def _check_before_writing(self) -> None:
         """The pre-launch checks (layout, data, run directory, checkpoint against the
-        model) on rank 0, unless the launcher ran them; nothing is written before they
-        pass. Rank 0 reports an error; the other ranks stop quietly with exit status 2."""
+        model) on rank 0, unless the launcher ran them, then rank 0 takes the run
+        directory's lock (one trainer per directory); nothing is written before. Rank 0
+        reports an error; the other ranks stop quietly with exit status 2."""
         error = None
-        if self.rank == 0 and not (self.checked or os.environ.get(CHECKED_ENV)):
+        if self.rank == 0:
             try:
-                check_run(self.cfg, self.run_dir, self.world)
+                if not (self.checked or os.environ.get(CHECKED_ENV)):
+                    check_run(self.cfg, self.run_dir, self.world)
+                self.run_lock = RunLock(self.run_dir).acquire(self.console.note, restart_wait())
             except ConfigError as e:
                 error = str(e)
         error = self._broadcast(error)
@@ -781,6 +785,8 @@ class Trainer:
             if getattr(self, "rank", None) == 0:
                 (self.run_dir / STOP_FILE).unlink(missing_ok=True)
         finally:
+            if getattr(self, "run_lock", None) is not None:
+                self.run_lock.release()
             if getattr(self, "rank", None) == 0 and self.standby:
                 release_standby(self.run_dir)  # even after a failed teardown: they would wait
             shutdown(clean, destroy=getattr(self, "_owns_group", True))
