@@ -10,7 +10,9 @@ spikes, non-finite values, elastic layout changes) report occurrences within the
 "Run" rules look at the run as a whole: it never trained a step (no_steps), it is over
 without an 'end' event (crashed: known from ``evaluate(..., job_over=True)``, what
 ``--check --ended`` passes in a Slurm epilog, or from heartbeats whose processes have all
-exited on this host), or its latest checkpoint save failed (checkpoint_failed).
+exited on this host), its latest checkpoint save failed (checkpoint_failed), or the
+trainer stopped it because the loss diverged (diverged: too many rollbacks to one
+checkpoint, or too many non-finite steps in a row).
 
 Thresholds are fields of :class:`AlertRules` (defaults documented there); set them with
 ``epscale monitor RUN --check --rule imbalance_max_vio=2.0`` or a YAML file of the same
@@ -459,6 +461,25 @@ def rule_checkpoint_failed(run: RunLog) -> list[Alert]:
                   f"disk space, the permissions of {run.run_dir}/checkpoints)")]
 
 
+def rule_diverged(run: RunLog) -> list[Alert]:
+    """The trainer stopped the run because it diverged (a 'diverged' event after the last
+    'start'): the loss spiked again after ``train.max_rollbacks`` rollbacks to the same
+    checkpoint (reason ``rollback_limit``), or ``train.max_skipped_steps`` steps in a row
+    were non-finite (``skipped_steps``). The event's message says what to change."""
+    last = None
+    for ev in run.events:
+        if ev.get("event") == "start":
+            last = None
+        elif ev.get("event") == "diverged":
+            last = ev
+    if last is None:
+        return []
+    step = last.get("step") if isinstance(last.get("step"), int) else None
+    return [Alert("diverged", "run", step,
+                  f"the run stopped at step {step} ({last.get('reason', '?')}): "
+                  f"{last.get('message', '(no message)')}")]
+
+
 def _layout_text(lay: dict[str, Any]) -> str:
     if lay.get("fsdp"):
         return f"FSDP {lay.get('dp_replicate')} x {lay.get('dp_shard')}, ep={lay.get('ep')}"
@@ -506,7 +527,7 @@ def rule_layout_change(run: RunLog, r: AlertRules) -> list[Alert]:
 
 RULES = ("imbalance", "dead_experts", "drop_rate", "loss_spike", "nonfinite", "throughput",
          "straggler", "comm_share", "bias_saturation", "silent_rank", "no_steps", "crashed",
-         "checkpoint_failed", "layout_change")
+         "checkpoint_failed", "layout_change", "diverged")
 
 
 def run_over(run: RunLog, job_over: bool = False) -> str | None:
@@ -532,6 +553,7 @@ def evaluate(run: RunLog, rules: AlertRules | None = None, now: float | None = N
     alerts += rule_crashed(run, over)
     alerts += rule_no_steps(run, over)
     alerts += rule_checkpoint_failed(run)
+    alerts += rule_diverged(run)
     alerts += rule_layout_change(run, r)
     alerts += rule_nonfinite(run, r)
     alerts += rule_loss_spike(run, r)

@@ -49,7 +49,7 @@ from .data import DataLoader, load_data, unigram_entropy
 from .dist import LaunchEnv, init_process_group, make_dims, pick_device, set_threads, shutdown
 from .elastic import (check_memory, fit_batch, release_standby, split_standby, stand_by, why_not, layout_change, layout_record, layout_text, no_layout_message,
                       previous_attempt, process_start_time)
-from .guard import SpikeGuard
+from .guard import Diverged, SpikeGuard, too_many_rollbacks, too_many_skips
 from .optim import build_optimizer, ensure_optimizer_state, grad_norm_and_flags, lr_at, set_lr
 from .prelaunch import CHECKED_ENV, check_run
 from .run_lock import RunLock, restart_wait
@@ -243,7 +243,7 @@ class Trainer:
             prometheus_addr=cfg.metrics.prometheus_addr)
         self.guard = SpikeGuard(cfg.train.spike_factor, cfg.train.spike_window,
                                 cfg.train.spike_patience)
-        self.step, self.num_skipped, self.num_rollbacks = 0, 0, 0
+        self.step, self.num_skipped, self.num_rollbacks, self.skipped_in_a_row = 0, 0, 0, 0
         self.unigram = unigram_entropy(self.splits, cfg.model.vocab_size) if self.rank == 0 else None
         self._print_start(layout_note, placement_note)
         self._resume()
@@ -699,16 +699,19 @@ class Trainer:
         self.finish_checkpoint()
         path = None
         if self.rank == 0:
-            found = ckpt.latest_valid(self.run_dir, report=self._warn)
+            found = ckpt.latest_valid(self.run_dir, report=self._warn, rollback=True)
             path = str(found[0]) if found else None
         path = self._broadcast(path)
         from_step, position = self.step, self.loader.position
         if path is None:
             self.writer.event("rollback", step=from_step, ok=False, loss=rec["loss"],
-                              reason="no checkpoint to roll back to")
+                              reason="no checkpoint written while the loss was normal")
             self._warn(f"loss spike at step {from_step} ({rec['loss']:.4f}) but no checkpoint "
-                       "to roll back to; continuing")
+                       "written while the loss was normal to roll back to; continuing")
             return
+        to_step = int(ckpt.read_meta(Path(path))["step"])
+        if self.guard.count_rollback(to_step) > self.cfg.train.max_rollbacks:
+            self._diverged("rollback_limit", too_many_rollbacks(to_step, rec["loss"], self.cfg.train))
         meta = ckpt.load(Path(path), self.model, self.opt, self.dims)
         self.step = int(meta["step"])
         self.num_rollbacks += 1
@@ -718,6 +721,15 @@ class Trainer:
                           loss=rec["loss"], median=self.guard.median(), skipped_samples=skipped)
         self._warn(f"loss spike at step {from_step} ({rec['loss']:.4f}): rolled back to step "
                    f"{self.step}, skipping {skipped} samples")
+
+    def _diverged(self, reason: str, message: str) -> None:
+        """Stop the run: the loss will not settle at this config (an event for `monitor
+        --check`, then :class:`Diverged`: exit status 2, and no restart by the launcher)."""
+        self.writer.event("diverged", step=self.step, reason=reason, message=message)
+        self._log(f"error: {message}")
+        if self.rank != 0:
+            raise ReportedByRankZero(message)
+        raise Diverged(message)
 
     # ================================================================== the loop
     def run(self) -> RunResult:
@@ -740,11 +752,14 @@ class Trainer:
                 if self.step % cfg.train.log_every == 0:
                     self._log(f"step {self.step} loss {rec['loss']:.4f} "
                               f"{rec['tokens_per_s']:.0f} tok/s")
+                self.skipped_in_a_row = self.skipped_in_a_row + 1 if rec["skipped"] else 0
                 if rec["skipped"]:
                     self.num_skipped += 1
                     self.writer.event("skip_nonfinite", step=self.step, loss=rec["loss"],
                                       grad_norm=rec["grad_norm"], total_skipped=self.num_skipped)
                     self._warn(f"step {self.step}: non-finite loss or gradient, update skipped")
+                    if self.skipped_in_a_row >= cfg.train.max_skipped_steps:
+                        self._diverged("skipped_steps", too_many_skips(self.skipped_in_a_row, cfg.train))
                 elif self.guard.observe(rec["loss"]):
                     self._rollback(rec)
                     continue
