@@ -10,16 +10,19 @@
 Alert thresholds: ``--rule key=value`` (repeatable), ``--rules FILE.yaml``, and
 RUN_DIR/alerts.yaml when present (file first, then the --rule overrides); see
 ``epscale.monitor.alerts.AlertRules`` for the keys and their defaults.
-Exit codes: 0 fine, 1 alerts fired (--check), 2 bad arguments or no readable run.
+Exit codes: 0 fine, 1 alerts fired (--check), 2 bad arguments, no readable run, or a
+report that cannot be written (a full disk: one line naming the path).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
 
 from ..config import ConfigError
+from ..metrics.appendfile import disk_error
 from ..monitor.alerts import RULES, AlertRules, evaluate
 from ..monitor.live import follow
 from ..monitor.report import write_report
@@ -114,7 +117,18 @@ def run(args) -> int:
         return 0
 
     out = Path(args.out) if args.out else Path(args.run_dir) / "report.html"
-    write_report(run_log, alerts, rules, out, now=now, max_points=args.max_points)
+    tmp = out.with_name(f".{out.name}.tmp")  # an old report stays whole until the new one is
+    try:
+        write_report(run_log, alerts, rules, tmp, now=now, max_points=args.max_points)
+        os.replace(tmp, out)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if not disk_error(e):
+            raise
+        print(f"epscale monitor: error: cannot write {out} ({e.strerror}); nothing was written. "
+              "Free space on its file system or pass --out PATH elsewhere; "
+              "`epscale monitor RUN_DIR --check` needs no space", file=sys.stderr)
+        return 2
     print(f"wrote {out} ({len(run_log.steps)} records, {len(alerts)} alert"
           f"{'s' if len(alerts) != 1 else ''})")
     return 0

@@ -32,6 +32,7 @@ from ..kernels.cpu import describe_chunks, describe_elementwise
 from ..launch.preflight import run_preflight
 from ..launch.watchdog import Watchdog
 from ..metrics import MetricsWriter, StepStatsCollector, StepTimers, peak_flops
+from ..metrics.appendfile import AppendFile, disk_error, warn_stderr
 from ..model import build_meta_model, build_model, materialize, next_token_loss
 from ..moe.balance import update_expert_biases
 from ..parallel import parallelize, sync_gradients
@@ -141,7 +142,7 @@ class Trainer:
                 (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
             dump_yaml(self.given_cfg, self.run_dir / "config.yaml")
         self._barrier()
-        self._log_file = open(self.run_dir / "logs" / f"rank{self.rank}.log", "a")
+        self._log_file = AppendFile(self.run_dir / "logs" / f"rank{self.rank}.log")  # survives ENOSPC
         self.watchdog = None
         if self.world > 1 and cfg.train.collective_timeout_s > 0:
             # Records every collective; one blocked past the timeout ends the job with a
@@ -417,8 +418,7 @@ class Trainer:
         return box[0]
 
     def _log(self, text: str) -> None:
-        self._log_file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n")
-        self._log_file.flush()
+        self._log_file.write_line(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}")
 
     def _warn(self, text: str) -> None:
         self.console.note(f"[yellow]warning:[/] {text}")
@@ -458,9 +458,17 @@ class Trainer:
     def _heartbeat(self) -> None:
         path = self.run_dir / "heartbeats" / f"rank{self.rank}.json"
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"rank": self.rank, "host": socket.gethostname(),
-                                   "step": self.step, "time": time.time(), "pid": os.getpid()}))
-        os.replace(tmp, path)
+        try:
+            tmp.write_text(json.dumps({"rank": self.rank, "host": socket.gethostname(),
+                                       "step": self.step, "time": time.time(), "pid": os.getpid()}))
+            os.replace(tmp, path)
+        except OSError as e:  # a full disk: the last heartbeat stays; say so once
+            if not disk_error(e):
+                raise
+            tmp.unlink(missing_ok=True)
+            if not getattr(self, "_heartbeat_failed", False):
+                self._heartbeat_failed = True
+                warn_stderr(f"cannot write {path} ({e.strerror}); the run goes on")
 
     def _on_signal(self, signum, _frame) -> None:
         self._signalled = True
