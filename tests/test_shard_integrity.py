@@ -72,19 +72,30 @@ def test_a_flipped_byte_in_an_index_or_a_shard_head_stops_the_start(prepared, tm
 
 @pytest.mark.timeout(180)
 def test_a_token_id_beyond_the_vocab_exits_2_naming_the_shard(prepared, tmp_path):
-    """Past the checked head, on two processes: one rank reads the bad id, both stop;
-    exit 2, the shard and the offset named once, no traceback."""
+    """Past the checked head, on two processes: rank 1 reads the bad id in step 1, rank 0
+    does not. Both stop (no update from that step), exit 2, the shard and the offset named
+    once, no traceback."""
+    from epscale.config import load_config
+    from epscale.training.data import DataLoader, load_data
+
     out, manifest = _copy(prepared, tmp_path)
-    entry = manifest["splits"]["train"][0]
-    shard = out / entry["file"]
+    shard = out / manifest["splits"]["train"][0]["file"]
+    cfg = load_config(None, _train(tmp_path, out)[3:])
+    B, S = cfg.train.micro_batch_size, cfg.model.seq_len
+    loader = DataLoader(load_data(cfg.data, 320), S, B, 1, 1, 2, cfg.data.seed)
+    # step 1: samples 0..B-1 go to rank 0, B..2B-1 to rank 1 (one source: window = sample)
+    mine, theirs = (set(loader.train.windows(np.arange(lo, lo + B)).tolist())
+                    for lo in (B, 0))
+    w = next(w for w in sorted(mine) if w * S * 2 > HEAD_BYTES and
+             all(abs(w - v) > 1 for v in theirs))
     ids = np.fromfile(shard, dtype="<u2")
-    assert ids.size * 2 > HEAD_BYTES + 2
-    ids[HEAD_BYTES // 2:] = 400  # every id past the head beyond the vocab (320): read at once
+    ids[w * S + 10] = 400  # beyond model.vocab_size = 320, past the checked head
     ids.tofile(shard)
     r = subprocess.run([sys.executable, "-m", "epscale", *_train(tmp_path, out, "--nproc", "2",
                                                                   **{"train.preflight": False})],
                        cwd=REPO, capture_output=True, text=True, timeout=170)
     text = r.stdout + r.stderr
     assert r.returncode == 2, text[-4000:]
-    assert f"shard '{shard}' at token" in text and "holds token id 400" in text, text[-4000:]
+    assert text.count(f"shard '{shard}' at token {w * S + 10} holds token id 400") == 1, \
+        text[-4000:]
     assert "Traceback" not in text, text[-4000:]

@@ -46,7 +46,7 @@ from ..sim.pipeline import bubble_fraction, layers_per_stage
 from ..sim.sizing import model_size
 from . import checkpoint as ckpt
 from .console import TrainConsole
-from .data import DataLoader, load_data, unigram_entropy
+from .data import DataError, DataLoader, load_data, unigram_entropy
 from .dist import LaunchEnv, init_process_group, make_dims, pick_device, set_threads, shutdown
 from .elastic import (check_memory, fit_batch, release_standby, split_standby, stand_by, why_not, layout_change, layout_record, layout_text, no_layout_message,
                       previous_attempt, process_start_time)
@@ -507,6 +507,8 @@ class Trainer:
         else:
             loss_sum, has_loss = self._pipeline_step(accum)
         self.loader.end_step()
+        if self.loader.bad_data:  # flagged as non-finite: no rank updates; run() stops them
+            loss_sum = torch.full_like(loss_sum, float("nan"))
         with T.section("sync"):  # the gradient all-reduces: communication, and rank waits
             if self.world > 1 or self.fsdp:
                 if self.fsdp:
@@ -730,6 +732,18 @@ class Trainer:
         self._warn(f"loss spike at step {from_step} ({rec['loss']:.4f}): rolled back to step "
                    f"{self.step}, skipping {skipped} samples")
 
+    def _stop_on_bad_data(self) -> None:
+        """After a skipped step: when a rank read a token id beyond the vocabulary, every
+        rank stops with its message (rank 0 prints it; exit status 2 everywhere)."""
+        msgs = [self.loader.bad_data]
+        if self.world > 1:
+            msgs = [None] * self.world
+            dist.all_gather_object(msgs, self.loader.bad_data)
+        bad = next((m for m in msgs if m), None)
+        if bad is not None:
+            self.writer.event("bad_data", step=self.step, message=bad)
+            raise DataError(bad) if self.rank == 0 else ReportedByRankZero(bad)
+
     def _diverged(self, reason: str, message: str) -> None:
         """Stop the run: the loss will not settle at this config (an event for `monitor
         --check`, then :class:`Diverged`: exit status 2, and no restart by the launcher)."""
@@ -762,6 +776,7 @@ class Trainer:
                               f"{rec['tokens_per_s']:.0f} tok/s")
                 self.skipped_in_a_row = self.skipped_in_a_row + 1 if rec["skipped"] else 0
                 if rec["skipped"]:
+                    self._stop_on_bad_data()
                     self.num_skipped += 1
                     self.writer.event("skip_nonfinite", step=self.step, loss=rec["loss"],
                                       grad_norm=rec["grad_norm"], total_skipped=self.num_skipped)
