@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from ..config import ConfigError
-from ..metrics.appendfile import disk_error
+from ..appendfile import disk_error
 from ..monitor.alerts import RULES, AlertRules, evaluate
 from ..monitor.live import follow
 from ..monitor.report import write_report

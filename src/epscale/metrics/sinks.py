@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from .appendfile import AppendFile, warn_stderr
+from ..appendfile import AppendFile, warn_stderr
 
 # Scalars of a step record that every numeric sink exports (record key -> metric stem).
 SCALAR_KEYS: tuple[str, ...] = (

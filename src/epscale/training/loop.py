@@ -32,7 +32,7 @@ from ..kernels.cpu import describe_chunks, describe_elementwise
 from ..launch.preflight import run_preflight
 from ..launch.watchdog import Watchdog
 from ..metrics import MetricsWriter, StepStatsCollector, StepTimers, peak_flops
-from ..metrics.appendfile import AppendFile, disk_error, warn_stderr
+from ..appendfile import AppendFile, disk_error, warn_stderr
 from ..model import build_meta_model, build_model, materialize, next_token_loss
 from ..moe.balance import update_expert_biases
 from ..parallel import parallelize, sync_gradients
