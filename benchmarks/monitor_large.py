@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import resource
 import subprocess
 import sys
 import tempfile
@@ -68,17 +67,24 @@ def write_run(run: Path, mb: float, layers: int, experts: int, world: int) -> in
     return step
 
 
+# Runs `epscale ARGS` in a child of its own and prints that child's peak RSS (KiB) and
+# its exit status: RUSAGE_CHILDREN of this wrapper covers that one command only.
+WRAP = ("import resource, subprocess, sys\n"
+        "r = subprocess.run([sys.executable, '-m', 'epscale', *sys.argv[1:]], capture_output=True)\n"
+        "sys.stderr.write(r.stderr.decode()[-3000:])\n"
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, r.returncode)")
+
+
 def measure(args: list[str]) -> tuple[float, float, int]:
-    """(seconds, peak RSS MiB of the child, exit status) of `epscale ARGS`."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    """(seconds, peak RSS MiB, exit status) of `epscale ARGS` in a fresh process."""
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "epscale", *args], cwd=REPO,
-                       capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-c", WRAP, *args], cwd=REPO, capture_output=True,
+                       text=True)
     dt = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    if r.returncode not in (0, 1):
+    peak_kib, code = (int(x) for x in r.stdout.split()[-2:])
+    if code not in (0, 1):
         raise SystemExit(f"epscale {' '.join(args)} failed:\n{r.stderr[-3000:]}")
-    return dt, max(peak, before) / 1024, r.returncode
+    return dt, peak_kib / 1024, code
 
 
 def main() -> None:
@@ -94,8 +100,6 @@ def main() -> None:
         size = (run / "metrics.jsonl").stat().st_size / 2 ** 20
         print(f"metrics.jsonl: {size:.0f} MiB, {steps:,} step records "
               f"({a.layers} layers x {a.experts} experts, world {a.world})")
-        # each command in its own process, so that RUSAGE_CHILDREN's peak is its own:
-        # the check first (the smaller), then the report
         for name, cmd in (("monitor --check", [str(run), "--check"]),
                           ("monitor (report)", [str(run)])):
             dt, peak, code = measure(["monitor", *cmd])

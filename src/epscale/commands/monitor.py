@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ..config import ConfigError
 from ..appendfile import disk_error
-from ..monitor.alerts import RULES, AlertRules, evaluate
+from ..monitor.alerts import CHECK_FIELDS, RULES, AlertRules, evaluate
 from ..monitor.live import follow
 from ..monitor.report import write_report
 from ..monitor.runlog import load_run
@@ -99,7 +99,9 @@ def run(args) -> int:
         return follow(Path(args.run_dir), rules, interval=args.interval,
                       exit_on_end=args.exit_on_end)
     try:
-        run_log = load_run(args.run_dir)
+        # --check reads only what the rules need of the older records (a long run's file
+        # is streamed; see epscale.monitor.alerts.CHECK_FIELDS)
+        run_log = load_run(args.run_dir, fields=CHECK_FIELDS if args.check else None)
     except FileNotFoundError as e:
         print(f"epscale monitor: error: {e}", file=sys.stderr)
         return 2

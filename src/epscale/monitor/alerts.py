@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..config import ConfigError, apply_overrides, from_dict, load_yaml
-from .runlog import RunLog, finite, layers_of, num, processes_gone
+from .runlog import Fields, RunLog, finite, layers_of, num, processes_gone
 
 
 @dataclass
@@ -523,6 +523,18 @@ def rule_layout_change(run: RunLog, r: AlertRules) -> list[Alert]:
             f"processes ({_layout_text(old)} -> {_layout_text(new)}), {who}{batch}"
             f"{lost_steps}{timing}"))
     return out
+
+
+# What the rules read of a step record and of its layers: `monitor --check` loads only
+# these of a long run's older records (load_run(..., fields=CHECK_FIELDS)). A rule that
+# reads another key must add it here (tests/test_monitor_stream.py compares the alerts of
+# a slimmed and a whole run).
+CHECK_FIELDS = Fields(
+    top=frozenset({"step", "time", "loss", "grad_norm", "val_loss", "skipped", "tokens_per_s",
+                   "dropped_frac", "comm_share", "rank_step_time_s", "rank_wait_frac",
+                   "world_size", "layers"}),
+    layer=frozenset({"layer", "max_vio", "tokens_per_expert", "dropped_frac", "bias_min",
+                     "bias_max", "nonfinite_inputs"}))
 
 
 RULES = ("imbalance", "dead_experts", "drop_rate", "loss_spike", "nonfinite", "throughput",
