@@ -415,4 +415,9 @@ def test_a_one_process_node_that_comes_back_joins_and_the_run_grows_back(tmp_pat
     assert (shrink["old"]["world_size"], shrink["new"]["world_size"]) == (2, 1)
     assert (grow["old"]["world_size"], grow["new"]["world_size"]) == (1, 2)
     assert _log(tmp_path, "a").count("preflight ok") >= 2  # rank 0 reports; grown back: ok
+    # the lost node is said at the restart, in the console and an event
+    assert "node lost: 1 rank(s) of the previous attempt are gone" in " ".join(
+        _log(tmp_path, "a").split())
+    (lost,) = [e for e in events if e["event"] == "node_lost"]
+    assert lost["ranks_lost"] == 1 and lost["hosts_lost"] == {socket.gethostname(): 1}
     assert events[-1]["event"] == "end"

@@ -381,6 +381,8 @@ class Trainer:
             self.console.print(f"layout changed: {old} -> {layout_text(layout)} ({lost}; "
                                f"{change['steps_lost'] or 0} step(s) since the checkpoint "
                                "are trained again)")
+            if change["ranks_lost"] > 0:  # said now, not only after the first step
+                self._say_node_lost(change)
             self._log(f"layout change: {old} -> {layout_text(layout)}")
         if path is None:
             return
@@ -391,6 +393,19 @@ class Trainer:
         self.console.print(f"resumed from {path} (step {self.step}, written at {pp}"
                            f"dp={meta.get('dp')} x ep={meta.get('ep')})")
         self._log(f"resume: {path} step={self.step}")
+
+    def _say_node_lost(self, change: dict) -> None:
+        """An elastic restart without some of the previous attempt's ranks: a line naming
+        the hosts that left and a 'node_lost' event."""
+        hosts = change["hosts_lost"] or {}
+        where = ", ".join(f"{h} ({n} rank(s))" for h, n in hosts.items()) or "unknown hosts"
+        self.writer.event("node_lost", step=self.step, ranks_lost=change["ranks_lost"],
+                          hosts_lost=hosts, world_size=self.world)
+        self.console.print(f"[bold yellow]node lost:[/] {change['ranks_lost']} rank(s) of the "
+                           f"previous attempt are gone ({where}); training goes on at "
+                           f"{self.world} process(es) with the same global batch; a node that "
+                           "comes back joins at the next restart")
+        self._log(f"node lost: {change['ranks_lost']} rank(s) on {where}")
 
     def _restore_meta(self, meta: dict) -> None:
         self.step = int(meta["step"])
