@@ -70,7 +70,9 @@ class SpikeGuard:
     def state_dict(self) -> dict:
         """For a checkpoint's meta.json; ``healthy`` marks it as a rollback target."""
         return {"history": list(self.history), "streak": self.streak,
-                "healthy": self.healthy(), "rollbacks": {str(k): v for k, v in self.rollbacks.items()}}
+                # None with the guard off: not judged (such a checkpoint counts as a target)
+                "healthy": self.healthy() if self.factor > 0 else None,
+                "rollbacks": {str(k): v for k, v in self.rollbacks.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.history = deque((float(x) for x in state.get("history", [])), maxlen=self.window)
