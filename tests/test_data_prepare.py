@@ -281,7 +281,9 @@ def test_bad_prepared_data_is_caught_before_training(corpus, prepared, tmp_path)
     ids.tofile(shard)
     with pytest.raises(DataError, match=rf"shard '.*{shard.name}' does not match its manifest"):
         verify_shards(out)
-    with pytest.raises(DataError, match="does not match its manifest"):
+    # the pre-launch check hashes each shard's head (where this change is) without
+    # data.verify_shards: it sees it first
+    with pytest.raises(DataError, match="is damaged: the SHA-256 of its first 65,536 bytes"):
         load_data(DataConfig(source=str(out), tokenizer=str(tok), verify_shards=True), 512,
                   thorough=True)
     load_data(cfg, 512)  # without verify_shards start-up reads nothing (sizes only)

@@ -382,3 +382,47 @@ def test_the_validation_set_is_the_same_at_every_world_of_one_global_batch(tmp_p
     four = val_set(4, 1)
     assert len(four) == 3 * 4 * 2
     assert val_set(2, 2) == four and val_set(1, 4) == four
+
+
+@pytest.mark.timeout(400)
+def test_a_one_process_node_that_comes_back_joins_and_the_run_grows_back(tmp_path):
+    """Issue #30, finding 2: two 1-process nodes with the preflight on (it used to key its
+    store by the restart count, which differs between the survivor and the returning
+    node: both waited for each other until the restarts ran out). Node b is SIGKILLed, a
+    trains on alone, b is started again: the run grows back to 2 and finishes."""
+    run, port = tmp_path / "run", free_port()
+    over = {"parallel.ep": 1, "train.global_batch_size": 2, "train.preflight": True,
+            "parallel.ranks_per_node": "null", "train.ckpt_every": 2}
+    a = _node(tmp_path, run, port, "a", nproc=1, **over)
+    nodes = [a]
+    try:
+        _wait_listening(port, a)
+        nodes.append(_node(tmp_path, run, port, "b", nproc=1, **over))
+        _wait_for(run, lambda s, e: any(r["step"] >= 3 and r["world_size"] == 2 for r in s),
+                  120, nodes)
+        seen = len(_changes(read_metrics(run)[1]))  # a may have started alone, then grown
+        os.killpg(nodes[1].pid, signal.SIGKILL)
+        nodes[1].wait()
+        _wait_for(run, lambda s, e: len(_changes(e)) > seen, 120, [a])
+        nodes[1] = _node(tmp_path, run, port, "b2", nproc=1, **over)
+        # grown back within one preflight timeout (60 s) plus a rendezvous: no waiting out
+        _wait_for(run, lambda s, e: len(_changes(e)) > seen + 1 and any(
+            r["world_size"] == 2 and r["time"] > _changes(e)[-1]["time"] for r in s), 150, nodes)
+        (run / "STOP").touch()
+        assert a.wait(timeout=120) == 0, _log(tmp_path, "a")[-3000:]
+        assert nodes[1].wait(timeout=120) == 0, _log(tmp_path, "b2")[-3000:]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    steps, events = read_metrics(run)
+    shrink, grow = _changes(events)[-2:]
+    assert (shrink["old"]["world_size"], shrink["new"]["world_size"]) == (2, 1)
+    assert (grow["old"]["world_size"], grow["new"]["world_size"]) == (1, 2)
+    assert _log(tmp_path, "a").count("preflight ok") >= 2  # rank 0 reports; grown back: ok
+    # the lost node is said at the restart, in the console and an event
+    assert "node lost: 1 rank(s) of the previous attempt are gone" in " ".join(
+        _log(tmp_path, "a").split())
+    (lost,) = [e for e in events if e["event"] == "node_lost"]
+    assert lost["ranks_lost"] == 1 and lost["hosts_lost"] == {socket.gethostname(): 1}
+    assert events[-1]["event"] == "end"

@@ -23,7 +23,7 @@ ROOT_PKG = "epscale"
 
 # Bottom to top: a package may import its own modules and those of lower layers only.
 LAYERS: list[tuple[str, ...]] = [
-    ("config", "ops"),
+    ("config", "ops", "appendfile"),
     ("plan",),
     ("kernels",),
     ("dispatch",),

@@ -169,7 +169,7 @@ def run_cli(*args: str) -> tuple[int, str, str]:
 def test_check_exit_codes_and_lines(tmp_path):
     ok = make_run(tmp_path / "ok")
     code, out, err = run_cli(str(ok), "--check")
-    assert code == 0 and re.fullmatch(r"OK synthetic: no alerts \(14 rules, 60 records, last step 60\)\n", out)
+    assert code == 0 and re.fullmatch(r"OK synthetic: no alerts \(15 rules, 60 records, last step 60\)\n", out)
     bad = make_run(tmp_path / "bad", collapse_layer=1, nan_at=(20,))
     code, out, err = run_cli(str(bad), "--check")
     lines = out.splitlines()

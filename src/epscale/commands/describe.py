@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 
 from ..config import PUBLISHED, ConfigError, RunConfig, load_recipe, recipe_path
 from ..config.recipes import requested_scale
@@ -57,8 +58,41 @@ def configure_parser(p) -> None:
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="config overrides, e.g. moe.num_experts=64 scale=tiny")
     # key=value overrides may follow options (CONFIG --opt X key=value): plain parse_args
-    # stops filling positionals after the first option.
-    p.parse_args = p.parse_intermixed_args
+    # stops filling positionals after the first option. A negative size after --fit is
+    # glued to it, so that it reaches the size check instead of reading as an option.
+    intermixed = p.parse_intermixed_args
+    p.parse_args = lambda args=None, namespace=None: intermixed(
+        _glue_negative("--fit", args), namespace)
+
+
+# the integer options that must be >= 1 (0 used to be ignored or blamed on another option)
+POSITIVE_OPTIONS = (("--world", "world"), ("--dp", "dp"), ("--ep", "ep"),
+                    ("--dp-replicate", "dp_replicate"), ("--micro-batch", "micro_batch"),
+                    ("--pp", "pp"), ("--pp-virtual-stages", "pp_virtual_stages"),
+                    ("--nodes", "nodes"), ("--top", "top"))
+
+
+def _glue_negative(option: str, argv: list[str] | None) -> list[str] | None:
+    """``[option, '-5GiB']`` -> ``[option + '=-5GiB']`` (argparse reads '-5GiB' as an option)."""
+    if argv is None:
+        return None
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] == option and i + 1 < len(argv) and re.match(r"-\d", argv[i + 1]):
+            out.append(f"{option}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
+def check_args(args) -> None:
+    """One ConfigError naming the option for a count below 1 (exit 2)."""
+    for flag, name in POSITIVE_OPTIONS:
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise ConfigError(f"{flag} {v} is invalid: must be a positive integer")
 
 
 def _fmt_count(n: float) -> str:
@@ -257,6 +291,7 @@ def run(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    check_args(args)
     console = Console()
     if args.fit is not None:
         info = fit_report(args.config, args.overrides, args.fit, args.cluster, args.nodes, args.top,

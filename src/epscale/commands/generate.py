@@ -4,6 +4,7 @@ KV cache and the run's tokenizer (:mod:`epscale.interop.generate`)."""
 
 from __future__ import annotations
 
+import math
 import sys
 
 from ..config import ConfigError
@@ -24,7 +25,19 @@ def configure_parser(p) -> None:
                    help="do not stop at the imported model's end-of-sequence token")
 
 
+def check_args(args) -> None:
+    """Bad numbers are one ConfigError naming the option (exit 2), before the model loads."""
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens {args.max_new_tokens} is invalid: must be >= 1")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ConfigError(f"--temperature {args.temperature} is invalid: must be a finite "
+                          "number >= 0 (0: greedy)")
+    if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
+        raise ConfigError(f"--top-p {args.top_p} is invalid: must be in (0, 1]")
+
+
 def run(args) -> int:
+    check_args(args)
     model, cfg, path = load_model(args.run_dir)
     tok = load_tokenizer(args.run_dir, cfg)
     run_dir = path.parent.parent

@@ -10,17 +10,20 @@
 Alert thresholds: ``--rule key=value`` (repeatable), ``--rules FILE.yaml``, and
 RUN_DIR/alerts.yaml when present (file first, then the --rule overrides); see
 ``epscale.monitor.alerts.AlertRules`` for the keys and their defaults.
-Exit codes: 0 fine, 1 alerts fired (--check), 2 bad arguments or no readable run.
+Exit codes: 0 fine, 1 alerts fired (--check), 2 bad arguments, no readable run, or a
+report that cannot be written (a full disk: one line naming the path).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
 
 from ..config import ConfigError
-from ..monitor.alerts import RULES, AlertRules, evaluate
+from ..appendfile import disk_error
+from ..monitor.alerts import CHECK_FIELDS, RULES, AlertRules, evaluate
 from ..monitor.live import follow
 from ..monitor.report import write_report
 from ..monitor.runlog import load_run
@@ -96,7 +99,9 @@ def run(args) -> int:
         return follow(Path(args.run_dir), rules, interval=args.interval,
                       exit_on_end=args.exit_on_end)
     try:
-        run_log = load_run(args.run_dir)
+        # --check reads only what the rules need of the older records (a long run's file
+        # is streamed; see epscale.monitor.alerts.CHECK_FIELDS)
+        run_log = load_run(args.run_dir, fields=CHECK_FIELDS if args.check else None)
     except FileNotFoundError as e:
         print(f"epscale monitor: error: {e}", file=sys.stderr)
         return 2
@@ -114,7 +119,18 @@ def run(args) -> int:
         return 0
 
     out = Path(args.out) if args.out else Path(args.run_dir) / "report.html"
-    write_report(run_log, alerts, rules, out, now=now, max_points=args.max_points)
+    tmp = out.with_name(f".{out.name}.tmp")  # an old report stays whole until the new one is
+    try:
+        write_report(run_log, alerts, rules, tmp, now=now, max_points=args.max_points)
+        os.replace(tmp, out)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if not disk_error(e):
+            raise
+        print(f"epscale monitor: error: cannot write {out} ({e.strerror}); nothing was written. "
+              "Free space on its file system or pass --out PATH elsewhere; "
+              "`epscale monitor RUN_DIR --check` needs no space", file=sys.stderr)
+        return 2
     print(f"wrote {out} ({len(run_log.steps)} records, {len(alerts)} alert"
           f"{'s' if len(alerts) != 1 else ''})")
     return 0

@@ -31,6 +31,7 @@ from ..launch.agent import main as agent_main
 from ..training.dist import detect_env
 from ..training.loop import STOP_FILE, train
 from ..training.prelaunch import CHECKED_ENV, check_run
+from ..training.run_lock import check_unlocked
 
 
 # --------------------------------------------------------------------------------------
@@ -136,6 +137,7 @@ def run(args) -> int:
             raise ConfigError(f"--nproc {nproc} is invalid: must be >= 1")
         # Before any process starts or any file is written: one message, exit status 2.
         check_run(cfg, run_dir, nproc)
+        check_unlocked(run_dir)  # another trainer's: exit 2 before its STOP file is touched
         import_init_weights(cfg, run_dir)
         if nproc > 1:
             with _environ(CHECKED_ENV, "1"):  # the workers need not check again

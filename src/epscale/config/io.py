@@ -26,9 +26,11 @@ RENAMED_KEYS: dict[str, str] = {
 
 
 class _Yaml12Loader(yaml.SafeLoader):
-    """PyYAML's safe loader with YAML 1.2 booleans: only true/false (any case) are
-    booleans. YAML 1.1 also reads on/off/yes/no as booleans, which would turn
-    ``moe.cpu.elementwise=off`` into False instead of the string 'off'."""
+    """PyYAML's safe loader with YAML 1.2 booleans and floats. Only true/false (any case)
+    are booleans: YAML 1.1 also reads on/off/yes/no as booleans, which would turn
+    ``moe.cpu.elementwise=off`` into False instead of the string 'off'. A number with an
+    exponent and no dot (``1e-5``) is a float: YAML 1.1 wants a dot and reads it as the
+    string '1e-5' (then rejected as "must be a number")."""
 
 
 _Yaml12Loader.yaml_implicit_resolvers = {
@@ -36,6 +38,9 @@ _Yaml12Loader.yaml_implicit_resolvers = {
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 _Yaml12Loader.add_implicit_resolver(
     "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
 
 
 def yaml_load(text: str) -> Any:

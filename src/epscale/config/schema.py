@@ -570,9 +570,18 @@ class TrainConfig:
     # command line's key=value overrides still apply last), and a run directory with no
     # checkpoint yet gets its weights as step 0 (epscale checkpoint import-hf, in one step).
     init_from: str | None = None
+    # The spike guard (training/guard.py): a loss above spike_factor x the median of the
+    # last spike_window normal losses for spike_patience steps in a row rolls back to the
+    # newest checkpoint written while the loss was normal (0 disables). After
+    # max_rollbacks rollbacks to the same checkpoint the run stops (exit 2) instead of
+    # skipping more data.
     spike_factor: float = 0.0
     spike_window: int = 50
     spike_patience: int = 3
+    max_rollbacks: int = 3
+    # This many steps in a row with a non-finite loss or gradient (each skipped) stop the
+    # run (exit 2): the model is not training.
+    max_skipped_steps: int = 10
     # A collective blocked longer than this ends the job with a report naming the rank,
     # the operation and the step (epscale.launch.watchdog); 0 disables the watchdog.
     collective_timeout_s: float = 600.0
@@ -589,7 +598,8 @@ class TrainConfig:
             fail("train.collective_timeout_s", self.collective_timeout_s,
                   "must be >= 0 seconds (0 disables the watchdog)")
         for name in ("steps", "micro_batch_size", "grad_accum", "eval_batches", "log_every",
-                     "ckpt_keep", "ckpt_fail_limit", "spike_window", "spike_patience"):
+                     "ckpt_keep", "ckpt_fail_limit", "spike_window", "spike_patience",
+                     "max_rollbacks", "max_skipped_steps"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 fail(f"train.{name}", v, "must be a positive integer")

@@ -180,7 +180,12 @@ def run_preflight(*, timeout_s: float = 60.0, iters: int = 5, numel: int = 1 << 
     host = socket.gethostname()
     store = _store()
     _calls += 1
-    prefix = f"epscale/preflight/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_calls}"
+    # Every rank of one attempt must use the same keys: never a per-node value such as
+    # TORCHELASTIC_RESTART_COUNT, which is smaller on a node that joined an elastic job
+    # later (both sides then waited for each other's keys until the restarts ran out).
+    # epscale's agent gives each attempt a fresh store; MASTER_PORT, the same on every rank
+    # of an attempt, also keeps attempts apart on a store shared between them.
+    prefix = f"epscale/preflight/{os.environ.get('MASTER_PORT', '0')}/{_calls}"
     timeout = timedelta(seconds=timeout_s)
 
     def set_phase(name: str) -> None:

@@ -14,7 +14,8 @@ TensorBoard needs the ``tensorboard`` package and Prometheus ``prometheus_client
 the ``monitor`` extra (``pip install 'epscale[monitor]'``). Environment variables switch
 them on without a config change: ``EPSCALE_TENSORBOARD=1``, ``EPSCALE_PROMETHEUS_PORT=9400``.
 
-metrics.jsonl is the source of truth: failing to open or write it stops the run. TensorBoard
+metrics.jsonl is the source of truth: failing to open it stops the run; a full disk while
+writing it does not (the records wait in memory, see :class:`JsonlSink`). TensorBoard
 and Prometheus are optional: when one cannot start (a busy port, a missing package, an
 unwritable directory) the run goes on without it and ``writer.notes`` says so, for the
 trainer's start-up header.
@@ -30,7 +31,9 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
+
+from ..appendfile import AppendFile, warn_stderr
 
 # Scalars of a step record that every numeric sink exports (record key -> metric stem).
 SCALAR_KEYS: tuple[str, ...] = (
@@ -60,19 +63,21 @@ class Sink(ABC):
 
 
 class JsonlSink(Sink):
-    """Appends one JSON object per line to ``path`` and flushes it, so a reader tailing the
-    file (``epscale monitor --follow``) sees every step at once and a crash loses at most
-    the line being written. Non-finite floats are written as ``NaN``/``Infinity`` (Python's
-    json reads them back); an appended file is continued, never truncated (resume)."""
+    """Appends one JSON object per line to ``path``, each with one write, so a reader
+    tailing the file (``epscale monitor --follow``) sees every step at once and a crash
+    loses at most the line being written. Non-finite floats are written as
+    ``NaN``/``Infinity`` (Python's json reads them back); an appended file is continued,
+    never truncated (resume). A full disk is survived (:class:`AppendFile`): one warning,
+    the records held in memory until there is space again."""
 
-    def __init__(self, path: str | Path):
+    HOLD = 100_000  # records kept in memory while the disk is full (~100-200 MB at most)
+
+    def __init__(self, path: str | Path, report: Callable[[str], None] = warn_stderr):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "a", encoding="utf-8")
+        self._f = AppendFile(self.path, hold=self.HOLD, report=report)
 
     def _line(self, record: dict[str, Any]) -> None:
-        self._f.write(json.dumps(record, separators=(",", ":")) + "\n")
-        self._f.flush()
+        self._f.write_line(json.dumps(record, separators=(",", ":")))
 
     def write(self, record: dict[str, Any]) -> None:
         self._line(record)

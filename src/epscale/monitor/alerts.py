@@ -10,7 +10,9 @@ spikes, non-finite values, elastic layout changes) report occurrences within the
 "Run" rules look at the run as a whole: it never trained a step (no_steps), it is over
 without an 'end' event (crashed: known from ``evaluate(..., job_over=True)``, what
 ``--check --ended`` passes in a Slurm epilog, or from heartbeats whose processes have all
-exited on this host), or its latest checkpoint save failed (checkpoint_failed).
+exited on this host), its latest checkpoint save failed (checkpoint_failed), or the
+trainer stopped it because the loss diverged (diverged: too many rollbacks to one
+checkpoint, or too many non-finite steps in a row).
 
 Thresholds are fields of :class:`AlertRules` (defaults documented there); set them with
 ``epscale monitor RUN --check --rule imbalance_max_vio=2.0`` or a YAML file of the same
@@ -28,7 +30,7 @@ from typing import Any, Callable
 
 from ..config import ConfigError, apply_overrides, from_dict, load_yaml
 from ..plan.layout import record_label
-from .runlog import RunLog, finite, layers_of, num, processes_gone
+from .runlog import Fields, RunLog, finite, layers_of, num, processes_gone
 
 
 @dataclass
@@ -460,6 +462,25 @@ def rule_checkpoint_failed(run: RunLog) -> list[Alert]:
                   f"disk space, the permissions of {run.run_dir}/checkpoints)")]
 
 
+def rule_diverged(run: RunLog) -> list[Alert]:
+    """The trainer stopped the run because it diverged (a 'diverged' event after the last
+    'start'): the loss spiked again after ``train.max_rollbacks`` rollbacks to the same
+    checkpoint (reason ``rollback_limit``), or ``train.max_skipped_steps`` steps in a row
+    were non-finite (``skipped_steps``). The event's message says what to change."""
+    last = None
+    for ev in run.events:
+        if ev.get("event") == "start":
+            last = None
+        elif ev.get("event") == "diverged":
+            last = ev
+    if last is None:
+        return []
+    step = last.get("step") if isinstance(last.get("step"), int) else None
+    return [Alert("diverged", "run", step,
+                  f"the run stopped at step {step} ({last.get('reason', '?')}): "
+                  f"{last.get('message', '(no message)')}")]
+
+
 def rule_layout_change(run: RunLog, r: AlertRules) -> list[Alert]:
     """An elastic restart changed the layout (a 'layout_change' event within the last
     ``recent_records`` records): ranks lost or joined, the grad_accum that keeps the
@@ -499,9 +520,21 @@ def rule_layout_change(run: RunLog, r: AlertRules) -> list[Alert]:
     return out
 
 
+# What the rules read of a step record and of its layers: `monitor --check` loads only
+# these of a long run's older records (load_run(..., fields=CHECK_FIELDS)). A rule that
+# reads another key must add it here (tests/test_monitor_stream.py compares the alerts of
+# a slimmed and a whole run).
+CHECK_FIELDS = Fields(
+    top=frozenset({"step", "time", "loss", "grad_norm", "val_loss", "skipped", "tokens_per_s",
+                   "dropped_frac", "comm_share", "rank_step_time_s", "rank_wait_frac",
+                   "world_size", "layers"}),
+    layer=frozenset({"layer", "max_vio", "tokens_per_expert", "dropped_frac", "bias_min",
+                     "bias_max", "nonfinite_inputs"}))
+
+
 RULES = ("imbalance", "dead_experts", "drop_rate", "loss_spike", "nonfinite", "throughput",
          "straggler", "comm_share", "bias_saturation", "silent_rank", "no_steps", "crashed",
-         "checkpoint_failed", "layout_change")
+         "checkpoint_failed", "layout_change", "diverged")
 
 
 def run_over(run: RunLog, job_over: bool = False) -> str | None:
@@ -527,6 +560,7 @@ def evaluate(run: RunLog, rules: AlertRules | None = None, now: float | None = N
     alerts += rule_crashed(run, over)
     alerts += rule_no_steps(run, over)
     alerts += rule_checkpoint_failed(run)
+    alerts += rule_diverged(run)
     alerts += rule_layout_change(run, r)
     alerts += rule_nonfinite(run, r)
     alerts += rule_loss_spike(run, r)

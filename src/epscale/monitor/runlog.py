@@ -161,18 +161,55 @@ def finite(v: Any) -> bool:
     return x is not None and math.isfinite(x)
 
 
-def parse_line(text: str) -> dict[str, Any] | None:
+def parse_line(text: str, hook=None) -> dict[str, Any] | None:
     """One JSONL line -> dict, or None when it is not a JSON object."""
     try:
-        obj = json.loads(text)
+        obj = json.loads(text, object_pairs_hook=hook)
     except ValueError:
         return None
     return obj if isinstance(obj, dict) else None
 
 
+BLOCK_BYTES = 1 << 20  # metrics.jsonl is read and parsed this much at a time
+
+
+def _parse_block(raws: list[bytes], first_line: int, name: str, keep: frozenset[str] | None = None,
+                 slim_before: int = 0) -> tuple[list[dict[str, Any]], list[str]]:
+    """The JSON objects of complete lines ``raws`` (line numbers from ``first_line``):
+    parsed as one JSON array, so the records share their key strings (a long run's keys
+    then cost once, not once per record) and the parser runs once per block; a block with
+    a damaged line is parsed line by line to skip just that line. ``keep``: step records
+    on lines before ``slim_before`` keep only these keys, at every level (events stay
+    whole): their other values are never built."""
+    numbered = [(first_line + i, r) for i, r in enumerate(raws) if r.strip()]
+    groups = [numbered]
+    if keep is not None:
+        slimmed = [(n, r) for n, r in numbered if n < slim_before and b'"event"' not in r]
+        groups = [slimmed, [(n, r) for n, r in numbered if not (n < slim_before and
+                                                               b'"event"' not in r)]]
+    out, warns = [], []
+    for i, group in enumerate(groups):
+        hook = ((lambda pairs: {k: v for k, v in pairs if k in keep})
+                if keep is not None and i == 0 else None)
+        try:
+            objs = json.loads(b"[" + b",".join(r for _, r in group) + b"]",
+                              object_pairs_hook=hook)
+        except ValueError:
+            objs = [parse_line(r.decode("utf-8", errors="replace"), hook) for _, r in group]
+        for (line_no, _), obj in zip(group, objs):
+            if isinstance(obj, dict):
+                out.append((line_no, obj))
+            else:
+                warns.append(f"{name} line {line_no} is not a JSON object; skipped")
+    out.sort(key=lambda x: x[0])
+    return [obj for _, obj in out], warns
+
+
 class JsonlTail:
-    """Incremental reader of a growing JSONL file (``--follow``): ``read()`` returns the
-    complete lines added since the last call and keeps a partial last line for later."""
+    """Incremental reader of a growing JSONL file (``--follow``, and the whole file for
+    :func:`load_run`): ``read()`` returns the complete lines added since the last call and
+    keeps a partial last line for later; ``blocks()`` yields them a block at a time, so
+    a long file is never held whole in memory."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -180,37 +217,38 @@ class JsonlTail:
         self.line_no = 0
         self._partial = b""
 
-    def read(self) -> tuple[list[dict[str, Any]], list[str]]:
-        """(new parsed objects, warnings about lines that were not JSON)."""
-        out: list[dict[str, Any]] = []
-        warns: list[str] = []
+    def blocks(self, keep: frozenset[str] | None = None, slim_before: int = 0
+               ) -> Iterator[tuple[list[dict[str, Any]], list[str]]]:
+        """(new parsed objects, warnings about lines that were not JSON), per block of
+        about :data:`BLOCK_BYTES` of the lines added since the last call (``keep`` and
+        ``slim_before``: see :func:`_parse_block`)."""
         try:
             size = self.path.stat().st_size
         except FileNotFoundError:
-            return out, warns
+            return
         if size < self.offset:  # the file was replaced: start over
             self.offset, self.line_no, self._partial = 0, 0, b""
         with open(self.path, "rb") as f:
             f.seek(self.offset)
-            data = f.read()
-        self.offset += len(data)
-        data = self._partial + data
-        *complete, self._partial = data.split(b"\n")
-        for raw in complete:
-            self.line_no += 1
-            if not raw.strip():
-                continue
-            obj = parse_line(raw.decode("utf-8", errors="replace"))
-            if obj is None:
-                warns.append(f"{self.path.name} line {self.line_no} is not a JSON object; skipped")
-            else:
-                out.append(obj)
+            while data := f.read(BLOCK_BYTES):
+                self.offset += len(data)
+                *complete, self._partial = (self._partial + data).split(b"\n")
+                first, self.line_no = self.line_no + 1, self.line_no + len(complete)
+                yield _parse_block(complete, first, self.path.name, keep, slim_before)
+
+    def read(self) -> tuple[list[dict[str, Any]], list[str]]:
+        """(new parsed objects, warnings about lines that were not JSON)."""
+        out: list[dict[str, Any]] = []
+        warns: list[str] = []
+        for objs, w in self.blocks():
+            out += objs
+            warns += w
         return out, warns
 
-    def finish(self) -> tuple[list[dict[str, Any]], list[str]]:
-        """Treat what is left after the last newline as the final line: parsed if it is
+    def rest(self) -> tuple[list[dict[str, Any]], list[str]]:
+        """What is left after the last newline, taken as the final line: parsed if it is
         whole JSON, else reported as truncated (a crash mid-write)."""
-        out, warns = self.read()
+        out, warns = [], []
         rest = self._partial.strip()
         if rest:
             obj = parse_line(rest.decode("utf-8", errors="replace"))
@@ -221,6 +259,12 @@ class JsonlTail:
                 out.append(obj)
             self._partial = b""
         return out, warns
+
+    def finish(self) -> tuple[list[dict[str, Any]], list[str]]:
+        """:meth:`read`, then :meth:`rest`."""
+        out, warns = self.read()
+        more, w = self.rest()
+        return out + more, warns + w
 
 
 def read_heartbeats(run_dir: Path) -> tuple[dict[int, dict[str, Any]], list[str]]:
@@ -296,8 +340,30 @@ def read_config(run_dir: Path) -> tuple[dict[str, Any] | None, list[str]]:
     return (data if isinstance(data, dict) else None), []
 
 
-def load_run(run_dir: str | Path) -> RunLog:
-    """Read RUN_DIR. Raises FileNotFoundError when it holds no metrics.jsonl."""
+def count_lines(path: Path) -> int:
+    n = 0
+    with open(path, "rb") as f:
+        while block := f.read(BLOCK_BYTES):
+            n += block.count(b"\n")
+    return n
+
+
+@dataclass(frozen=True)
+class Fields:
+    """What a reader of a :class:`RunLog` needs of each step record (``top``) and of
+    each of its layers (``layer``); :func:`load_run` keeps only these keys (at any level)
+    of the step records but those of about the last ``full_tail`` lines."""
+
+    top: frozenset[str]
+    layer: frozenset[str]
+    full_tail: int = 1000
+
+
+def load_run(run_dir: str | Path, fields: Fields | None = None) -> RunLog:
+    """Read RUN_DIR, streaming metrics.jsonl a block at a time. ``fields``: keep only
+    these of each step record but the newest ``fields.full_tail`` (what `monitor --check`
+    reads: a long run then fits in a fraction of the memory). Raises FileNotFoundError
+    when it holds no metrics.jsonl."""
     run_dir = Path(run_dir)
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
@@ -309,10 +375,13 @@ def load_run(run_dir: str | Path) -> RunLog:
     log.config, warns = read_config(run_dir)
     log.warnings += warns
     tail = JsonlTail(metrics)
-    objs, warns = tail.finish()
-    log.warnings += warns
-    for obj in objs:
-        log.add(obj, where="a metrics.jsonl line ")
+    keep, slim_before = None, 0
+    if fields is not None:  # slim all but about the last full_tail lines
+        keep, slim_before = fields.top | fields.layer, count_lines(metrics) - fields.full_tail
+    for objs, warns in [*tail.blocks(keep, slim_before), tail.rest()]:
+        log.warnings += warns
+        for obj in objs:
+            log.add(obj, where="a metrics.jsonl line ")
     refresh_heartbeats(log)
     return log
 

@@ -17,6 +17,8 @@ dispatcher).
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, replace
 
 from ..config import ConfigError, RunConfig
@@ -76,7 +78,9 @@ class FitResult:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n``, ascending, in O(sqrt(n)) (a world of 10^12 ranks is asked)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def _sim_accepts(ep: int, cluster: ClusterSpec, num_experts: int,

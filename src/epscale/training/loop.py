@@ -34,6 +34,7 @@ from ..kernels.cpu import describe_chunks, describe_elementwise
 from ..launch.preflight import run_preflight
 from ..launch.watchdog import Watchdog
 from ..metrics import MetricsWriter, StepStatsCollector, StepTimers, peak_flops
+from ..appendfile import AppendFile, disk_error, warn_stderr
 from ..model import build_meta_model, build_model, next_token_loss
 from ..moe.balance import step_loads, update_expert_biases
 from ..parallel import parallelize_model, sync_gradients
@@ -46,14 +47,15 @@ from ..plan.pipeline import bubble_fraction, layers_per_stage
 from ..plan.sizing import model_size
 from . import checkpoint as ckpt
 from .console import TrainConsole
-from .data import DataLoader, load_data, unigram_entropy
+from .data import DataError, DataLoader, load_data, unigram_entropy
 from .dist import LaunchEnv, init_process_group, make_dims, pick_device, set_threads, shutdown
 from .elastic import (check_memory, fit_batch, release_standby, split_standby, stand_by, why_not, layout_change, layout_record, layout_text, no_layout_message,
                       previous_attempt, process_start_time)
-from .guard import SpikeGuard
+from .guard import Diverged, SpikeGuard, too_many_rollbacks, too_many_skips
 from .optim import build_optimizer, ensure_optimizer_state, grad_norm_and_flags, lr_at, set_lr
 from .prelaunch import CHECKED_ENV, check_run
 from .step import AccumulationStep, PipelineStep
+from .run_lock import RunLock, restart_wait
 
 class ReportedByRankZero(ConfigError):
     """A configuration error that rank 0 reports; the other ranks stop with it quietly."""
@@ -169,7 +171,7 @@ class Trainer:
                 (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
             dump_yaml(self.given_cfg, self.run_dir / "config.yaml")
         self._barrier()
-        self._log_file = open(self.run_dir / "logs" / f"rank{self.rank}.log", "a")
+        self._log_file = AppendFile(self.run_dir / "logs" / f"rank{self.rank}.log")  # survives ENOSPC
         self.watchdog = None
         if self.world > 1 and cfg.train.collective_timeout_s > 0:
             # Records every collective; one blocked past the timeout ends the job with a
@@ -270,17 +272,20 @@ class Trainer:
             prometheus_addr=cfg.metrics.prometheus_addr)
         self.guard = SpikeGuard(cfg.train.spike_factor, cfg.train.spike_window,
                                 cfg.train.spike_patience)
-        self.step, self.num_skipped, self.num_rollbacks = 0, 0, 0
+        self.step, self.num_skipped, self.num_rollbacks, self.skipped_in_a_row = 0, 0, 0, 0
         self.unigram = unigram_entropy(self.splits, cfg.model.vocab_size) if self.rank == 0 else None
 
     def _check_before_writing(self) -> None:
         """The pre-launch checks (layout, data, run directory, checkpoint against the
-        model) on rank 0, unless the launcher ran them; nothing is written before they
-        pass. Rank 0 reports an error; the other ranks stop quietly with exit status 2."""
+        model) on rank 0, unless the launcher ran them, then rank 0 takes the run
+        directory's lock (one trainer per directory); nothing is written before. Rank 0
+        reports an error; the other ranks stop quietly with exit status 2."""
         error = None
-        if self.rank == 0 and not (self.checked or os.environ.get(CHECKED_ENV)):
+        if self.rank == 0:
             try:
-                check_run(self.cfg, self.run_dir, self.world)
+                if not (self.checked or os.environ.get(CHECKED_ENV)):
+                    check_run(self.cfg, self.run_dir, self.world)
+                self.run_lock = RunLock(self.run_dir).acquire(self.console.note, restart_wait())
             except ConfigError as e:
                 error = str(e)
         error = self._broadcast(error)
@@ -403,6 +408,8 @@ class Trainer:
             self.console.print(f"layout changed: {old} -> {layout_text(layout)} ({lost}; "
                                f"{change['steps_lost'] or 0} step(s) since the checkpoint "
                                "are trained again)")
+            if change["ranks_lost"] > 0:  # said now, not only after the first step
+                self._say_node_lost(change)
             self._log(f"layout change: {old} -> {layout_text(layout)}")
         if path is None:
             return
@@ -412,6 +419,19 @@ class Trainer:
         written = record_label(meta, (meta.get("config") or {}).get("parallel"))
         self.console.print(f"resumed from {path} (step {self.step}, written at {written})")
         self._log(f"resume: {path} step={self.step}")
+
+    def _say_node_lost(self, change: dict) -> None:
+        """An elastic restart without some of the previous attempt's ranks: a line naming
+        the hosts that left and a 'node_lost' event."""
+        hosts = change["hosts_lost"] or {}
+        where = ", ".join(f"{h} ({n} rank(s))" for h, n in hosts.items()) or "unknown hosts"
+        self.writer.event("node_lost", step=self.step, ranks_lost=change["ranks_lost"],
+                          hosts_lost=hosts, world_size=self.world)
+        self.console.print(f"[bold yellow]node lost:[/] {change['ranks_lost']} rank(s) of the "
+                           f"previous attempt are gone ({where}); training goes on at "
+                           f"{self.world} process(es) with the same global batch; a node that "
+                           "comes back joins at the next restart")
+        self._log(f"node lost: {change['ranks_lost']} rank(s) on {where}")
 
     def _restore_meta(self, meta: dict) -> None:
         self.step = int(meta["step"])
@@ -439,8 +459,7 @@ class Trainer:
         return box[0]
 
     def _log(self, text: str) -> None:
-        self._log_file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n")
-        self._log_file.flush()
+        self._log_file.write_line(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}")
 
     def _warn(self, text: str) -> None:
         self.console.note(f"[yellow]warning:[/] {text}")
@@ -474,9 +493,17 @@ class Trainer:
     def _heartbeat(self) -> None:
         path = self.run_dir / "heartbeats" / f"rank{self.rank}.json"
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"rank": self.rank, "host": socket.gethostname(),
-                                   "step": self.step, "time": time.time(), "pid": os.getpid()}))
-        os.replace(tmp, path)
+        try:
+            tmp.write_text(json.dumps({"rank": self.rank, "host": socket.gethostname(),
+                                       "step": self.step, "time": time.time(), "pid": os.getpid()}))
+            os.replace(tmp, path)
+        except OSError as e:  # a full disk: the last heartbeat stays; say so once
+            if not disk_error(e):
+                raise
+            tmp.unlink(missing_ok=True)
+            if not getattr(self, "_heartbeat_failed", False):
+                self._heartbeat_failed = True
+                warn_stderr(f"cannot write {path} ({e.strerror}); the run goes on")
 
     def _on_signal(self, signum, _frame) -> None:
         self._signalled = True
@@ -512,6 +539,8 @@ class Trainer:
         accum = cfg.train.grad_accum
         loss_sum, has_loss = self.stepper.train(self.loader, accum)
         self.loader.end_step()
+        if self.loader.bad_data:  # flagged as non-finite: no rank updates; run() stops them
+            loss_sum = torch.full_like(loss_sum, float("nan"))
         with T.section("sync"):  # the gradient all-reduces: communication, and rank waits
             if self.world > 1 or self.fsdp:
                 if self.fsdp:
@@ -675,16 +704,19 @@ class Trainer:
         self.finish_checkpoint()
         path = None
         if self.rank == 0:
-            found = ckpt.latest_valid(self.run_dir, report=self._warn)
+            found = ckpt.latest_valid(self.run_dir, report=self._warn, rollback=True)
             path = str(found[0]) if found else None
         path = self._broadcast(path)
         from_step, position = self.step, self.loader.position
         if path is None:
             self.writer.event("rollback", step=from_step, ok=False, loss=rec["loss"],
-                              reason="no checkpoint to roll back to")
+                              reason="no checkpoint written while the loss was normal")
             self._warn(f"loss spike at step {from_step} ({rec['loss']:.4f}) but no checkpoint "
-                       "to roll back to; continuing")
+                       "written while the loss was normal to roll back to; continuing")
             return
+        to_step = int(ckpt.read_meta(Path(path))["step"])
+        if self.guard.count_rollback(to_step) > self.cfg.train.max_rollbacks:
+            self._diverged("rollback_limit", too_many_rollbacks(to_step, rec["loss"], self.cfg.train))
         meta = ckpt.load(Path(path), self.model, self.opt, self.dims)
         self.step = int(meta["step"])
         self.num_rollbacks += 1
@@ -694,6 +726,27 @@ class Trainer:
                           loss=rec["loss"], median=self.guard.median(), skipped_samples=skipped)
         self._warn(f"loss spike at step {from_step} ({rec['loss']:.4f}): rolled back to step "
                    f"{self.step}, skipping {skipped} samples")
+
+    def _stop_on_bad_data(self) -> None:
+        """After a skipped step: when a rank read a token id beyond the vocabulary, every
+        rank stops with its message (rank 0 prints it; exit status 2 everywhere)."""
+        msgs = [self.loader.bad_data]
+        if self.world > 1:
+            msgs = [None] * self.world
+            dist.all_gather_object(msgs, self.loader.bad_data)
+        bad = next((m for m in msgs if m), None)
+        if bad is not None:
+            self.writer.event("bad_data", step=self.step, message=bad)
+            raise DataError(bad) if self.rank == 0 else ReportedByRankZero(bad)
+
+    def _diverged(self, reason: str, message: str) -> None:
+        """Stop the run: the loss will not settle at this config (an event for `monitor
+        --check`, then :class:`Diverged`: exit status 2, and no restart by the launcher)."""
+        self.writer.event("diverged", step=self.step, reason=reason, message=message)
+        self._log(f"error: {message}")
+        if self.rank != 0:
+            raise ReportedByRankZero(message)
+        raise Diverged(message)
 
     # ================================================================== the loop
     def run(self) -> RunResult:
@@ -716,11 +769,15 @@ class Trainer:
                 if self.step % cfg.train.log_every == 0:
                     self._log(f"step {self.step} loss {rec['loss']:.4f} "
                               f"{rec['tokens_per_s']:.0f} tok/s")
+                self.skipped_in_a_row = self.skipped_in_a_row + 1 if rec["skipped"] else 0
                 if rec["skipped"]:
+                    self._stop_on_bad_data()
                     self.num_skipped += 1
                     self.writer.event("skip_nonfinite", step=self.step, loss=rec["loss"],
                                       grad_norm=rec["grad_norm"], total_skipped=self.num_skipped)
                     self._warn(f"step {self.step}: non-finite loss or gradient, update skipped")
+                    if self.skipped_in_a_row >= cfg.train.max_skipped_steps:
+                        self._diverged("skipped_steps", too_many_skips(self.skipped_in_a_row, cfg.train))
                 elif self.guard.observe(rec["loss"]):
                     self._rollback(rec)
                     continue
@@ -761,6 +818,8 @@ class Trainer:
             if getattr(self, "rank", None) == 0:
                 (self.run_dir / STOP_FILE).unlink(missing_ok=True)
         finally:
+            if getattr(self, "run_lock", None) is not None:
+                self.run_lock.release()
             if getattr(self, "rank", None) == 0 and self.standby:
                 release_standby(self.run_dir)  # even after a failed teardown: they would wait
             shutdown(clean, destroy=getattr(self, "_owns_group", True))

@@ -108,12 +108,22 @@ def set_aside(path: Path, reason: str) -> Path:
     return dest
 
 
+def is_rollback_target(meta: dict) -> bool:
+    """Whether a checkpoint was written while the loss was normal (meta.json's
+    ``guard.healthy``, see :class:`epscale.training.guard.SpikeGuard`); one written before
+    that mark existed counts as one."""
+    return (meta.get("guard") or {}).get("healthy", True) is not False
+
+
 def latest_valid(run_dir: str | Path, report: Callable[[str], None] = print,
-                 move_corrupt: bool = False) -> tuple[Path, dict] | None:
+                 move_corrupt: bool = False, rollback: bool = False) -> tuple[Path, dict] | None:
     """The newest checkpoint that validates, reporting (with its path) every newer one
     that does not; None when there is none. ``move_corrupt``: also move those to
-    ``checkpoints/corrupt/`` (the trainer does, on rank 0; read-only callers do not)."""
+    ``checkpoints/corrupt/`` (the trainer does, on rank 0; read-only callers do not).
+    ``rollback``: the newest that is also a rollback target (:func:`is_rollback_target`)."""
     for _step, path in reversed(list_checkpoints(run_dir)):
+        if rollback and not is_rollback_target(read_meta_or_empty(path)):
+            continue
         try:
             return path, validate(path)
         except CheckpointError as e:
@@ -129,11 +139,14 @@ def prune(run_dir: str | Path, keep: int, verified: set[Path] | None = None,
           report: Callable[[str], None] = print) -> list[Path]:
     """Keep the newest ``keep`` checkpoints that verify (size and SHA-256 of every file;
     one verification per checkpoint per ``verified`` set), move the ones that fail to
-    ``checkpoints/corrupt/``, delete the older verified ones. Returns the kept ones."""
+    ``checkpoints/corrupt/``, delete the older verified ones, except the newest rollback
+    target when none of the kept ones is (a spike then still has somewhere to go back
+    to). Returns the kept ones."""
     verified = verified if verified is not None else set()
     kept: list[Path] = []
+    target = False  # a rollback target among the kept ones
     for _step, path in reversed(list_checkpoints(run_dir)):
-        if len(kept) >= keep:
+        if len(kept) >= keep and (target or not is_rollback_target(read_meta_or_empty(path))):
             shutil.rmtree(path, ignore_errors=True)
             continue
         if path not in verified:
@@ -145,4 +158,13 @@ def prune(run_dir: str | Path, keep: int, verified: set[Path] | None = None,
                 continue
             verified.add(path)
         kept.append(path)
+        target = target or is_rollback_target(read_meta_or_empty(path))
     return kept
+
+
+def read_meta_or_empty(path: Path) -> dict:
+    """meta.json of ``path``, or {} when it cannot be read (validation says why)."""
+    try:
+        return read_meta(path)
+    except CheckpointError:
+        return {}

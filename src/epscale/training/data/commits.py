@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from .errors import DataError
-from .shards import MANIFEST, STATE_DIR, write_atomic
+from .shards import HEAD_BYTES, MANIFEST, STATE_DIR, write_atomic
 
 STATE_FILE = "state.json"
 # The files a prepare writes (only these are ever removed from an output directory).
@@ -171,7 +171,9 @@ class Output:
             entry = {"file": f"{name}.bin", "index": f"{name}.idx", "tokens": int(tokens.size),
                      "documents": int(ends.size),
                      "sha256": write_atomic(self.out / f"{name}.bin", tokens),
-                     "index_sha256": write_atomic(self.out / f"{name}.idx", ends)}
+                     "index_sha256": write_atomic(self.out / f"{name}.idx", ends),
+                     "head_sha256": hashlib.sha256(
+                         memoryview(tokens).cast("B")[:HEAD_BYTES]).hexdigest()}
             new[split].append(entry)
             self.shards[split].append(entry)
             written += tokens.size

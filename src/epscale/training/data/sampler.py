@@ -148,13 +148,17 @@ class WindowSampler:
             where = f"shard '{path}' at token {offset}"
         else:
             where = f"data source '{self.source}' at token {pos}"
-        raise DataError(f"{where} holds token id {int(out[row, col])}, beyond model.vocab_size="
-                        f"{self.id_limit}; the data was not made with this tokenizer, or is "
-                        "damaged")
+        raise IdBeyondVocab(f"{where} holds token id {int(out[row, col])}, beyond "
+                            f"model.vocab_size={self.id_limit}; the data was not made with this "
+                            "tokenizer, or is damaged")
 
     def batch(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         block_BS1 = torch.from_numpy(self.rows(np.arange(first, first + count)))
         return block_BS1[:, :-1].contiguous(), block_BS1[:, 1:].contiguous()
+
+
+class IdBeyondVocab(DataError):
+    """A window holds a token id the model has no embedding for (damaged data)."""
 
 
 def _source_seed(seed: int, i: int) -> int:
@@ -193,6 +197,10 @@ class DataLoader:
         self.source_positions = np.zeros(len(parts), dtype=np.int64)
         self._micro = 0
         self._plan: tuple[int, np.ndarray, np.ndarray] | None = None
+        # An id beyond the vocabulary read by this rank (the message), or None: the batch
+        # is then all zeros so that this rank's collectives stay in step with the others',
+        # and the trainer stops every rank after the step (see next_micro_batch).
+        self.bad_data: str | None = None
 
     @property
     def train(self) -> WindowSampler:
@@ -249,7 +257,12 @@ class DataLoader:
         _, choice, within = self._step_plan()
         lo = (self._micro * self.world + self.rank) * self.B
         self._micro += 1
-        return self._read(self.samplers, choice[lo:lo + self.B], within[lo:lo + self.B])
+        try:
+            return self._read(self.samplers, choice[lo:lo + self.B], within[lo:lo + self.B])
+        except IdBeyondVocab as e:  # only this rank may see it: raising here would leave the
+            self.bad_data = str(e)  # others blocked in a collective (a traceback, exit 1)
+            x_BS = torch.zeros((self.B, self.seq_len), dtype=torch.int64)
+            return x_BS, x_BS.clone()
 
     def end_step(self) -> None:
         _, choice, _ = self._step_plan()

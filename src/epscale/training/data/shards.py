@@ -1,12 +1,15 @@
 """Prepared datasets (``epscale data prepare``) on disk: the manifest, its checks, and the
 shards read as one memory-mapped array.
 
-Opening one (:func:`open_prepared`) reads ``manifest.json`` and ``stat`` s every shard:
-nothing else. The checks: the format, the tokenizer hash against ``data.tokenizer``, the
-vocabulary against ``model.vocab_size``, every shard present with the size the manifest
-says (a shard cut short by a crash or a copy is caught here). Their SHA-256 is checked
-by ``epscale data verify DIR``, or before launch with ``data.verify_shards: true``: that
-reads all the data, once, in the launcher.
+Opening one (:func:`open_prepared`) reads ``manifest.json`` and ``stat`` s every shard.
+The checks: the format, the tokenizer hash against ``data.tokenizer``, the vocabulary
+against ``model.vocab_size``, every shard present with the size the manifest says (a
+shard cut short by a crash or a copy is caught here). The pre-launch check (``checksums``,
+once per launch) also hashes what is cheap to read: every document index whole (8 bytes
+per document) and the first ``HEAD_BYTES`` of every token shard (manifests written since
+that field exists), so a flipped byte there stops the run at start naming the file. The
+SHA-256 of all the data is checked by ``epscale data verify DIR``, or before launch with
+``data.verify_shards: true``: that reads all of it, once, in the launcher.
 
 :class:`ShardedTokens` maps a shard the first time a window touches it and reads only
 the pages a window covers; the shards join into one stream (a window may span two).
@@ -31,6 +34,7 @@ VERSION = 1
 MANIFEST = "manifest.json"
 STATE_DIR = ".prepare"  # an unfinished prepare's progress
 DTYPES = ("uint16", "uint32")
+HEAD_BYTES = 1 << 16  # the start of each token shard hashed at every launch ("head_sha256")
 
 
 def shard_dtype(vocab_size: int) -> str:
@@ -110,10 +114,16 @@ def read_manifest(path: Path) -> dict[str, Any]:
     return manifest
 
 
+def head_sha256(path: Path) -> str:
+    """SHA-256 of the first :data:`HEAD_BYTES` of ``path``."""
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read(HEAD_BYTES)).hexdigest()
+
+
 def open_prepared(path: Path, tokenizer_hash: str, tokenizer_name: str,
-                  vocab_size: int) -> Prepared:
+                  vocab_size: int, checksums: bool = False) -> Prepared:
     """The dataset in ``path``, checked against the run's tokenizer and model (without
-    reading the data: see the module docstring)."""
+    reading the data, except with ``checksums``: see the module docstring)."""
     manifest = read_manifest(path)
     tok = manifest["tokenizer"]
     copy = path / tok["file"] if tok.get("file") else None
@@ -140,6 +150,8 @@ def open_prepared(path: Path, tokenizer_hash: str, tokenizer_name: str,
                                       [int(e["tokens"]) for e in entries], dtype)
         for e in entries:
             _check_size(path, e, np.dtype(dtype).itemsize)
+            if checksums:
+                _check_cheap_hashes(path, e)
     return Prepared(path, manifest, splits["train"], splits["val"])
 
 
@@ -157,6 +169,34 @@ def _check_size(root: Path, entry: dict[str, Any], itemsize: int) -> None:
                             "prepare the data again")
 
 
+def _check_cheap_hashes(root: Path, entry: dict[str, Any]) -> None:
+    """The document index's SHA-256 and the shard head's (when the manifest has it)."""
+    checks = [(root / entry["index"], entry["index_sha256"], _sha256_file, "its document index")]
+    if entry.get("head_sha256"):
+        checks.append((root / entry["file"], entry["head_sha256"], head_sha256,
+                       f"its first {HEAD_BYTES:,} bytes"))
+    for p, want, digest, what in checks:
+        try:
+            got = digest(p)
+        except OSError as e:
+            raise DataError(f"shard '{p}' of the prepared data cannot be read "
+                            f"({e.strerror or e}); restore it or prepare the data again") from e
+        if got != want:
+            raise DataError(
+                f"shard '{p}' is damaged: the SHA-256 of {what} is {got[:12]}..., the manifest "
+                f"says {want[:12]}... (changed after prepare). Restore it, or prepare the data "
+                "again (epscale data prepare ... --overwrite); `epscale data verify "
+                f"{root}` checks every shard whole")
+
+
+def _sha256_file(p: Path) -> str:
+    h = hashlib.sha256()
+    with p.open("rb") as f:
+        while block := f.read(1 << 24):
+            h.update(block)
+    return h.hexdigest()
+
+
 def verify_shards(path: Path, report: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Check every shard's and index's SHA-256 against the manifest (reads all the data);
     raises DataError naming the first that differs. Returns the manifest."""
@@ -167,13 +207,10 @@ def verify_shards(path: Path, report: Callable[[str], None] | None = None) -> di
             _check_size(path, e, itemsize)
             for key, hkey in (("file", "sha256"), ("index", "index_sha256")):
                 p = path / e[key]
-                h = hashlib.sha256()
-                with p.open("rb") as f:
-                    while block := f.read(1 << 24):
-                        h.update(block)
-                if h.hexdigest() != e[hkey]:
+                got = _sha256_file(p)
+                if got != e[hkey]:
                     raise DataError(
-                        f"shard '{p}' does not match its manifest (sha256 {h.hexdigest()[:12]}..., "
+                        f"shard '{p}' does not match its manifest (sha256 {got[:12]}..., "
                         f"the manifest says {e[hkey][:12]}...): it was changed or damaged after "
                         "prepare; restore it, or prepare the data again (epscale data prepare "
                         "... --overwrite)")

@@ -142,7 +142,7 @@ def open_source(source: str, cfg: DataConfig, tok: Tokenizer, vocab_size: int,
         raise DataError(f"data.source '{path}' does not exist (use 'stdlib', a text file or "
                         "folder, a .bin token file, or a directory from 'epscale data prepare')")
     if is_prepared(path):
-        data = open_prepared(path, tok.hash, tok.name, vocab_size)
+        data = open_prepared(path, tok.hash, tok.name, vocab_size, checksums=thorough)
         if thorough and cfg.verify_shards:  # after the cheap checks: this reads everything
             verify_shards(path)
         m = data.manifest
