@@ -167,6 +167,23 @@ def test_matches_reference_bf16(name, path, kernels):
     compare(moe, (2, 12), tol=3e-2, dtype=torch.bfloat16)
 
 
+@pytest.mark.cpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("path", ["grouped", "autograd"])
+@pytest.mark.parametrize("name", ["softmax-norm", "cap-probs", "gelu-cap-shared", "losses",
+                                  "deepseek-like"])
+def test_device_code_path_matches_reference(name, path, dtype):
+    """CPU tensors through the code CUDA runs (no host shortcuts: tests/test_host_syncs.py
+    counts its syncs): grouped GEMM with device offsets in bf16, the per-group loop in fp32;
+    the dropless row count and the capacity path's one host read."""
+    from epscale.ops import device_code_path
+
+    moe = make_moe(dtype, path=path, **VARIANTS[name])
+    with device_code_path(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fp32 takes the loop, and says so
+        compare(moe, (2, 12), tol=1e-5 if dtype == torch.float32 else 3e-2, dtype=dtype)
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dims_not_multiple_of_8(dtype, path):

@@ -61,7 +61,7 @@ def _warn_slow_once(reason: str) -> None:
     _WARNED_SLOW.add(reason)
     warnings.warn(f"epscale: the experts loop over groups with host offsets instead of a "
                   f"grouped GEMM (slower; one host sync per layer forward): {reason}",
-                  stacklevel=4)
+                  stacklevel=2)
 
 
 def _grouped_linear(x_RD: torch.Tensor, w_eDF: torch.Tensor, offs_e: torch.Tensor | None,
