@@ -21,9 +21,9 @@ torch's grouped GEMM with the accelerators' rules (bf16 here, widths multiples o
 
 Counted per MoE layer: the local backend in one process, every EP backend at ep=2 over
 two gloo ranks (one spawn for all cases), each under no / full / selective recomputation
-of a transformer block. Not seen here: syncs inside a CUDA kernel's own implementation
-(the GPU check runs under ``torch.cuda.set_sync_debug_mode``), and a host tensor moved
-with ``.to(device)`` (on CPU that is no copy).
+of a transformer block. Not seen on CPU: syncs inside a CUDA kernel's own implementation,
+and a host tensor moved with ``.to(device)`` (on CPU that is no copy); the single-process
+cases also run on a GPU (``EPSCALE_TEST_DEVICE=cuda``), where such copies are counted.
 """
 
 from __future__ import annotations
@@ -105,11 +105,12 @@ class _Ops(TorchDispatchMode):
                 c.record("repeat_interleave without output_size")
             elif packet in INDEX_OPS and _is_bool_index(args[1] if len(args) > 1 else None):
                 c.record(f"{packet.__name__} with a bool mask")
-            elif packet in COPY_OPS:
+            elif packet in COPY_OPS:  # between host and device: only on a real device
                 src = args[1] if packet is aten.copy_ else args[0]
-                dst = args[0].device if packet is aten.copy_ else kwargs.get("device", src.device)
-                if isinstance(src, torch.Tensor) and torch.device(dst).type != src.device.type:
-                    c.record(f"copy {src.device.type} -> {torch.device(dst).type}")
+                dst = args[0].device if packet is aten.copy_ else kwargs.get("device")
+                dst = torch.device(dst) if dst is not None else src.device
+                if isinstance(src, torch.Tensor) and dst.type != src.device.type:
+                    c.record(f"copy {src.device.type} -> {dst.type}")
         return func(*args, **kwargs)
 
 
@@ -218,7 +219,6 @@ def _names(events):
     return [f"{w} at {where}" for w, where in events]
 
 
-@pytest.mark.cpu_only
 @pytest.mark.parametrize("fuse", [True, False])
 def test_local_dropless_makes_no_sync(fuse):
     from epscale.dispatch.local import LocalDispatcher
@@ -230,7 +230,6 @@ def test_local_dropless_makes_no_sync(fuse):
     assert fwd == [] and bwd == [], (_names(fwd), _names(bwd))
 
 
-@pytest.mark.cpu_only
 def test_local_with_capacity_reads_the_kept_rows_once():
     moe = _moe(capacity_factor=1.0)
     fwd, bwd = count_step(moe, _x())
@@ -238,7 +237,6 @@ def test_local_with_capacity_reads_the_kept_rows_once():
     assert bwd == [], _names(bwd)
 
 
-@pytest.mark.cpu_only
 def test_slow_grouped_gemm_fallback_warns_once_and_syncs_once(monkeypatch):
     """fp32 rows on the device path: torch's fast grouped GEMM takes bf16, so the experts
     loop over groups with host sizes (one sync, honestly counted) and warn, once."""
@@ -299,7 +297,6 @@ class _LossOf(torch.nn.Module):
         return self.model(tokens)
 
 
-@pytest.mark.cpu_only
 @pytest.mark.parametrize("mode", ["none", "full", "selective"])
 @pytest.mark.parametrize("capacity", [None, 1.0])
 def test_recomputation_adds_no_sync(mode, capacity):
@@ -313,7 +310,6 @@ def test_recomputation_adds_no_sync(mode, capacity):
     assert bwd == [], _names(bwd)
 
 
-@pytest.mark.cpu_only
 def test_recomputation_reuses_the_forwards_host_values():
     """A recomputed forward gets the values its first forward read, not fresh ones, and
     a recomputation that reads something else fails loudly."""
@@ -375,7 +371,7 @@ def _ep_worker(rank, world):
     return runner.failures, runner.num_cases
 
 
-@pytest.mark.cpu_only
+@pytest.mark.cpu_only  # gloo ranks
 def test_ep_backends_sync_once_per_layer_forward():
     results = run_distributed(_ep_worker, 2)
     assert_no_failures(results, min_cases=len(EP_BACKENDS) * 3)
