@@ -302,12 +302,26 @@ class _LossOf(torch.nn.Module):
 def test_recomputation_adds_no_sync(mode, capacity):
     """Two MoE blocks: forward syncs = per layer x layers (0 dropless, 1 with capacity),
     backward none, whatever is recomputed."""
-    model = _LossOf(_model(mode, capacity_factor=capacity))
     tokens = torch.randint(0, 64, (2, 12))
+    model = _LossOf(_model(mode, capacity_factor=capacity))
     fwd, bwd = count_step(model, tokens, steps=2)
     per_layer = 0 if capacity is None else 1
     assert len(fwd) == 2 * per_layer, _names(fwd)
     assert bwd == [], _names(bwd)
+    plain = _LossOf(_model("none", capacity_factor=capacity))
+    count_step(plain, tokens, steps=2)
+    _assert_same_grads(model, plain)
+
+
+def _assert_same_grads(model, plain):
+    """Recomputed with the first forward's host values, the gradients are those of the
+    plain run: bit for bit on CPU (the same ops on the same values), within bf16 rounding
+    on a GPU (atomic adds sum in any order there)."""
+    want = dict(plain.named_parameters())
+    for name, p in model.named_parameters():
+        tol = 0.0 if p.device.type == "cpu" else 2e-2
+        torch.testing.assert_close(p.grad, want[name].grad, rtol=tol, atol=tol * 1e-2,
+                                   msg=lambda m: f"grad of {name}: {m}")
 
 
 def test_recomputation_reuses_the_forwards_host_values():
@@ -356,18 +370,23 @@ def _ep_worker(rank, world):
     torch.manual_seed(0)
     flat = epscale.ParallelDims(dp=1, ep=world)
     nodes = epscale.ParallelDims(dp=1, ep=world, ranks_per_node=1)  # 2 nodes: both stages
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(rank))
     for name, opts in EP_BACKENDS:
         dims = nodes if name == "hierarchical" else flat
+        plain = None
         for mode in ("none", "full", "selective"):
             with runner.case(f"{name}{opts} {mode}"):
-                model = _model(mode, lambda m: epscale.parallelize(m, dims, dispatcher=name,
-                                                                   **opts))
-                tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(rank))
-                fwd, bwd = count_step(_LossOf(model), tokens)
+                model = _LossOf(_model(mode, lambda m: epscale.parallelize(
+                    m, dims, dispatcher=name, **opts)))
+                fwd, bwd = count_step(model, tokens)
                 # one sync per MoE layer forward (the split sizes), from the dispatcher
                 assert len(fwd) == 2, _names(fwd)
                 assert all(w.startswith("dispatch/host.py") for _, w in fwd), _names(fwd)
                 assert bwd == [], _names(bwd)
+                if mode == "none":
+                    plain = model
+                else:  # recomputed with the split sizes of the first forward
+                    _assert_same_grads(model, plain)
     return runner.failures, runner.num_cases
 
 
