@@ -285,6 +285,20 @@ def test_capacity_that_drops_most_tokens(path):
     assert (y.abs().sum(-1) == 0).sum() >= 32 - 8
 
 
+@pytest.mark.parametrize("fuse", [True, False])
+def test_dropless_dispatcher_refuses_dropped_assignments(fuse):
+    """A dispatcher told the router never drops counts its rows without a host read; a
+    dropped assignment reaching it is an error (checked on the device), not wrong rows."""
+    disp = LocalDispatcher(4, fuse=fuse, dropless=True)
+    experts = GroupedExperts(4, 8, 16)
+    idx = torch.tensor([[0, 1], [2, -1], [3, 0]])
+    w = torch.full((3, 2), 0.5)
+    with pytest.raises(RuntimeError, match="a dropless dispatcher got dropped ones"):
+        disp.dispatch_compute_combine(torch.randn(3, 8), idx, w, experts)
+    idx[1, 1] = 1  # nothing dropped: fine
+    assert disp.dispatch_compute_combine(torch.randn(3, 8), idx, w, experts).shape == (3, 8)
+
+
 def test_all_assignments_dropped_dispatcher():
     """The dispatcher contract: -1 everywhere -> nothing sent, zero output, zero grads."""
     disp = LocalDispatcher(4)

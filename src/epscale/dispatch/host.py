@@ -21,6 +21,7 @@ micro-batches, and it is freed with that call's autograd graph.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Iterator
 
 import torch
@@ -35,8 +36,16 @@ class _Record:
         self.replay_at: int | None = None
 
 
-_ACTIVE: list[_Record] = []   # innermost last; a process-wide stack (the recomputation
-# runs on the autograd engine's thread on accelerators, while the caller waits)
+class _Stack(threading.local):
+    """The records entered on this thread, innermost last. Per thread: a recomputation
+    runs on whichever thread the autograd engine unpacks the saved value on (a device
+    thread on accelerators), and enters its context there."""
+
+    def __init__(self) -> None:
+        self.records: list[_Record] = []
+
+
+_ACTIVE = _Stack()
 
 
 def host_ints(t: torch.Tensor) -> list:
@@ -44,7 +53,7 @@ def host_ints(t: torch.Tensor) -> list:
     accelerator; callers mark it as their layer's one). Inside a checkpointed call's
     first forward the values are also kept; inside its recomputation the kept values
     come back, in the order they were read, without touching ``t``'s data."""
-    record = _ACTIVE[-1] if _ACTIVE else None
+    record = _ACTIVE.records[-1] if _ACTIVE.records else None
     if record is not None and record.replay_at is not None:
         i = record.replay_at
         if i >= len(record.values) or len(record.values[i]) != t.numel():
@@ -64,21 +73,21 @@ def host_ints(t: torch.Tensor) -> list:
 @contextlib.contextmanager
 def _recording(record: _Record) -> Iterator[None]:
     record.replay_at = None
-    _ACTIVE.append(record)
+    _ACTIVE.records.append(record)
     try:
         yield
     finally:
-        _ACTIVE.pop()
+        _ACTIVE.records.pop()
 
 
 @contextlib.contextmanager
 def _replaying(record: _Record) -> Iterator[None]:
     record.replay_at = 0  # every recomputation starts from the first value
-    _ACTIVE.append(record)
+    _ACTIVE.records.append(record)
     try:
         yield
     finally:
-        _ACTIVE.pop()
+        _ACTIVE.records.pop()
         record.replay_at = None
 
 

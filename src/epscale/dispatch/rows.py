@@ -37,6 +37,10 @@ def sort_by_expert(topk_idx_TK: torch.Tensor, num_experts: int, num_kept: int | 
     key_A, counts = count_experts(topk_idx_TK, num_experts)
     if num_kept is None:
         num_kept = key_A.numel() - host_ints(counts[num_experts:])[0]
+    else:  # checked on the device: no sync (on CPU it raises at once)
+        torch._assert_async(counts[num_experts] == key_A.numel() - num_kept,
+                            f"sort_by_expert: expected {key_A.numel() - num_kept} dropped "
+                            "assignments (id -1); a dropless dispatcher got dropped ones")
     order_A = torch.sort(key_A, stable=True).indices
     return order_A[:num_kept], counts[:num_experts]
 
