@@ -47,8 +47,8 @@ def host_shortcuts(device: torch.device) -> bool:
 def device_code_path() -> Iterator[None]:
     """Run CPU tensors through the code accelerators run (no host shortcuts; the experts
     on torch's grouped GEMM with the accelerators' rules, see
-    :func:`epscale.moe.experts.grouped_mm_fast`). Process-wide, for tests: the host-sync
-    test counts, on CPU, what would synchronise on CUDA."""
+    :func:`epscale.moe.experts.slow_grouped_mm_reason`). Process-wide, for tests: the
+    host-sync test counts, on CPU, what would synchronise on CUDA."""
     before = _HOST_SHORTCUTS["on"]
     _HOST_SHORTCUTS["on"] = False
     try:

@@ -51,7 +51,8 @@ def slow_grouped_mm_reason(x: torch.Tensor, hidden_dim: int) -> str | None:
     if x.device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(x.device)
         if major not in (9, 10):
-            return f"CUDA capability {major}.{minor} (torch's grouped GEMM kernels need 9.x or 10.x)"
+            return (f"CUDA capability {major}.{minor} (torch's grouped GEMM kernels need "
+                    "9.x or 10.x)")
     return None
 
 

@@ -9,9 +9,10 @@ less for backward and recomputes the rest when backward reaches it.
 Recomputation routes identically (the router sees the same inputs and its bias changes
 only after the optimizer step), the dispatchers exchange the same rows again with the
 split sizes their first forward read on the host (:mod:`epscale.dispatch.host`: a
-recomputation adds no host sync), and the token counters skip it (``epscale.moe.layer.is_recomputing``), so no token is counted
-twice. The CPU kernel's products run into preallocated buffers (``out=`` forms), which
-cannot be kept this way; under ``selective`` they are recomputed like the rest.
+recomputation adds no host sync), and the token counters skip it
+(``epscale.moe.layer.is_recomputing``), so no token is counted twice. The CPU kernel's
+products run into preallocated buffers (``out=`` forms), which cannot be kept this way;
+under ``selective`` they are recomputed like the rest.
 """
 
 from __future__ import annotations
