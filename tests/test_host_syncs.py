@@ -5,10 +5,11 @@ on the local dropless path, none added by backward or recomputation. A sync is a
 that makes the host wait for the device on CUDA. :class:`SyncCounter` sees them on CPU
 tensors, at two levels:
 
-* torch functions: ``Tensor.tolist`` / ``item`` / ``cpu`` / ``numpy`` (one sync each,
-  whatever ops they run inside), and host data turned into a device tensor
-  (``torch.tensor`` / ``as_tensor`` with a device, ``Tensor.new_tensor``: a copy from
-  pageable memory, which torch waits for);
+* Tensor methods and factories, wrapped while counting (a torch-function mode would not
+  see what backward and recomputation run): ``Tensor.tolist`` / ``item`` / ``cpu`` /
+  ``numpy`` (one sync each, whatever ops they run inside), and host data turned into a
+  device tensor (``torch.tensor`` / ``as_tensor`` with a device, ``Tensor.new_tensor``:
+  a copy from pageable memory, which torch waits for);
 * aten ops (``TorchDispatchMode``): ``_local_scalar_dense`` (``bool()``, ``int()`` of a
   tensor), ops whose CUDA kernels size their output on the host (``nonzero``, ``unique``,
   ``masked_select``, indexing with a bool mask, ``repeat_interleave`` without
@@ -33,7 +34,6 @@ import warnings
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dist_utils import CaseRunner, assert_no_failures, run_distributed
@@ -46,8 +46,6 @@ SYNC_OPS = {aten._local_scalar_dense, aten.nonzero, aten.unique_dim, aten._uniqu
             aten.masked_select, aten.bincount, aten.equal}
 INDEX_OPS = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
 COPY_OPS = {aten._to_copy, aten.copy_}
-# Tensor methods that read device values on the host: one sync, whatever runs inside.
-HOST_READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.cpu, torch.Tensor.numpy}
 
 
 def _where() -> str:
@@ -63,30 +61,38 @@ def _is_bool_index(indices) -> bool:
                for i in (indices or ()))
 
 
-class _Functions(TorchFunctionMode):
-    def __init__(self, counter: "SyncCounter"):
-        super().__init__()
-        self.counter = counter
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        c = self.counter
-        what = None
-        if func in HOST_READS:
-            what = func.__name__
-        elif func in (torch.tensor, torch.as_tensor) and kwargs.get("device") is not None \
-                and not isinstance(args[0], torch.Tensor):
-            what = f"{func.__name__}(host data, device=...)"
-        elif func is torch.Tensor.new_tensor and not isinstance(args[1], torch.Tensor):
-            what = "new_tensor(host data)"
-        if what is None:
-            return func(*args, **kwargs)
-        c.record(what)
-        c.inside += 1  # the ops it runs are part of this one sync
+def _counted(counter: "SyncCounter", fn, what):
+    """``fn`` that records a sync when ``what(*args, **kwargs)`` names one; the ops it
+    runs inside are part of that one sync."""
+    def wrapper(*args, **kwargs):
+        name = what(*args, **kwargs)
+        if name is None or counter.inside:
+            return fn(*args, **kwargs)
+        counter.record(name)
+        counter.inside += 1
         try:
-            return func(*args, **kwargs)
+            return fn(*args, **kwargs)
         finally:
-            c.inside -= 1
+            counter.inside -= 1
+    return wrapper
+
+
+def _host_data_to_device(name):
+    def what(data, *args, device=None, **kwargs):
+        if device is not None and not isinstance(data, torch.Tensor):
+            return f"{name}(host data, device=...)"
+        return None
+    return what
+
+
+# (owner, attribute, what it syncs): patched while a counter is active, on every thread
+# (a torch-function mode would miss what backward and recomputation run)
+PATCHES = [(torch.Tensor, m, (lambda m: lambda *a, **k: m)(m)) for m in ("tolist", "item", "cpu", "numpy")]
+PATCHES += [(torch, "tensor", _host_data_to_device("tensor")),
+            (torch, "as_tensor", _host_data_to_device("as_tensor")),
+            (torch.Tensor, "new_tensor",
+             lambda self, data, *a, **k: (None if isinstance(data, torch.Tensor)
+                                          else "new_tensor(host data)"))]
 
 
 class _Ops(TorchDispatchMode):
@@ -115,26 +121,32 @@ class _Ops(TorchDispatchMode):
 
 
 class SyncCounter:
-    """Records every call that synchronises on CUDA while active (``with counter:``);
-    ``events`` lists (what, where). Forward and backward are told apart by the caller
-    (read ``len(events)`` in between)."""
+    """Records every call that synchronises on CUDA while active (``with counter:``), in
+    forward, backward and recomputation alike; ``events`` lists (what, where). Forward
+    and backward are told apart by the caller (read ``len(events)`` in between)."""
 
     def __init__(self):
         self.events: list[tuple[str, str]] = []
         self.inside = 0
-        self._modes = (_Functions(self), _Ops(self))
+        self._mode = _Ops(self)
+        self._saved: list = []
 
     def record(self, what: str) -> None:
         self.events.append((what, _where()))
 
     def __enter__(self):
-        self._modes[0].__enter__()
-        self._modes[1].__enter__()
+        for owner, name, what in PATCHES:
+            orig = getattr(owner, name)
+            self._saved.append((owner, name, orig))
+            setattr(owner, name, _counted(self, orig, what))
+        self._mode.__enter__()
         return self
 
     def __exit__(self, *exc):
-        self._modes[1].__exit__(*exc)
-        self._modes[0].__exit__(*exc)
+        self._mode.__exit__(*exc)
+        for owner, name, orig in reversed(self._saved):
+            setattr(owner, name, orig)
+        self._saved.clear()
 
 
 def count_step(module: torch.nn.Module, x: torch.Tensor, steps: int = 1
@@ -183,6 +195,30 @@ def test_the_counter_sees_each_kind_of_sync():
         with SyncCounter() as c:
             fn()
         assert [e[0] for e in c.events] == [what], (what, c.events)
+    # ... in backward and in recomputation too
+    from torch.utils.checkpoint import checkpoint
+
+    class ReadsInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            g.sum().tolist()
+            return g * 2
+
+    def reads(t):
+        t.detach().sum().tolist()
+        return ReadsInBackward.apply(t.sin())
+
+    xf = torch.ones(3, requires_grad=True)
+    with SyncCounter() as c:
+        y = checkpoint(reads, xf, use_reentrant=False)
+        assert len(c.events) == 1
+        y.sum().backward()  # the recomputation's read, then the backward's
+    assert [e[0] for e in c.events] == ["tolist"] * 3, c.events
+    assert torch.Tensor.tolist is not None and "wrapper" not in repr(torch.Tensor.tolist)
     # ... and none where the sizes are known on the host or nothing leaves the device
     with SyncCounter() as c:
         segment_ids(x[:3], int(3))
