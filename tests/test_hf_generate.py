@@ -86,3 +86,32 @@ def test_a_byte_run_generates_text(tmp_path):
     assert codec.decode(codec.encode("héllo, wörld")) == "héllo, wörld"
     with pytest.raises(Exception, match="no tokenizer.json and a vocabulary of 100 < 256"):
         load_tokenizer(tmp_path, load_config(None, ["model.vocab_size=100"]))
+
+
+def test_generate_says_when_it_stopped_at_end_of_text(hf_models, tmp_path, capsys):
+    """The model's first new token is its end-of-text id: only the prompt is printed, and
+    a note on stderr says why (--no-stop goes on)."""
+    import json
+    import shutil
+
+    src = tmp_path / "hf"
+    shutil.copytree(hf_models["mixtral"][0], src)
+    words = [f"w{i}" for i in range(V)]
+    tok = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    tok.save(str(src / "tokenizer.json"))
+    model, _ = from_pretrained(src)
+    first = generate(model, [5, 17, 42], 1)[0]
+    hf_cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**hf_cfg, "eos_token_id": first}))
+    run = tmp_path / "run"
+    import_hf(src, run, report=lambda m: None)
+    capsys.readouterr()
+    assert main(["generate", str(run), "--prompt", "w5 w17 w42", "--max-new-tokens", "4"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == "w5 w17 w42"
+    assert "the first new token was end-of-text, so only the prompt is printed" in err
+    assert main(["generate", str(run), "--prompt", "w5 w17 w42", "--max-new-tokens", "4",
+                 "--no-stop"]) == 0
+    out, err = capsys.readouterr()
+    assert len(out.split()) == 7 and "end-of-text" not in err

@@ -22,6 +22,10 @@ from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
+    Ernie4_5_MoeConfig,
+    Ernie4_5_MoeForCausalLM,
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
     LlamaConfig,
     MixtralConfig,
     MixtralForCausalLM,
@@ -38,7 +42,8 @@ from epscale.config import MoEConfig, load_recipe
 from epscale.config.schema import RopeScalingConfig
 from epscale.interop.files import HFError
 from epscale.interop.generate import load_model
-from epscale.interop.hf import export_hf, from_pretrained, import_hf, to_pretrained
+from epscale.interop.hf import from_pretrained, import_hf
+from epscale.interop.hf_export import export_hf, to_pretrained
 from epscale.interop.hf_config import recipe_from_hf
 from epscale.model import rope_frequencies
 from epscale.moe.router import TopKRouter
@@ -70,6 +75,23 @@ def _deepseek(**kw):
     return DeepseekV3ForCausalLM, DeepseekV3Config(**COMMON, **{**base, **kw})
 
 
+def _ernie(**kw):
+    base = dict(intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+                num_key_value_heads=2, moe_num_experts=8, moe_k=2, moe_num_shared_experts=1,
+                moe_layer_start_index=1, tie_word_embeddings=False)
+    return Ernie4_5_MoeForCausalLM, Ernie4_5_MoeConfig(**COMMON, **{**base, **kw})
+
+
+def _glm(**kw):
+    base = dict(intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+                num_key_value_heads=2, n_routed_experts=8, n_shared_experts=1,
+                num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
+                routed_scaling_factor=2.5, use_qk_norm=True,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                 "partial_rotary_factor": 1.0})
+    return Glm4MoeForCausalLM, Glm4MoeConfig(**COMMON, **{**base, **kw})
+
+
 CASES = {
     "mixtral": lambda: _mixtral(),
     "mixtral-tied": lambda: _mixtral(tie_word_embeddings=True, rope_theta=1e6),
@@ -78,6 +100,8 @@ CASES = {
                                                          "mscale_all_dim": 1.0}),
     "deepseek_v3-no-q-latent": lambda: _deepseek(q_lora_rank=None, rope_interleave=False,
                                                  rms_norm_eps=1e-5),
+    "ernie4_5_moe": lambda: _ernie(),
+    "glm4_moe": lambda: _glm(),
 }
 
 
@@ -120,36 +144,58 @@ def hf_logits(model, toks):
         return model(toks).logits.float()
 
 
+def assert_same_function(ours, theirs, toks):
+    """Two implementations of one model: close in fp32 at a tolerance fp32 summation allows
+    on any CPU (issue 30 #7: 1.08e-5 was seen against atol 1e-5), and equal in float64
+    (both sides cast; transformers' experts run eagerly, its grouped GEMM has no float64)
+    up to the fp32 islands each keeps on purpose (routers on both sides; epscale's norms
+    and rotary tables: ~3e-6 on these random weights with logits of order 10)."""
+    with torch.no_grad():
+        want32, got32 = theirs(toks).logits.float(), ours(toks).float()
+        torch.testing.assert_close(got32, want32, rtol=1e-4, atol=1e-4)
+        theirs.double()
+        ours.double()
+        try:
+            want, got = theirs(toks).logits, ours(toks).double()
+        finally:
+            theirs.float()
+            ours.float()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def load_hf(path):
+    return AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").eval()
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_import_matches_transformers_and_export_round_trips(name, hf_dirs, tmp_path):
-    hf_dir, ref = hf_dirs[name]
+def test_import_matches_transformers_and_export_round_trips(name, hf_dirs, tmp_path, capsys):
+    hf_dir, _ = hf_dirs[name]
+    ref = load_hf(hf_dir)
     toks = tokens()
-    want = hf_logits(ref, toks)
     run = tmp_path / "run"
     assert main(["checkpoint", "import-hf", str(hf_dir), "--out", str(run)]) == 0
-    model, _, _ = load_model(run)
+    assert "training section: continued pretraining" in capsys.readouterr().out
+    model, cfg, _ = load_model(run)
+    assert (cfg.train.lr, cfg.train.min_lr, cfg.train.warmup_steps) == (1e-4, 1e-5, 10)
     with torch.no_grad():
-        got = model(toks)
-    assert got.shape == (2, 24, V)
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        assert model(toks).shape == (2, 24, V)
+    assert_same_function(model, ref, toks)
     kinds = {type(b.ffn).__name__ for b in model.layers.values()}
     assert "MoE" in kinds and (("FeedForward" in kinds) == (not name.startswith("mixtral")))
     # export (two shards at least) -> transformers reads it -> the same logits again
     out = tmp_path / "exported"
     assert main(["checkpoint", "export-hf", str(run), str(out), "--max-shard-size", "30KiB"]) == 0
     assert (out / "model.safetensors.index.json").is_file()
-    back = AutoModelForCausalLM.from_pretrained(out).eval()
-    torch.testing.assert_close(hf_logits(back, toks), want, rtol=0, atol=1e-5)
+    assert_same_function(model, load_hf(out), toks)
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     original = {k for k in load_file(hf_dir / "model.safetensors")}
     assert set(index) == original  # the hub's names, every one of them
+    assert json.loads((out / "config.json").read_text())["model_type"] == name.split("-")[0]
     # Python API: from_pretrained / to_pretrained
     m2, cfg2 = from_pretrained(hf_dir)
-    with torch.no_grad():
-        torch.testing.assert_close(m2(toks), want, rtol=0, atol=1e-5)
+    assert_same_function(m2, ref, toks)
     to_pretrained(m2, cfg2, tmp_path / "api")
-    back2 = AutoModelForCausalLM.from_pretrained(tmp_path / "api").eval()
-    torch.testing.assert_close(hf_logits(back2, toks), want, rtol=0, atol=1e-5)
+    assert_same_function(m2, load_hf(tmp_path / "api"), toks)
 
 
 def test_exported_expert_bias_is_the_score_correction_bias(hf_dirs, tmp_path):
@@ -166,11 +212,19 @@ def test_exported_expert_bias_is_the_score_correction_bias(hf_dirs, tmp_path):
     bf16 = load_file(tmp_path / "ds_bf16" / "model.safetensors")
     assert bf16["model.layers.1.mlp.experts.3.up_proj.weight"].dtype == torch.bfloat16
     assert bf16["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    assert bf16["model.layers.1.mlp.gate.weight"].dtype == torch.float32  # routes in fp32
     assert json.loads((tmp_path / "ds_bf16" / "config.json").read_text())["dtype"] == "bfloat16"
     model, cfg = from_pretrained(hf_dirs["mixtral"][0])
     model.layers["0"].ffn.router.expert_bias.fill_(0.5)
-    with pytest.warns(UserWarning, match="no place for the router's nonzero expert bias"):
-        to_pretrained(model, cfg, tmp_path / "mx")
+    with pytest.raises(HFError, match="cannot be written exactly as mixtral: the router's "
+                                      "expert bias"):
+        to_pretrained(model, cfg, tmp_path / "mx", family="mixtral")
+    with pytest.warns(UserWarning, match="--lossy: written as mixtral without the router's "
+                                         "expert bias"):
+        to_pretrained(model, cfg, tmp_path / "mx", family="mixtral", lossy=True)
+    # without --arch: the first family with a correction bias that holds it (Ernie 4.5)
+    to_pretrained(model, cfg, tmp_path / "auto")
+    assert_same_function(model, load_hf(tmp_path / "auto"), tokens())
 
 
 def test_routers_match_transformers_modules():
@@ -202,7 +256,7 @@ def test_routers_match_transformers_modules():
         order_hf, order = idx_hf.sort(-1), out.topk_idx_TK.sort(-1)
         assert torch.equal(order_hf.values, order.values), type(hf).__name__
         torch.testing.assert_close(out.topk_weight_TK.gather(1, order.indices),
-                                   w_hf.float().gather(1, order_hf.indices), rtol=0, atol=1e-6)
+                                   w_hf.float().gather(1, order_hf.indices), rtol=1e-5, atol=1e-5)
     # the group limit changes some choices here (else this test would not see it)
     plain = TopKRouter(MoEConfig(dim=32, hidden_dim=16, num_experts=8, top_k=2,
                                  score_func="sigmoid"))
@@ -226,7 +280,7 @@ def test_rope_variants_match_transformers(hf_scaling):
     ours = RopeScalingConfig(type=hf_scaling["rope_type"],
                              original_seq_len=hf_scaling["original_max_position_embeddings"], **kw)
     inv, factor = rope_frequencies(128, 10000.0, ours)
-    torch.testing.assert_close(inv.float(), inv_hf.float(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(inv.double(), inv_hf.double(), rtol=1e-5, atol=0)
     assert factor == pytest.approx(factor_hf)
 
 
@@ -270,9 +324,7 @@ def test_bad_input_names_the_file_and_tensor(hf_dirs, tmp_path):
                             **{k: "model-00002-of-00002.safetensors" for k in second}}}
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
     sharded, _ = from_pretrained(d)  # sharded and whole: the same model
-    with torch.no_grad():
-        torch.testing.assert_close(sharded(tokens()), hf_logits(hf_dirs["mixtral"][1], tokens()),
-                                   rtol=0, atol=1e-5)
+    assert_same_function(sharded, load_hf(src), tokens())
     shard2 = d / "model-00002-of-00002.safetensors"
     data = shard2.read_bytes()
     shard2.write_bytes(data[: len(data) // 2])
@@ -306,7 +358,7 @@ def test_bad_input_names_the_file_and_tensor(hf_dirs, tmp_path):
 
 def test_export_refuses_what_the_format_cannot_express(hf_dirs, tmp_path):
     model, cfg = from_pretrained(hf_dirs["qwen3_moe-yarn"][0])
-    with pytest.raises(HFError, match="cannot be written as mixtral: model.qk_norm = true"):
+    with pytest.raises(HFError, match="cannot be written exactly as mixtral: model.qk_norm = true"):
         to_pretrained(model, cfg, tmp_path / "x", family="mixtral")
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -14,6 +14,7 @@ import json
 from ..config import PUBLISHED, ConfigError, load_recipe, recipe_path
 from ..config.recipes import requested_scale
 from ..config.schema import PP_SCHEDULES
+from ..interop.hf_families import describe_export
 from ..sim.fit import AC_MODES
 from ..sim.memory import DTYPE_BYTES, estimate, pipeline_memory, resolve, with_pipeline
 from ..sim.pipeline import bubble_fraction, stage_flops
@@ -89,7 +90,7 @@ def describe(config: str, overrides: list[str] | None = None, **layout) -> dict:
     mem = estimate(cfg, lay)
     out = {"name": cfg.name, "config": str(recipe_path(config)),
            "scale": requested_scale(config, overrides),
-           **size.as_dict(), "memory": mem.as_dict()}
+           **size.as_dict(), "memory": mem.as_dict(), "hf_export": describe_export(cfg)}
     out["layout"] = {"world": lay.world, "ep": lay.ep, "fsdp": lay.fsdp,
                      "activation_checkpointing": lay.activation_checkpointing,
                      "micro_batch_size": lay.micro_batch_size, "compute_dtype": lay.compute_dtype,
@@ -312,6 +313,7 @@ def run(args) -> int:
                 if rows < 256 else "")
         console.print(f"expert GEMM rows per micro-batch and layer: {rows:,.0f} on average "
                       f"(micro-batch tokens x ep x top_k / experts).{hint}")
+    console.print(f"Hugging Face export (checkpoint export-hf): {info['hf_export']}")
     if pub.get("source"):
         console.print(f"[dim]published: {pub['source']}[/]")
     return 0

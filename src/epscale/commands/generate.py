@@ -4,6 +4,8 @@ KV cache and the run's tokenizer (:mod:`epscale.interop.generate`)."""
 
 from __future__ import annotations
 
+import sys
+
 from ..config import ConfigError
 from ..interop.generate import generate, load_model, load_tokenizer, stop_ids_of
 
@@ -33,5 +35,11 @@ def run(args) -> int:
                        args.seed, stop)
     except ValueError as e:  # a prompt too long for model.seq_len, a bad temperature
         raise ConfigError(str(e)) from None
-    print(tok.decode(prompt + out))  # decoded whole: the tokenizer places the spaces
+    stopped = bool(out) and out[-1] in stop
+    # decoded whole (the tokenizer places the spaces), without the end-of-text token
+    print(tok.decode(prompt + (out[:-1] if stopped else out)))
+    if stopped:
+        note = ("the first new token was end-of-text, so only the prompt is printed"
+                if len(out) == 1 else f"stopped at end-of-text after {len(out) - 1} new tokens")
+        print(f"({note}; --no-stop continues past it)", file=sys.stderr)
     return 0

@@ -15,16 +15,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ..config import ConfigError
+from .errors import HFError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class HFError(ConfigError):
-    """A Hugging Face directory, config or tensor that cannot be used; the message names
-    the file (and tensor)."""
+__all__ = ["DTYPES", "HFError", "HFWeights", "plan_shards", "read_json", "write_shards"]
 
 
 def read_json(path: Path) -> dict:

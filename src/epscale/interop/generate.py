@@ -125,10 +125,10 @@ def generate(model: Transformer, prompt_ids: list[int], max_new_tokens: int,
 
 def stop_ids_of(run_dir: str | Path, codec: TextCodec | None = None) -> set[int]:
     """End-of-sequence ids: an imported run's (its config.json's eos_token_id) and the
-    tokenizer's EOS (a tokenizer.json's; none for bytes, whose 256 a byte run never emits)."""
+    tokenizer's EOS (a tokenizer.json's; 256 for bytes, which only a vocabulary of 258
+    trained on prepared data emits: the id an export's generation_config.json names)."""
     out = set()
-    if codec is not None and codec.eos_id is not None and \
-            not isinstance(codec.tok, data_tokenizer.ByteTokenizer):
+    if codec is not None and codec.eos_id is not None:
         out.add(int(codec.eos_id))
     f = Path(run_dir) / SOURCE_DIR / "config.json"
     if f.is_file():

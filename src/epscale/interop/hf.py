@@ -1,10 +1,10 @@
-"""Hugging Face checkpoints to and from epscale: Mixtral, Qwen3-MoE and DeepSeek-V3 in the
-hub's per-expert safetensors layout.
+"""Hugging Face checkpoints to and from epscale: Mixtral, Qwen3-MoE, Ernie 4.5 MoE, GLM-4
+MoE and DeepSeek-V3, in the hub's per-expert safetensors layout.
 
     model, cfg = from_pretrained("path/to/hf_dir")       # logits equal transformers'
-    to_pretrained(model, cfg, "out_dir")                   # AutoModelForCausalLM reads it
     import_hf("hf_dir", "runs/x")     # a run directory `epscale train --run-dir` continues
-    export_hf("runs/x", "out_dir")    # from a checkpoint saved at any layout, tensor by tensor
+
+(the way back, ``export_hf`` / ``to_pretrained``: :mod:`epscale.interop.hf_export`).
 
 How the names and layouts map (per layer ``model.layers.{i}.``; ``{moe}`` is
 ``block_sparse_moe`` for Mixtral, ``mlp`` otherwise):
@@ -17,7 +17,9 @@ How the names and layouts map (per layer ``model.layers.{i}.``; ``{moe}`` is
 * routed experts ``{moe}.experts.{j}.{gate,up,down}`` ([F, D], [F, D], [D, F] each) <->
   ``ffn.experts.w1/w3/w2`` stacked ([E, D, F], [E, D, F], [E, F, D]);
   ``{moe}.gate.weight`` <-> ``ffn.router.gate.weight``; DeepSeek-V3's
-  ``mlp.gate.e_score_correction_bias`` <-> ``ffn.router.expert_bias``;
+  ``mlp.gate.e_score_correction_bias`` (GLM-4 MoE too; Ernie 4.5:
+  ``mlp.moe_statics.e_score_correction_bias`` [1, E], and its q/k rotary rows interleaved
+  like DeepSeek-V3's) <-> ``ffn.router.expert_bias``;
   ``mlp.shared_experts.*`` <-> ``ffn.shared_experts.w1/w3/w2``; dense FFNs ``mlp.*`` <->
   ``ffn.w1/w3/w2``.
 
@@ -26,8 +28,6 @@ Legend: E experts, D model dim, F expert hidden dim, H heads.
 
 from __future__ import annotations
 
-import json
-import math
 import shutil
 import warnings
 from collections.abc import Callable
@@ -51,19 +51,18 @@ from ..parallel.shard import mark_all_expert_params
 from ..training import checkpoint as ckpt
 from ..training.checkpoint.state import saved_keys
 from ..training.checkpoint.store import quiet
-from .files import DTYPES, HFError, HFWeights, plan_shards, read_json, write_shards
-from .hf_config import (
-    MOE_FAMILIES,
-    Mapped,
-    choose_family,
-    hf_from_recipe,
-    recipe_from_hf,
-)
+from .files import HFError, HFWeights, read_json
+from .hf_config import Mapped, recipe_from_hf
+from .hf_tokenizer import TOKENIZER_FILES
 
 SOURCE_DIR = "hf_source"    # RUN_DIR/hf_source: config.json and tokenizer files of the import
-COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-          "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt")
+COPIED = ("config.json", "generation_config.json", *TOKENIZER_FILES)
 DEFAULT_SHARD_BYTES = 5 * 2 ** 30
+# The training section of an import: continuing a pretrained model, not a fresh one (the
+# recipe defaults, lr 3e-3 after 30 warm-up steps, would undo much of its training).
+# Peak lr of the order of a pretraining run's final lr, briefly warmed up; override with
+# train.lr=... etc.
+CONTINUED_PRETRAINING = {"lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 10}
 
 
 @dataclass(frozen=True)
@@ -78,11 +77,19 @@ class Layout:
 LAYOUTS = {
     "mixtral": Layout("block_sparse_moe", ("w1", "w3", "w2")),
     "qwen3_moe": Layout("mlp", ("gate_proj", "up_proj", "down_proj")),
-    "deepseek_v3": Layout("mlp", ("gate_proj", "up_proj", "down_proj"), "e_score_correction_bias"),
+    "deepseek_v3": Layout("mlp", ("gate_proj", "up_proj", "down_proj"),
+                          "gate.e_score_correction_bias"),
+    "glm4_moe": Layout("mlp", ("gate_proj", "up_proj", "down_proj"),
+                       "gate.e_score_correction_bias"),
+    "ernie4_5_moe": Layout("mlp", ("gate_proj", "up_proj", "down_proj"),
+                           "moe_statics.e_score_correction_bias"),
     "llama": Layout("mlp", ("gate_proj", "up_proj", "down_proj")),
     "qwen3": Layout("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 DENSE = ("gate_proj", "up_proj", "down_proj")
+BIAS_ROWS = {"ernie4_5_moe"}     # stores its correction bias as [1, E] (one expert group)
+ROPE_PAIRS = {"ernie4_5_moe"}    # rotary dimensions of q/k as interleaved pairs (MHA)
+MTP_FAMILIES = {"deepseek_v3", "glm4_moe"}  # multi-token-prediction layers after the last
 
 
 @dataclass
@@ -132,7 +139,7 @@ def rules(model_shapes: dict[str, tuple[int, ...]], cfg: RunConfig, family: str,
     """The rules of every epscale tensor the hub format holds, in state-dict order."""
     m = cfg.model
     lay = LAYOUTS[family]
-    rope = m.qk_rope_head_dim
+    rope = m.qk_rope_head_dim if m.attention == "mla" else (m.head_dim or m.dim // m.num_heads)
     perm = torch.cat((torch.arange(0, rope, 2), torch.arange(1, rope, 2)))
     qk, H = m.qk_nope_head_dim + rope, m.num_heads
     out = []
@@ -167,6 +174,9 @@ def _layer_rule(name, rest, p, shape, lay: Layout, family, interleave, perm, qk,
     else:
         attn.update({f"attention.w{x}.weight": f"self_attn.{x}_proj.weight" for x in "qkv"})
         attn.update({f"attention.{x}_norm.weight": f"self_attn.{x}_norm.weight" for x in "qk"})
+        if family in ROPE_PAIRS and rest in ("attention.wq.weight", "attention.wk.weight"):
+            return _rope_rows(name, f"{p}.{attn[rest]}", shape,
+                              lambda t: t.view(-1, len(perm), t.shape[-1]), perm, True)
     if rest in attn:
         return _copy(name, f"{p}.{attn[rest]}", shape)
     if rest in ("attention.wq_b.weight", "attention.wq.weight"):
@@ -188,7 +198,12 @@ def _layer_rule(name, rest, p, shape, lay: Layout, family, interleave, perm, qk,
         if leaf == "router.gate.weight":
             return _copy(name, f"{moe}.gate.weight", shape)
         if leaf == "router.expert_bias":
-            return _copy(name, f"{moe}.gate.{lay.bias}", shape) if lay.bias else None
+            if lay.bias is None:
+                return None
+            if family in BIAS_ROWS:
+                return Rule(name, [f"{moe}.{lay.bias}"], [(1, *shape)],
+                            lambda ts: ts[0].reshape(shape), lambda t: [t.reshape(1, *shape)])
+            return _copy(name, f"{moe}.{lay.bias}", shape)
         if leaf.startswith("router."):
             return None                                            # balancing state
         if head == "experts":
@@ -208,13 +223,15 @@ def model_shapes(cfg: RunConfig) -> dict[str, tuple[int, ...]]:
 # ---------------------------------------------------------------------- import
 def read_hf(hf_dir: str | Path, overrides: list[str] | None = None,
             seq_len: int | None = None) -> tuple[Mapped, RunConfig]:
-    """config.json of ``hf_dir`` as an epscale recipe (``overrides``: dotted key=value)."""
+    """config.json of ``hf_dir`` as an epscale recipe (``overrides``: dotted key=value),
+    with a continued-pretraining training section (:data:`CONTINUED_PRETRAINING`)."""
     hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():
         raise HFError(f"'{hf_dir}' is not a directory (expected a Hugging Face model "
                       "directory with config.json and *.safetensors)")
     source = hf_dir / "config.json"
     mapped = recipe_from_hf(read_json(source), source, seq_len)
+    mapped.data["train"] = dict(CONTINUED_PRETRAINING)
     cfg = from_dict(RunConfig, apply_overrides(mapped.data, list(overrides or [])))
     return mapped, cfg
 
@@ -260,7 +277,7 @@ def _ignorable(names: list[str], mapped: Mapped, cfg: RunConfig) -> tuple[set[st
                                                  and cfg.model.tie_embeddings):
             out.add(n)
         elif len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() and \
-                int(parts[2]) >= cfg.model.num_layers and mapped.family == "deepseek_v3":
+                int(parts[2]) >= cfg.model.num_layers and mapped.family in MTP_FAMILIES:
             out.add(n)
             mtp.append(n)
     return out, mtp
@@ -339,96 +356,9 @@ def run_config(path: Path, meta: dict) -> RunConfig:
                   "beside its run directory")
 
 
-def _source_config(path: Path) -> dict | None:
+def source_config(path: Path) -> dict | None:
     f = path.parent.parent / SOURCE_DIR / "config.json"
     return read_json(f) if f.is_file() else None
-
-
-def export_hf(source: str | Path, out_dir: str | Path, family: str | None = None,
-              dtype: str | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-              report: Callable[[str], None] = print) -> Path:
-    """Write the newest checkpoint of run directory ``source`` (or a checkpoint
-    directory) as a Hugging Face model directory: config.json and the hub's safetensors
-    shards (+ index), and the tokenizer files of the import (safetensors files already in
-    ``out_dir`` are replaced). Reads one shard's tensors at a time from the sharded
-    checkpoint (whatever layout wrote it), so memory peaks at one output shard (or one
-    stacked expert tensor when that is larger)."""
-    path = ckpt.resolve(source)
-    meta = ckpt.validate(path)
-    cfg = run_config(path, meta)
-    src_cfg = _source_config(path)
-    family = family or choose_family(cfg, src_cfg)
-    if family not in MOE_FAMILIES:
-        raise HFError(f"--arch {family!r} is not one of {', '.join(MOE_FAMILIES)}")
-    dtype = dtype or ((src_cfg or {}).get("dtype") or (src_cfg or {}).get("torch_dtype")
-                      or "float32")
-    if dtype not in DTYPES:
-        raise HFError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    same = src_cfg if src_cfg and src_cfg.get("model_type") == family else None
-    hf_cfg, warns = hf_from_recipe(cfg, family, dtype, same)
-    saved = saved_keys(path)
-    shapes = {}
-    for key, md in saved.items():
-        if key.startswith("model."):
-            shapes[key[len("model."):]] = (tuple(md.size), md.properties.dtype)
-    want = model_shapes(cfg)
-    for name, shape in want.items():
-        if name not in shapes or shapes[name][0] != shape:
-            raise HFError(f"checkpoint '{path}' does not fit its own config: '{name}' is "
-                          f"{shapes.get(name, ('missing',))[0]} there, {shape} in the model")
-    rs = rules(want, cfg, family, interleave=True)
-    warns += _unplaced(path, cfg, family)
-    for w in warns:
-        report(f"warning: {w}")
-    out_dtype = DTYPES[dtype]
-    nbytes = {r.name: sum(map(math.prod, r.hf_shapes)) * out_dtype.itemsize for r in rs}
-    # (sizes for packing shards; the fp32 bias is a few bytes more than planned)
-    by_name = {r.name: r for r in rs}
-    shards = plan_shards(((r.name, nbytes[r.name]) for r in rs), max_shard_bytes)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for old in list(out_dir.glob("*.safetensors")) + [out_dir / "model.safetensors.index.json"]:
-        old.unlink(missing_ok=True)
-
-    def produce():
-        for names in shards:
-            loaded = load_tensors(path, {n: shapes[n] for n in names})
-            tensors = {}
-            for n in names:
-                for hf_name, t in zip(by_name[n].hf, by_name[n].to_hf(loaded.pop(n))):
-                    tensors[hf_name] = t.to(_dtype_of(hf_name, out_dtype))
-            yield tensors
-
-    write_shards(out_dir, produce(), len(shards))
-    (out_dir / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True))
-    src = path.parent.parent / SOURCE_DIR
-    for name in COPIED[1:]:
-        if (src / name).is_file():
-            shutil.copyfile(src / name, out_dir / name)
-    return out_dir
-
-
-def _dtype_of(hf_name: str, dtype: torch.dtype) -> torch.dtype:
-    """The score-correction bias stays fp32 (as the hub's DeepSeek-V3 keeps it: a bias
-    step of 1e-3 on sigmoid scores is below bf16's resolution near 1)."""
-    return torch.float32 if hf_name.endswith("e_score_correction_bias") else dtype
-
-
-def _unplaced(path: Path, cfg: RunConfig, family: str) -> list[str]:
-    """Warnings for state the format cannot hold that changes the logits: a nonzero expert
-    bias where the format has no score-correction bias."""
-    if LAYOUTS[family].bias is not None:
-        return []
-    names = [n for n in model_shapes(cfg) if n.endswith("router.expert_bias")]
-    if not names:
-        return []
-    loaded = load_tensors(path, {n: None for n in names})
-    nonzero = [n for n in names if bool(loaded[n].abs().max() > 0)]
-    if not nonzero:
-        return []
-    return [f"the {family} format has no place for the router's expert bias (loss-free "
-            f"balancing), nonzero in {len(nonzero)} layer(s) (e.g. '{nonzero[0]}'); it is "
-            "left out, so expert selection, and the logits, differ from epscale's"]
 
 
 def load_tensors(path: Path, specs: dict[str, tuple | None]) -> dict[str, torch.Tensor]:
@@ -445,41 +375,5 @@ def load_tensors(path: Path, specs: dict[str, tuple | None]) -> dict[str, torch.
     return state
 
 
-def to_pretrained(model: Transformer, cfg: RunConfig, path: str | Path,
-                  family: str | None = None, dtype: str = "float32",
-                  max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
-    """Write an (unparallelized) epscale model as a Hugging Face directory that
-    ``AutoModelForCausalLM.from_pretrained`` reads."""
-    family = family or choose_family(cfg, None)
-    if family not in MOE_FAMILIES:
-        raise HFError(f"family {family!r} is not one of {', '.join(MOE_FAMILIES)}")
-    hf_cfg, warns = hf_from_recipe(cfg, family, dtype)
-    state = {k: v.detach() for k, v in model.state_dict().items()}
-    rs = rules({k: tuple(v.shape) for k, v in state.items()}, cfg, family, interleave=True)
-    biased = [k for k, v in state.items()
-              if k.endswith("router.expert_bias") and bool(v.abs().max() > 0)]
-    if LAYOUTS[family].bias is None and biased:
-        warns.append(f"the {family} format has no place for the router's nonzero expert "
-                     f"bias ('{biased[0]}' and {len(biased) - 1} more); it is left out, so the "
-                     "logits differ from epscale's")
-    for w in warns:
-        warnings.warn(w, stacklevel=2)
-    out_dtype = DTYPES[dtype]
-    nbytes = [(r.name, sum(math.prod(s) for s in r.hf_shapes) * out_dtype.itemsize) for r in rs]
-    shards = plan_shards(nbytes, max_shard_bytes)
-    by_name = {r.name: r for r in rs}
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-
-    def produce():
-        for names in shards:
-            yield {h: t.to(_dtype_of(h, out_dtype)) for n in names
-                   for h, t in zip(by_name[n].hf, by_name[n].to_hf(state[n].cpu().float()))}
-
-    write_shards(path, produce(), len(shards))
-    (path / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True))
-    return path
-
-
-__all__ = ["HFError", "export_hf", "from_pretrained", "import_hf", "model_from_state",
-           "read_hf", "state_from_hf", "to_pretrained"]
+__all__ = ["HFError", "from_pretrained", "import_hf", "load_tensors", "model_from_state",
+           "read_hf", "run_config", "source_config", "state_from_hf"]

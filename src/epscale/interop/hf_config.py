@@ -1,6 +1,6 @@
-"""Hugging Face ``config.json`` <-> an epscale recipe, for the families epscale's model
-implements: Mixtral, Qwen3-MoE and DeepSeek-V3 (MoE), and Llama / Qwen3 (dense, for
-upcycling).
+"""Hugging Face ``config.json`` -> an epscale recipe, for Mixtral, Qwen3-MoE, Ernie 4.5
+MoE, GLM-4 MoE and DeepSeek-V3 (MoE) and Llama / Qwen3 (dense, for upcycling). (The way
+back: :mod:`epscale.interop.hf_config_out`.)
 
 Every field of config.json is either mapped, known not to change the function the model
 computes (token ids, serving hints: :data:`NEUTRAL`), or an error that names it: nothing
@@ -14,13 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from ..config import RunConfig
-from .files import HFError
+from .errors import HFError
+from .hf_families import HF_LATENT_NORM_EPS
 
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "ernie4_5_moe", "glm4_moe", "deepseek_v3")
 DENSE_FAMILIES = ("llama", "qwen3")
-ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "deepseek_v3": "DeepseekV3ForCausalLM", "llama": "LlamaForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
 DEFAULT_SEQ_LEN = 4096  # model.seq_len of an import: min(max_position_embeddings, this)
 
 # Fields that do not change the function the model computes.
@@ -31,12 +29,11 @@ NEUTRAL = {
     "output_attentions", "torchscript", "use_return_dict", "pretraining_tp", "ep_size",
     "num_nextn_predict_layers", "max_position_embeddings", "tie_word_embeddings",
     "chunk_size_feed_forward", "is_encoder_decoder", "tokenizer_class", "id2label",
-    "label2id", "problem_type", "name_or_path", "max_window_layers",
+    "label2id", "problem_type", "name_or_path", "max_window_layers", "num_mtp_layers",
 }
 YARN_KEYS = {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
              "mscale_all_dim", "attention_factor", "truncate"}
 LLAMA3_KEYS = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
-HF_LATENT_NORM_EPS = 1e-6  # DeepSeek-V3's q_a / kv_a layernorms in transformers
 
 
 @dataclass
@@ -270,6 +267,42 @@ def recipe_from_hf(hf: dict, source: Path, seq_len: int | None = None,
                    score_func="sigmoid", route_norm=bool(f.get("norm_topk_prob", True)),
                    route_scale=float(f.get("routed_scaling_factor", 1.0)),
                    num_groups=groups, topk_groups=topk_groups, seq_aux_loss_coeff=seq_aux)
+    elif family == "ernie4_5_moe":
+        _mha(f, model)
+        f.only("use_bias", (None, False), "epscale's projections have no bias")
+        start, interval = int(f.get("moe_layer_start_index", 1)), int(f.get("moe_layer_interval", 1))
+        end = int(f.get("moe_layer_end_index", -1))
+        end = L - 1 if end == -1 else end
+        ids = [i for i in range(L) if (i + 1) % interval == 0 and start <= i <= end]
+        dense, every = _moe_pattern(f, ids, L)
+        model.update(dense_hidden_dim=int(f.need("intermediate_size")), num_dense_layers=dense,
+                     moe_every=every)
+        f.get("moe_norm_min")  # the floor of the top-k weight sum: 1e-12 vs epscale's + 1e-20
+        moe.update(num_experts=int(f.need("moe_num_experts")), top_k=int(f.need("moe_k")),
+                   hidden_dim=int(f.need("moe_intermediate_size")),
+                   num_shared_experts=int(f.get("moe_num_shared_experts", 0)),
+                   score_func="softmax", route_norm=True,
+                   aux_loss_coeff=float(f.get("router_aux_loss_coef", 0.0)))
+    elif family == "glm4_moe":
+        prf = (hf.get("rope_parameters") or {}).get("partial_rotary_factor",
+                                                    f.get("partial_rotary_factor", 0.5))
+        if prf != 1.0:  # transformers' glm4_moe default is 0.5
+            raise HFError(f"'{source}': partial_rotary_factor = {prf} is not supported "
+                          "(epscale rotates every dimension of the rotary part)")
+        _mha(f, model)
+        model["qk_norm"] = bool(f.get("use_qk_norm", False))
+        groups, topk_groups = int(f.get("n_group", 1)), int(f.get("topk_group", 1))
+        if groups <= 1:
+            groups = topk_groups = 0
+        model.update(dense_hidden_dim=int(f.need("intermediate_size")),
+                     num_dense_layers=min(int(f.get("first_k_dense_replace", 1)), L), moe_every=1)
+        moe.update(num_experts=int(f.need("n_routed_experts")),
+                   top_k=int(f.need("num_experts_per_tok")),
+                   hidden_dim=int(f.need("moe_intermediate_size")),
+                   num_shared_experts=int(f.need("n_shared_experts")), score_func="sigmoid",
+                   route_norm=bool(f.get("norm_topk_prob", True)),
+                   route_scale=float(f.get("routed_scaling_factor", 1.0)),
+                   num_groups=groups, topk_groups=topk_groups)
     else:  # dense: llama, qwen3 (the upcycling sources)
         _mha(f, model)
         if family == "qwen3":
@@ -281,124 +314,3 @@ def recipe_from_hf(hf: dict, source: Path, seq_len: int | None = None,
     f.check_all_read()
     return Mapped(family, {"name": f"hf-{family}", "model": model, "moe": moe},
                   rope_interleave=interleave)
-
-
-# ---------------------------------------------------------------------- export
-def choose_family(cfg: RunConfig, source: dict | None) -> str:
-    """The hub format a recipe is written in: the imported one's, else by its features."""
-    if source and source.get("model_type") in MOE_FAMILIES:
-        return source["model_type"]
-    if cfg.model.attention == "mla" or cfg.moe.score_func == "sigmoid":
-        return "deepseek_v3"
-    if cfg.model.qk_norm or cfg.model.num_dense_layers or cfg.model.moe_every > 1:
-        return "qwen3_moe"
-    return "mixtral"
-
-
-def _rope_out(cfg: RunConfig) -> dict | None:
-    rs = cfg.model.rope_scaling
-    if rs is None:
-        return None
-    out: dict[str, Any] = {"rope_type": rs.type, "factor": rs.factor,
-                           "original_max_position_embeddings": rs.original_seq_len}
-    if rs.type == "yarn":
-        out.update(beta_fast=rs.beta_fast, beta_slow=rs.beta_slow, truncate=rs.truncate)
-        for key in ("mscale", "mscale_all_dim"):
-            if getattr(rs, key):
-                out[key] = getattr(rs, key)
-        if rs.attention_factor is not None:
-            out["attention_factor"] = rs.attention_factor
-    else:
-        out.update(low_freq_factor=rs.low_freq_factor, high_freq_factor=rs.high_freq_factor)
-    return out
-
-
-def hf_from_recipe(cfg: RunConfig, family: str, dtype: str,
-                   source: dict | None = None) -> tuple[dict, list[str]]:
-    """config.json for ``cfg`` in ``family``'s format and warnings about what the format
-    cannot hold. What the format cannot express at all is an HFError naming it.
-    ``source``: the config.json the run was imported from (its token ids and other
-    neutral fields are kept)."""
-    m, moe = cfg.model, cfg.moe
-    problems, warnings = [], []
-
-    def need(ok: bool, what: str) -> None:
-        if not ok:
-            problems.append(what)
-
-    need(moe.activation == "swiglu", f"moe.activation = {moe.activation!r} (the hub's MoE "
-         "formats are SwiGLU)")
-    moe_ids = [i for i in range(m.num_layers) if m.is_moe_layer(i)]
-    out: dict[str, Any] = {k: v for k, v in (source or {}).items()
-                           if k in NEUTRAL and k not in ("architectures", "model_type")}
-    rope = _rope_out(cfg)
-    out.update({
-        "architectures": [ARCHITECTURES[family]], "model_type": family,
-        "vocab_size": m.vocab_size, "hidden_size": m.dim, "num_hidden_layers": m.num_layers,
-        "num_attention_heads": m.num_heads, "rms_norm_eps": m.norm_eps, "hidden_act": "silu",
-        "tie_word_embeddings": m.tie_embeddings, "attention_dropout": 0.0,
-        "rope_theta": m.rope_theta, "rope_scaling": rope, "dtype": dtype,
-        "rope_parameters": {"rope_theta": m.rope_theta, **(rope or {"rope_type": "default"})},
-    })
-    out.setdefault("max_position_embeddings", m.seq_len)
-    out.setdefault("initializer_range", 0.02)
-    if family in ("mixtral", "qwen3_moe"):
-        need(m.attention == "mha", f"model.attention = {m.attention!r} ({family} has "
-             "multi-head attention)")
-        need(moe.score_func == "softmax", f"moe.score_func = {moe.score_func!r} ({family} "
-             "routes by softmax)")
-        need(moe.num_shared_experts == 0, f"moe.num_shared_experts = {moe.num_shared_experts}"
-             f" ({family} has no shared experts)")
-        need(moe.route_scale == 1.0, f"moe.route_scale = {moe.route_scale} ({family} has no "
-             "routed scaling factor)")
-        need(moe.num_groups == 0, f"moe.num_groups = {moe.num_groups} ({family} has no "
-             "group-limited routing)")
-        head_dim = m.head_dim or m.dim // m.num_heads
-        out.update(num_key_value_heads=m.num_kv_heads or m.num_heads, head_dim=head_dim,
-                   num_experts_per_tok=moe.top_k, router_aux_loss_coef=moe.aux_loss_coeff,
-                   sliding_window=None)
-    if family == "mixtral":
-        need(not m.qk_norm, "model.qk_norm = true (mixtral has no QK-norm; qwen3_moe has)")
-        need(moe_ids == list(range(m.num_layers)), "dense layers (every mixtral layer is MoE)")
-        need(moe.route_norm, "moe.route_norm = false (mixtral renormalises the top-k weights)")
-        out.update(num_local_experts=moe.num_experts, intermediate_size=moe.hidden_dim,
-                   router_jitter_noise=0.0)
-    elif family == "qwen3_moe":
-        need(m.qk_norm, "model.qk_norm = false (qwen3_moe normalises queries and keys)")
-        out.update(num_experts=moe.num_experts, moe_intermediate_size=moe.hidden_dim,
-                   intermediate_size=m.dense_hidden_dim, decoder_sparse_step=1,
-                   mlp_only_layers=[i for i in range(m.num_layers) if i not in moe_ids],
-                   norm_topk_prob=moe.route_norm, use_sliding_window=False,
-                   attention_bias=False)
-    elif family == "deepseek_v3":
-        need(m.attention == "mla", f"model.attention = {m.attention!r} (deepseek_v3 has MLA)")
-        need(moe.score_func == "sigmoid", f"moe.score_func = {moe.score_func!r} (deepseek_v3 "
-             "routes by sigmoid)")
-        need(m.moe_every == 1, f"model.moe_every = {m.moe_every} (deepseek_v3: every layer "
-             "after the first k dense ones is MoE)")
-        shared = moe.shared_width
-        need(shared % moe.hidden_dim == 0, f"shared expert width {shared} is not a multiple of "
-             f"moe.hidden_dim = {moe.hidden_dim}")
-        eps = m.norm_eps if m.latent_norm_eps is None else m.latent_norm_eps
-        need(eps == HF_LATENT_NORM_EPS, f"MLA latent norm epsilon {eps} (transformers' "
-             f"deepseek_v3 uses {HF_LATENT_NORM_EPS})")
-        groups = moe.num_groups or 1
-        out.update(num_key_value_heads=m.num_heads, n_routed_experts=moe.num_experts,
-                   num_experts_per_tok=moe.top_k, moe_intermediate_size=moe.hidden_dim,
-                   n_shared_experts=shared // moe.hidden_dim, intermediate_size=m.dense_hidden_dim,
-                   first_k_dense_replace=m.num_dense_layers, n_group=groups,
-                   topk_group=moe.topk_groups or groups, norm_topk_prob=moe.route_norm,
-                   routed_scaling_factor=moe.route_scale, scoring_func="sigmoid",
-                   topk_method="noaux_tc", q_lora_rank=m.q_lora_rank or None,
-                   kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
-                   qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
-                   head_dim=m.qk_rope_head_dim,
-                   qk_head_dim=m.qk_nope_head_dim + m.qk_rope_head_dim, rope_interleave=True,
-                   attention_bias=False, aux_loss_alpha=moe.seq_aux_loss_coeff, seq_aux=True)
-        out.pop("num_nextn_predict_layers", None)
-    if problems:
-        raise HFError(f"the run's config cannot be written as {family}: " + "; ".join(problems))
-    if moe.capacity_factor is not None:
-        warnings.append(f"moe.capacity_factor = {moe.capacity_factor}: the {family} format is "
-                        "dropless, so its logits differ wherever epscale dropped a token")
-    return out, warnings

@@ -229,9 +229,46 @@ def _panel(title: str, kind: str, note: str = "", layer: int | None = None) -> s
             f'<div class="plot" data-plot="{kind}"{attr}></div></div>')
 
 
+def end_summary(run: RunLog) -> dict[str, Any] | None:
+    """The numbers of the console's end-of-run summary (the last 'end' event), if any."""
+    for ev in reversed(run.events):
+        if ev.get("event") == "end" and "final_train_loss" in ev:
+            return ev
+    return None
+
+
+def header_cards(run: RunLog, data: dict[str, Any], alerts: list[Alert]) -> list[tuple]:
+    """The header tiles: a finished run's are the console summary's numbers, with its
+    definitions (train loss: mean of the last steps; tokens/s, MFU, comm share: median of
+    the steps after the first fifth; MaxVio, dropped: mean of the last steps), plus the
+    final validation loss and the unigram baseline; a run still going shows its last step."""
+    last = run.steps[-1] if run.steps else {}
+    vals = data.get("val_loss") or []
+    end = end_summary(run)
+    if end is not None:
+        src, how = end, "run summary"
+        loss_key, val = "final_train_loss", end.get("final_val_loss")
+    else:
+        src, how = last, "last step"
+        loss_key, val = "loss", (vals[-1][1] if vals else None)
+    cards = [("step", last.get("step", "—"), False),
+             (f"train loss ({'mean of last steps' if end else how})", _fmt(src.get(loss_key)),
+              False),
+             ("validation loss (final)" if end else "validation loss (latest)", _fmt(val), False)]
+    if end is not None and end.get("unigram_nats") is not None:
+        cards.append(("unigram baseline", _fmt(end["unigram_nats"]), False))
+    med = " (median)" if end else f" ({how})"
+    cards += [(f"tokens/s{med}", _fmt(src.get("tokens_per_s")), False),
+              (f"MFU{med}", _fmt(src.get("mfu"), True), False),
+              (f"comm share{med}", _fmt(src.get("comm_share"), True), False),
+              ("MaxVio", _fmt(src.get("max_vio")), False),
+              ("dropped", _fmt(src.get("dropped_frac"), True), False),
+              ("alerts", str(len(alerts)), bool(alerts))]
+    return cards
+
+
 def render_html(run: RunLog, data: dict[str, Any], alerts: list[Alert], now: float) -> str:
     recs = run.steps
-    last = recs[-1] if recs else {}
     cfg = run.config or {}
     moe, par = cfg.get("moe") or {}, cfg.get("parallel") or {}
     state = "ended" if run.ended else "running or stopped (no end event)"
@@ -239,18 +276,14 @@ def render_html(run: RunLog, data: dict[str, Any], alerts: list[Alert], now: flo
              ("records", f"{len(recs)} step records, {len(run.events)} events"),
              ("steps", f"{recs[0]['step']} … {recs[-1]['step']}" if recs else "—")]
     if moe:
+        cf = moe.get("capacity_factor")
         facts.append(("MoE", f"{moe.get('num_experts', '?')} experts, top-{moe.get('top_k', '?')}, "
-                             f"capacity factor {moe.get('capacity_factor', 'none (dropless)')}"))
+                             + ("dropless (no capacity limit)" if cf is None else
+                                f"capacity factor {cf}")))
     if par:
         facts.append(("layout", f"dp={par.get('dp', 1)} × ep={par.get('ep', 1)}, dispatcher "
                                 f"{par.get('dispatcher', '?')}"))
-    cards = [("step", last.get("step", "—"), False), ("loss", _fmt(last.get("loss")), False),
-             ("tokens/s", _fmt(last.get("tokens_per_s")), False),
-             ("MFU", _fmt(last.get("mfu"), True), False),
-             ("comm share", _fmt(last.get("comm_share"), True), False),
-             ("MaxVio", _fmt(last.get("max_vio")), False),
-             ("dropped", _fmt(last.get("dropped_frac"), True), False),
-             ("alerts", str(len(alerts)), bool(alerts))]
+    cards = header_cards(run, data, alerts)
     out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
            '<meta name="viewport" content="width=device-width, initial-scale=1">',
            f"<title>epscale report: {_e(run.name)}</title><style>{CSS}</style></head><body>",

@@ -92,6 +92,7 @@ class TrainConsole:
             "comm_share": med("comm_share"),
             "skipped_steps": skipped,
             "rollbacks": rollbacks,
+            "unigram_nats": unigram_nats,
         }
         table = Table(title="Run summary", show_header=False)
         table.add_column("metric")

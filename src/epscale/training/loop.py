@@ -324,8 +324,9 @@ class Trainer:
             f"({num_moe} MoE: {moe.num_experts} experts, top-{moe.top_k}), dim {m.dim}, "
             f"seq {m.seq_len}, vocab {m.vocab_size}",
             f"data: {self.splits.description}: {self.splits.train_tokens / 1e6:.2f}M train / "
-            f"{self.splits.val_tokens / 1e6:.2f}M validation tokens; unigram entropy "
-            f"{self.unigram:.3f} nats",
+            f"{self.splits.val_tokens / 1e6:.2f}M validation tokens, of which each evaluation "
+            f"reads {self._val_tokens():,} (train.eval_batches = {cfg.train.eval_batches} global "
+            f"batches); unigram entropy {self.unigram:.3f} nats",
             f"layout: {self.world} process(es), {self._layout_text()}, dispatcher "
             f"{cfg.parallel.dispatcher if self.dims.ep > 1 else 'local'}, {self.device.type} "
             f"{self._dtype_text()}, {threads} thread(s) per process",
@@ -612,6 +613,11 @@ class Trainer:
         return self.step == self.cfg.train.steps or (every > 0 and self.step % every == 0)
 
     @torch.no_grad()
+    def _val_tokens(self) -> int:
+        """Validation tokens one evaluation reads (all ranks): train.eval_batches global
+        batches of seq_len windows."""
+        return self.cfg.train.eval_batches * self.loader.samples_per_step * self.cfg.model.seq_len
+
     def evaluate(self) -> float:
         """Mean validation loss over the fixed validation batches of every rank."""
         self.model.eval()

@@ -149,10 +149,12 @@ def open_source(source: str, cfg: DataConfig, tok: Tokenizer, vocab_size: int,
         if data.val.size == 0:
             raise DataError(f"data source '{path}' has no validation documents; prepare it again "
                             "with a larger --val-fraction")
-        tok_name = "bytes" if m["tokenizer"]["kind"] == "bytes" else m["tokenizer"]["name"]
+        recorded = "bytes" if m["tokenizer"]["kind"] == "bytes" else m["tokenizer"]["name"]
+        same = "" if recorded == tok.name else f"; prepared with {recorded}, the same sha256"
         desc = (f"prepared {path} ({m['documents']['train'] + m['documents']['val']:,} documents"
                 f" in {len(m['splits']['train']) + len(m['splits']['val'])} shards of "
-                f"{m['dtype']} ids; tokenizer {tok_name}, vocab {m['tokenizer']['vocab_size']:,})")
+                f"{m['dtype']} ids; tokenizer {tok.name} (data.tokenizer{same}), vocab "
+                f"{m['tokenizer']['vocab_size']:,})")
         return Splits(data.train, data.val, desc, data.eos_id, vocab_size, str(path),
                       short_hint="prepare it again with a larger --val-fraction (or more "
                       "text), or use a shorter model.seq_len")
