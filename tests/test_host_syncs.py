@@ -87,7 +87,11 @@ def _host_data_to_device(name):
 
 # (owner, attribute, what it syncs): patched while a counter is active, on every thread
 # (a torch-function mode would miss what backward and recomputation run)
-PATCHES = [(torch.Tensor, m, (lambda m: lambda *a, **k: m)(m)) for m in ("tolist", "item", "cpu", "numpy")]
+def _always(name):
+    return lambda *args, **kwargs: name
+
+
+PATCHES = [(torch.Tensor, m, _always(m)) for m in ("tolist", "item", "cpu", "numpy")]
 PATCHES += [(torch, "tensor", _host_data_to_device("tensor")),
             (torch, "as_tensor", _host_data_to_device("as_tensor")),
             (torch.Tensor, "new_tensor",
@@ -107,7 +111,8 @@ class _Ops(TorchDispatchMode):
             packet = func.overloadpacket
             if packet in SYNC_OPS:
                 c.record(str(packet.__name__))
-            elif packet is aten.repeat_interleave and kwargs.get("output_size") is None:
+            elif (packet is aten.repeat_interleave and kwargs.get("output_size") is None
+                  and func is not aten.repeat_interleave.self_int):  # int repeats: sized
                 c.record("repeat_interleave without output_size")
             elif packet in INDEX_OPS and _is_bool_index(args[1] if len(args) > 1 else None):
                 c.record(f"{packet.__name__} with a bool mask")
@@ -224,6 +229,7 @@ def test_the_counter_sees_each_kind_of_sync():
         segment_ids(x[:3], int(3))
         select_true(x > 2, 3)
         torch.repeat_interleave(x, x, output_size=15)
+        torch.repeat_interleave(x, 2)
         x.index_select(0, x[:2])
         x.new_full((1,), 3)
         torch.zeros(3)
