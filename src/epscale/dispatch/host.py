@@ -49,10 +49,13 @@ _ACTIVE = _Stack()
 
 
 def host_ints(t: torch.Tensor) -> list:
-    """``t.tolist()``: a read of device values on the host (a synchronisation on an
-    accelerator; callers mark it as their layer's one). Inside a checkpointed call's
-    first forward the values are also kept; inside its recomputation the kept values
-    come back, in the order they were read, without touching ``t``'s data."""
+    """``t.tolist()`` of a 1-D integer tensor: a read of device values on the host (a
+    synchronisation on an accelerator; callers mark it as their layer's one). Inside a
+    checkpointed call's first forward the values are also kept; inside its recomputation
+    the kept values come back, in the order they were read, without touching ``t``'s
+    data."""
+    if t.dim() != 1:
+        raise ValueError(f"host_ints reads 1-D tensors, got shape {tuple(t.shape)}")
     record = _ACTIVE.records[-1] if _ACTIVE.records else None
     if record is not None and record.replay_at is not None:
         i = record.replay_at
