@@ -167,6 +167,23 @@ def test_matches_reference_bf16(name, path, kernels):
     compare(moe, (2, 12), tol=3e-2, dtype=torch.bfloat16)
 
 
+@pytest.mark.cpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("path", ["grouped", "autograd"])
+@pytest.mark.parametrize("name", ["softmax-norm", "cap-probs", "gelu-cap-shared", "losses",
+                                  "deepseek-like"])
+def test_device_code_path_matches_reference(name, path, dtype):
+    """CPU tensors through the code CUDA runs (no host shortcuts: tests/test_host_syncs.py
+    counts its syncs): grouped GEMM with device offsets in bf16, the per-group loop in fp32;
+    the dropless row count and the capacity path's one host read."""
+    from epscale.ops import device_code_path
+
+    moe = make_moe(dtype, path=path, **VARIANTS[name])
+    with device_code_path(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fp32 takes the loop, and says so
+        compare(moe, (2, 12), tol=1e-5 if dtype == torch.float32 else 3e-2, dtype=dtype)
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dims_not_multiple_of_8(dtype, path):
@@ -266,6 +283,20 @@ def test_capacity_that_drops_most_tokens(path):
     assert cap == 1 and kept <= 8 and moe.last_stats["num_dropped"] >= 56
     # Tokens whose both assignments were dropped produce exactly zero (the residual carries them).
     assert (y.abs().sum(-1) == 0).sum() >= 32 - 8
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_dropless_dispatcher_refuses_dropped_assignments(fuse):
+    """A dispatcher told the router never drops counts its rows without a host read; a
+    dropped assignment reaching it is an error (checked on the device), not wrong rows."""
+    disp = LocalDispatcher(4, fuse=fuse, dropless=True)
+    experts = GroupedExperts(4, 8, 16)
+    idx = torch.tensor([[0, 1], [2, -1], [3, 0]])
+    w = torch.full((3, 2), 0.5)
+    with pytest.raises(RuntimeError, match="a dropless dispatcher got dropped ones"):
+        disp.dispatch_compute_combine(torch.randn(3, 8), idx, w, experts)
+    idx[1, 1] = 1  # nothing dropped: fine
+    assert disp.dispatch_compute_combine(torch.randn(3, 8), idx, w, experts).shape == (3, 8)
 
 
 def test_all_assignments_dropped_dispatcher():

@@ -14,9 +14,18 @@ fresh buffer of tens of MB is page-faulted in on every step and a small one stay
 cache between the ops of a block; accelerators have caching allocators and pay per kernel
 launch instead, so their blocks are large (256 MB): few launches, yet bounded memory (a
 [T*K, D] gather of a 16k-token, top-8, D=7168 batch in bf16 would be 1.8 GB in one piece).
+
+Host shortcuts: reading a CPU tensor's values on the host costs nothing (there is no
+device to wait for), so the CPU path may branch on them (:func:`host_shortcuts`); on an
+accelerator every such read is a synchronisation. :func:`device_code_path` turns the
+shortcuts off for CPU tensors, so that tests/test_host_syncs.py counts, on CPU, the
+synchronisations of the code CUDA runs.
 """
 
 from __future__ import annotations
+
+import contextlib
+from typing import Iterator
 
 import torch
 
@@ -24,12 +33,37 @@ CPU_BLOCK_BYTES = 1 << 20
 ACCELERATOR_BLOCK_BYTES = 256 << 20
 
 
+_HOST_SHORTCUTS = {"on": True}
+
+
+def host_shortcuts(device: torch.device) -> bool:
+    """True where code may read tensor values on the host for free and take a host-side
+    shortcut (CPU tensors); False on accelerators, where each read is a synchronisation,
+    and for CPU tensors inside :func:`device_code_path`."""
+    return device.type == "cpu" and _HOST_SHORTCUTS["on"]
+
+
+@contextlib.contextmanager
+def device_code_path() -> Iterator[None]:
+    """Run CPU tensors through the code accelerators run (no host shortcuts; the experts
+    on torch's grouped GEMM with the accelerators' rules, see
+    :func:`epscale.moe.experts.slow_grouped_mm_reason`). Process-wide, for tests: the
+    host-sync test counts, on CPU, what would synchronise on CUDA."""
+    before = _HOST_SHORTCUTS["on"]
+    _HOST_SHORTCUTS["on"] = False
+    try:
+        yield
+    finally:
+        _HOST_SHORTCUTS["on"] = before
+
+
 def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
     """int64 [n]: how often each of 0 .. n-1 occurs in ``ids`` (integer, any shape; every
     value must lie in [0, n)). torch.bincount on CPU, where it is fast and syncs nothing;
-    an integer ``index_add_`` (exact, so deterministic) elsewhere."""
+    an integer ``index_add_`` (exact, so deterministic) elsewhere (bincount on CUDA reads
+    the ids' min and max back to the host)."""
     flat = ids.reshape(-1)
-    if flat.device.type == "cpu":
+    if host_shortcuts(flat.device):
         return torch.bincount(flat, minlength=n)
     return index_add_counts(flat, n)
 
@@ -56,5 +90,5 @@ def count_experts(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tenso
 
 def rows_per_block(num_rows: int, row_bytes: int, device: torch.device) -> int:
     """Rows of ``row_bytes`` each in one block on ``device`` (at least 1, at most num_rows)."""
-    budget = CPU_BLOCK_BYTES if device.type == "cpu" else ACCELERATOR_BLOCK_BYTES
+    budget = CPU_BLOCK_BYTES if host_shortcuts(device) else ACCELERATOR_BLOCK_BYTES
     return max(1, min(num_rows, budget // max(1, row_bytes)))

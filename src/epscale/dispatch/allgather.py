@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ..ops import count_experts
 from .base import EPDispatcher
 from .comm import AllGatherRows, ReduceScatterRows
+from .host import host_ints
 from .rows import expand_rows, reduce_rows
 
 
@@ -35,7 +36,7 @@ class AllGatherDispatcher(EPDispatcher):
 
     def _gather_counts(self, T: int, counts_E: torch.Tensor) -> torch.Tensor:
         info = self.info
-        mine = torch.cat([counts_E.new_tensor([T]), counts_E]).unsqueeze(0)
+        mine = torch.cat([counts_E.new_full((1,), T), counts_E]).unsqueeze(0)  # no host copy
         if info.size == 1:
             return mine
         out = mine.new_empty((info.size, mine.shape[1]))
@@ -50,7 +51,7 @@ class AllGatherDispatcher(EPDispatcher):
         counts_E = count_experts(topk_idx_TK, E)[1][:E]
         all_PC = self._gather_counts(T, counts_E)               # [P, 1+E]
         local_e = all_PC[:, 1 + lo:1 + lo + e].sum(0)
-        host = torch.cat([all_PC[:, 0], local_e.sum().view(1)]).tolist()  # the one host sync
+        host = host_ints(torch.cat([all_PC[:, 0], local_e.sum().view(1)]))  # the one host sync
         Tm, R = max(host[:-1]), host[-1]
         pad = Tm - T
         payload_TD, _ = self._payload_cast(x_TD)

@@ -18,6 +18,7 @@ import torch
 from ..ops import count_experts
 from .base import EPDispatcher
 from .comm import Exchange, exchange_counts
+from .host import host_ints
 from .layout import segment_ids
 from .rows import gather_rows, unpermute_weighted
 
@@ -41,7 +42,8 @@ class AllToAllDispatcher(EPDispatcher):
         counts_E = counts_E1[:E]
         send_counts_Pe = counts_E.view(P, e)
         recv_counts_Pe = exchange_counts(self.info, send_counts_Pe)
-        host = torch.cat([send_counts_Pe.sum(1), recv_counts_Pe.sum(1)]).tolist()  # the one host sync
+        # the one host sync
+        host = host_ints(torch.cat([send_counts_Pe.sum(1), recv_counts_Pe.sum(1)]))
         send_splits, recv_splits = host[:P], host[P:]
         S, R = sum(send_splits), sum(recv_splits)
 

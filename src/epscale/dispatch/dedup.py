@@ -25,6 +25,7 @@ import torch
 from . import pipeline
 from .base import EPDispatcher
 from .comm import Exchange, GroupInfo, exchange_counts
+from .host import host_ints
 from .layout import get_dispatch_layout, select_true
 from .rows import chunk_bounds, expand_rows, reduce_rows, relative_expert_ids
 
@@ -72,8 +73,9 @@ class DedupDispatcher(EPDispatcher):
         send_PCm = torch.stack(metas, 1)                       # [P, C, 1+e]
         recv_PCm = exchange_counts(self.info, send_PCm.reshape(P, -1)).view_as(send_PCm)
         per_expert_Ce = recv_PCm[:, :, 1:].sum(0)
-        host = torch.cat([send_PCm[:, :, 0].t().reshape(-1), recv_PCm[:, :, 0].t().reshape(-1),
-                          per_expert_Ce.sum(1)]).tolist()      # the one host sync per layer
+        host = host_ints(torch.cat([send_PCm[:, :, 0].t().reshape(-1),
+                                    recv_PCm[:, :, 0].t().reshape(-1),
+                                    per_expert_Ce.sum(1)]))     # the one host sync per layer
         C = num_chunks
         send = [host[c * P:(c + 1) * P] for c in range(C)]
         recv = [host[C * P + c * P:C * P + (c + 1) * P] for c in range(C)]

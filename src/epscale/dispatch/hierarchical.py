@@ -28,6 +28,7 @@ import torch
 from . import pipeline
 from .base import EPDispatcher
 from .comm import Exchange, GroupInfo, exchange_counts
+from .host import host_ints
 from .layout import get_dispatch_layout, membership, select_true
 from .rows import chunk_bounds, expand_rows, reduce_rows, relative_expert_ids
 
@@ -100,10 +101,11 @@ class HierarchicalDispatcher(EPDispatcher):
         intra_recv_LCm = exchange_counts(self.intra, intra_send_LCm.reshape(L, -1)
                                          ).view_as(intra_send_LCm)         # [L, C, 1+e]
         per_expert_Ce = intra_recv_LCm[:, :, 1:].sum(0)
-        host = torch.cat([send_NCm[:, :, 0].t().reshape(-1), recv_NCm[:, :, 0].t().reshape(-1),
-                          intra_send_LCm[:, :, 0].t().reshape(-1),
-                          intra_recv_LCm[:, :, 0].t().reshape(-1),
-                          per_expert_Ce.sum(1)]).tolist()                  # the one host sync
+        host = host_ints(torch.cat([send_NCm[:, :, 0].t().reshape(-1),
+                                    recv_NCm[:, :, 0].t().reshape(-1),
+                                    intra_send_LCm[:, :, 0].t().reshape(-1),
+                                    intra_recv_LCm[:, :, 0].t().reshape(-1),
+                                    per_expert_Ce.sum(1)]))                # the one host sync
         C = num_chunks
 
         def cut(start, width):

@@ -8,6 +8,11 @@ compute and weighted combine run as one pass (on CPU the chunked kernel of
 :mod:`epscale.kernels.cpu`). ``fuse=False`` keeps the generic dispatch -> experts ->
 combine steps instead, the path every EP backend takes (tests and benchmarks use it to
 exercise that path without communication).
+
+Host syncs: none when the router never drops (``dropless``: the rows are the T*K
+assignments, the experts get their group sizes as a device tensor); one otherwise (the
+number of kept assignments), kept for recomputation (:mod:`.host`). The CPU kernel
+reads the group sizes on the host, where that is free.
 """
 
 from __future__ import annotations
@@ -32,17 +37,26 @@ class LocalDispatcher(Dispatcher):
 
     ``fuse``: run :meth:`dispatch_compute_combine` as one ``experts.forward_scatter``
     (default True); False takes the generic dispatch -> experts -> combine path.
+    ``dropless``: the router never drops (no id -1; ``moe.capacity_factor`` unset), so
+    every assignment is a row and their number needs no host sync. False (the safe
+    default) reads the number kept on the host.
     """
 
     name = "local"
 
-    def __init__(self, num_experts: int, fuse: bool = True, workspace=None):
+    def __init__(self, num_experts: int, fuse: bool = True, workspace=None,
+                 dropless: bool = False):
         super().__init__(num_experts, num_experts, 0, workspace)
         self.fuse = fuse
+        self.dropless = dropless
+
+    def _sort(self, topk_idx_TK):
+        return sort_by_expert(topk_idx_TK, self.num_experts,
+                              topk_idx_TK.numel() if self.dropless else None)
 
     def dispatch(self, x_TD, topk_idx_TK, topk_weight_TK):
         T, K = topk_idx_TK.shape
-        order_R, tokens_per_expert_E, _ = sort_by_expert(topk_idx_TK, self.num_experts)
+        order_R, tokens_per_expert_E = self._sort(topk_idx_TK)
         recv_x_RD = gather_rows(x_TD, order_R, K, self.workspace)
         return recv_x_RD, tokens_per_expert_E, LocalHandle(order_R, topk_weight_TK, T)
 
@@ -61,15 +75,16 @@ class LocalDispatcher(Dispatcher):
         timer = timer or no_timer
         K = topk_idx_TK.shape[1]
         with timer("dispatch"):
-            order_R, _, counts = sort_by_expert(topk_idx_TK, self.num_experts)
+            order_R, counts_E = self._sort(topk_idx_TK)
             src_R = order_R // K
             weight_R = topk_weight_TK.reshape(-1).index_select(0, order_R)
             pos_TK = assignment_rows(order_R, topk_idx_TK.shape)
         with timer("experts"):
-            y_TD = experts.forward_scatter(x_TD, src_R, weight_R, counts, pos_TK)
+            y_TD = experts.forward_scatter(x_TD, src_R, weight_R, counts_E, pos_TK)
         with timer("combine"):  # entered either way: the step breakdown always has it
             side_TD = side_work() if side_work is not None else None
         return y_TD + side_TD if side_TD is not None else y_TD
 
     def __repr__(self) -> str:
-        return f"LocalDispatcher(experts={self.num_experts}, fuse={self.fuse})"
+        return (f"LocalDispatcher(experts={self.num_experts}, fuse={self.fuse}, "
+                f"dropless={self.dropless})")

@@ -51,11 +51,12 @@ def check_choice(name: str, payload: str = "auto", overlap_chunks: int = 1) -> N
 
 
 def make_dispatcher(name: str, num_experts: int, dims: Dims, payload: str = "auto",
-                    overlap_chunks: int = 1, workspace=None) -> Dispatcher:
+                    overlap_chunks: int = 1, workspace=None, dropless: bool = False) -> Dispatcher:
     """Build the named backend for one MoE layer with ``num_experts`` experts over the EP
     group of ``dims`` (its own byte counter). ``workspace``: a row-buffer cache for the CPU
     path (see :class:`~epscale.dispatch.base.Dispatcher`), or None. With ep=1 every name
-    but 'deepep' gives the communication-free local backend."""
+    but 'deepep' gives the communication-free local backend; ``dropless`` (the layer's
+    router never drops) spares it its host sync (:class:`~.local.LocalDispatcher`)."""
     check_choice(name, payload, overlap_chunks)
     if name == "local" and dims.ep != 1:
         raise ConfigError(f"parallel key 'dispatcher' = 'local' needs ep=1 (got ep={dims.ep}); "
@@ -63,7 +64,7 @@ def make_dispatcher(name: str, num_experts: int, dims: Dims, payload: str = "aut
     if name == "deepep":
         return DeepEPDispatcher(num_experts, dims, workspace=workspace)
     if dims.ep == 1:
-        return LocalDispatcher(num_experts, workspace=workspace)
+        return LocalDispatcher(num_experts, workspace=workspace, dropless=dropless)
     counter = CommCounter()
     ep_info = group_info(dims, "ep", counter)
     if name == "hierarchical":

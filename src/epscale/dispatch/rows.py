@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import count_experts, count_ids, rows_per_block
+from .host import host_ints
 from .layout import group_rows_by_expert
 
 
@@ -22,20 +23,26 @@ def _fresh(name: str, shape, dtype: torch.dtype, device: torch.device) -> torch.
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def sort_by_expert(topk_idx_TK: torch.Tensor, num_experts: int
-                   ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+def sort_by_expert(topk_idx_TK: torch.Tensor, num_experts: int, num_kept: int | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Kept assignments ordered by expert (stable in token order), and the counts.
 
     Returns ``order_R`` (int64 indices into the flattened T*K assignments; dropped ones,
-    id -1, are left out), ``tokens_per_expert_E`` (int64 tensor) and the same counts as a
-    host list. One host sync (the counts), which the expert compute needs anyway.
+    id -1, are left out) and ``tokens_per_expert_E`` (int64 tensor, on the ids' device).
+    ``num_kept``: R, the number of kept assignments, when the caller knows it (T*K when
+    the router never drops): no host sync. None reads the number dropped on the host
+    (:func:`epscale.dispatch.host.host_ints`: a sync on accelerators, the layer's one).
     """
     # Dropped assignments get key E so that they sort last and can be cut off.
     key_A, counts = count_experts(topk_idx_TK, num_experts)
-    counts_list = counts.tolist()  # the one host sync
+    if num_kept is None:
+        num_kept = key_A.numel() - host_ints(counts[num_experts:])[0]
+    else:  # checked on the device: no sync (on CPU it raises at once)
+        torch._assert_async(counts[num_experts] == key_A.numel() - num_kept,
+                            f"sort_by_expert: expected {key_A.numel() - num_kept} dropped "
+                            "assignments (id -1); a dropless dispatcher got dropped ones")
     order_A = torch.sort(key_A, stable=True).indices
-    num_kept = key_A.numel() - counts_list[num_experts]
-    return order_A[:num_kept], counts[:num_experts], counts_list[:num_experts]
+    return order_A[:num_kept], counts[:num_experts]
 
 
 def assignment_rows(order_R: torch.Tensor, shape_TK) -> torch.Tensor:

@@ -4,18 +4,65 @@ The routed experts run one of two implementations (``moe.experts_impl``): plain 
 over grouped GEMMs (or a per-expert loop), the path for accelerators, here; or the CPU
 fast path, :mod:`epscale.kernels.cpu`. 'auto' picks by the device of each call.
 
+Host syncs: the grouped GEMMs take the group offsets as a device tensor (a cumsum of the
+group sizes), so the experts read nothing on the host, forward or backward. Where torch's
+fast grouped GEMM cannot run (:func:`slow_grouped_mm_reason`: on CUDA it wants bf16,
+widths that are multiples of 8 and a 9.x/10.x device; its own fallback copies the offsets
+to the host in every call), the experts loop over groups with host sizes read once per
+forward (one sync, kept for recomputation) and say so once per process in a warning.
+
 Legend: T tokens, R rows (received assignments), D model dim, F expert hidden dim,
 e local experts, K top-k.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..config import CpuKernelConfig
+from ..dispatch.host import host_ints
 from ..kernels.cpu import HAS_GROUPED_MM, CpuFusedExperts, Workspace, grouped_mm_fits
+from ..ops import host_shortcuts
+
+_WARNED_SLOW: set[str] = set()   # the reasons warned about in this process
+
+
+def slow_grouped_mm_reason(x: torch.Tensor, hidden_dim: int) -> str | None:
+    """Why torch's grouped GEMM would not run its fast kernel on rows ``x`` [R, D] and
+    hidden width ``hidden_dim``, or None when it would. On CPU tensors (with host
+    shortcuts) it needs fp32/bf16 with 16-byte aligned rows; elsewhere bf16 with D and F
+    multiples of 8, and on CUDA a device of compute capability 9.x or 10.x (torch's
+    CUTLASS kernels; otherwise torch loops over groups with the offsets on the host)."""
+    if not HAS_GROUPED_MM:
+        return f"this torch ({torch.__version__}) has no torch.nn.functional.grouped_mm"
+    if host_shortcuts(x.device):
+        if grouped_mm_fits(x, hidden_dim):
+            return None
+        return (f"{x.dtype} rows of dim {x.shape[-1]}, hidden {hidden_dim} (CPU grouped GEMM "
+                "takes fp32/bf16 with 16-byte aligned rows)")
+    if x.dtype != torch.bfloat16:
+        return f"{x.dtype} (the fast grouped GEMM takes bfloat16)"
+    if x.shape[-1] % 8 or hidden_dim % 8:
+        return f"dim {x.shape[-1]}, hidden {hidden_dim} (must be multiples of 8)"
+    if x.device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(x.device)
+        if major not in (9, 10):
+            return (f"CUDA capability {major}.{minor} (torch's grouped GEMM kernels need "
+                    "9.x or 10.x)")
+    return None
+
+
+def _warn_slow_once(reason: str) -> None:
+    if reason in _WARNED_SLOW:
+        return
+    _WARNED_SLOW.add(reason)
+    warnings.warn(f"epscale: the experts loop over groups with host offsets instead of a "
+                  f"grouped GEMM (slower; one host sync per layer forward): {reason}",
+                  stacklevel=2)
 
 
 def _grouped_linear(x_RD: torch.Tensor, w_eDF: torch.Tensor, offs_e: torch.Tensor | None,
@@ -94,7 +141,7 @@ class GroupedExperts(nn.Module):
     def impl_for(self, x: torch.Tensor) -> str:
         """'cpu_fused' or 'grouped_mm': what runs a call on ``x``'s device."""
         if self.impl == "auto":
-            return "cpu_fused" if x.device.type == "cpu" else "grouped_mm"
+            return "cpu_fused" if host_shortcuts(x.device) else "grouped_mm"
         return self.impl
 
     def row_buffers(self) -> Workspace | None:
@@ -102,19 +149,33 @@ class GroupedExperts(nn.Module):
         kernel may run and keeps its buffers (``moe.cpu.keep_buffers``), else None."""
         return self.cpu_kernel.new_row_buffers() if self.cpu_kernel is not None else None
 
-    def _check_counts(self, tokens_per_expert_e: torch.Tensor | list[int], num_rows: int) -> list[int]:
+    def _host_counts(self, tokens_per_expert_e: torch.Tensor | list[int], num_rows: int
+                     ) -> list[int]:
+        """The group sizes as host ints, checked (the CPU kernel's input: free on CPU)."""
         counts = (tokens_per_expert_e.tolist() if isinstance(tokens_per_expert_e, torch.Tensor)
-                  else list(tokens_per_expert_e))  # the one host sync of the expert compute
+                  else list(tokens_per_expert_e))
         if len(counts) != self.w1.shape[0] or sum(counts) != num_rows:
             raise ValueError(f"GroupedExperts: tokens_per_expert has {len(counts)} entries "
                              f"summing to {sum(counts)}; expected {self.w1.shape[0]} local "
                              f"experts and {num_rows} rows")
         return counts
 
+    def _check_groups(self, tokens_per_expert_e: torch.Tensor | list[int], num_rows: int) -> None:
+        """What can be checked without reading device values: the number of groups (and,
+        for host sizes, their sum)."""
+        if isinstance(tokens_per_expert_e, torch.Tensor):
+            if tokens_per_expert_e.numel() != self.w1.shape[0]:
+                raise ValueError(f"GroupedExperts: tokens_per_expert has "
+                                 f"{tokens_per_expert_e.numel()} entries; expected "
+                                 f"{self.w1.shape[0]} local experts")
+        else:
+            self._host_counts(tokens_per_expert_e, num_rows)
+
     def forward(self, x_RD: torch.Tensor, tokens_per_expert_e: torch.Tensor) -> torch.Tensor:
         if self.impl_for(x_RD) == "grouped_mm":
+            self._check_groups(tokens_per_expert_e, x_RD.shape[0])
             return self._forward_grouped(x_RD, tokens_per_expert_e)
-        counts = self._check_counts(tokens_per_expert_e, x_RD.shape[0])
+        counts = self._host_counts(tokens_per_expert_e, x_RD.shape[0])
         return self.cpu_kernel.forward_rows(x_RD, counts, self.w1, self.w3, self.w2)
 
     def forward_scatter(self, x_TD: torch.Tensor, src_R: torch.Tensor, weight_R: torch.Tensor,
@@ -124,18 +185,20 @@ class GroupedExperts(nn.Module):
 
         x_TD: [T, D]; src_R: int64 [R], the token of each row, rows grouped by expert in
         ascending order; weight_R: float [R] gate weights (differentiable);
-        tokens_per_expert_e: int64 [e] group sizes (a tensor, or a host list when the
-        caller already synced); pos_TK: int64 [T, K] the row of each assignment, R where
-        dropped (the dispatcher has it for free; None: derived from src_R, which costs a
-        sort and a second host sync on the CPU path). Returns [T, D] in x's dtype.
+        tokens_per_expert_e: int64 [e] group sizes (a device tensor: the grouped-GEMM path
+        reads nothing on the host; or a host list); pos_TK: int64 [T, K] the row of each
+        assignment, R where dropped (the dispatcher has it for free; None: derived from
+        src_R, which costs a sort and a second host read on the CPU path). Returns [T, D]
+        in x's dtype.
         """
-        counts = self._check_counts(tokens_per_expert_e, src_R.shape[0])
         if self.impl_for(x_TD) == "cpu_fused":
+            counts = self._host_counts(tokens_per_expert_e, src_R.shape[0])
             return self.cpu_kernel.forward_scatter(x_TD, src_R, weight_R, counts, pos_TK,
                                                    self.w1, self.w3, self.w2)
+        self._check_groups(tokens_per_expert_e, src_R.shape[0])
         # rows -> experts -> each row weighted -> each token's rows summed, in fp32 with one
         # rounding (through pos_TK, a zero row for dropped assignments)
-        y_RD = self._forward_grouped(x_TD.index_select(0, src_R), counts)
+        y_RD = self._forward_grouped(x_TD.index_select(0, src_R), tokens_per_expert_e)
         wy_RD = y_RD.float() * weight_R.float().unsqueeze(1)
         if pos_TK is None:
             y_TD = wy_RD.new_zeros((x_TD.shape[0], wy_RD.shape[1])).index_add(0, src_R, wy_RD)
@@ -145,16 +208,22 @@ class GroupedExperts(nn.Module):
 
     def _forward_grouped(self, x_RD: torch.Tensor,
                          tokens_per_expert_e: torch.Tensor | list[int]) -> torch.Tensor:
-        """Plain autograd: one grouped GEMM per weight (device-side offsets, no host sync)
-        where torch has it and the shapes fit, else a loop over experts."""
+        """Plain autograd: one grouped GEMM per weight, offsets a device tensor (no host
+        sync), where torch's fast grouped GEMM runs; else a loop over experts with the
+        group sizes read on the host once (kept for recomputation), with a warning."""
         w3 = self.w3.to(x_RD.dtype) if self.w3 is not None else None
         w1, w2 = self.w1.to(x_RD.dtype), self.w2.to(x_RD.dtype)
-        if self.use_grouped_mm and grouped_mm_fits(x_RD, self.hidden_dim):
-            counts = torch.as_tensor(tokens_per_expert_e, device=x_RD.device)
-            offs_e, splits = torch.cumsum(counts, 0).to(torch.int32), None
+        slow = slow_grouped_mm_reason(x_RD, self.hidden_dim) if self.use_grouped_mm else "never"
+        if slow is None:
+            counts_e = (tokens_per_expert_e if isinstance(tokens_per_expert_e, torch.Tensor)
+                        else torch.tensor(tokens_per_expert_e, device=x_RD.device))
+            offs_e, splits = torch.cumsum(counts_e, 0, dtype=torch.int32), None
         else:
-            splits = (tokens_per_expert_e.tolist() if isinstance(tokens_per_expert_e, torch.Tensor)
-                      else list(tokens_per_expert_e))  # one host sync per layer
+            if slow != "never":  # moe.use_grouped_mm: never asks for the loop: no warning
+                _warn_slow_once(slow)
+            splits = (host_ints(tokens_per_expert_e)
+                      if isinstance(tokens_per_expert_e, torch.Tensor)
+                      else list(tokens_per_expert_e))  # one host sync per layer forward
             offs_e = None
         h_RF = _grouped_linear(x_RD, w1, offs_e, splits)
         if w3 is not None:

@@ -21,7 +21,7 @@ from torch import nn
 from ..config import MoEConfig
 from ..dispatch.base import Dispatcher
 from ..dispatch.local import LocalDispatcher
-from ..ops import count_ids
+from ..ops import count_ids, host_shortcuts
 from .experts import FeedForward, GroupedExperts
 from .losses import (global_batch_balance_loss, load_balance_loss, router_entropy,
                      sequence_balance_loss, z_loss)
@@ -74,8 +74,9 @@ class MoE(nn.Module):
         self.shared_experts = (FeedForward(cfg.dim, cfg.shared_width, cfg.activation)
                                if cfg.num_shared_experts > 0 else None)
         # Replaced by epscale.parallelize with an expert-parallel backend.
-        self.dispatcher: Dispatcher = LocalDispatcher(cfg.num_experts,
-                                                      workspace=self.experts.row_buffers())
+        self.dispatcher: Dispatcher = LocalDispatcher(
+            cfg.num_experts, workspace=self.experts.row_buffers(),
+            dropless=cfg.capacity_factor is None)
         self.register_buffer("tokens_per_expert", torch.zeros(cfg.num_experts), persistent=False)
         self.register_buffer("dropped_assignments", torch.zeros(()), persistent=False)
         self.aux_loss = torch.zeros(())
@@ -152,7 +153,7 @@ class MoE(nn.Module):
             return
         counts_E = count_ids(route.chosen_TK, self.cfg.num_experts)
         bad_T = _nonfinite_rows(x_TD)
-        if x_TD.device.type == "cpu":
+        if host_shortcuts(x_TD.device):
             # A host branch is free on CPU; isfinite over all of x is not (slow for bf16).
             num_bad = (~torch.isfinite(x_TD[bad_T])).sum() if bool(bad_T.any()) else bad_T.sum()
         else:

@@ -69,7 +69,7 @@ def global_batch_balance_loss(scores_TE: torch.Tensor, chosen_TK: torch.Tensor,
     """
     T, K = chosen_TK.shape
     counts = count_ids(chosen_TK, num_experts).to(torch.float64)
-    buf = torch.cat([counts, counts.new_tensor([float(T * K)])])
+    buf = torch.cat([counts, counts.new_full((1,), float(T * K))])  # no host-to-device copy
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(buf, group=group)
     f_E = (buf[:num_experts] / buf[num_experts].clamp_min(1.0)).to(scores_TE.dtype)

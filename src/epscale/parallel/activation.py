@@ -7,14 +7,17 @@ less for backward and recomputes the rest when backward reaches it.
   the router's top-k, and recomputes the cheap element-wise work in between.
 
 Recomputation routes identically (the router sees the same inputs and its bias changes
-only after the optimizer step), the dispatchers exchange the same rows again, and the
-token counters skip it (``epscale.moe.layer.is_recomputing``), so no token is counted
-twice. The CPU kernel's products run into preallocated buffers (``out=`` forms), which
-cannot be kept this way; under ``selective`` they are recomputed like the rest.
+only after the optimizer step), the dispatchers exchange the same rows again with the
+split sizes their first forward read on the host (:mod:`epscale.dispatch.host`: a
+recomputation adds no host sync), and the token counters skip it
+(``epscale.moe.layer.is_recomputing``), so no token is counted twice. The CPU kernel's
+products run into preallocated buffers (``out=`` forms), which cannot be kept this way;
+under ``selective`` they are recomputed like the rest.
 """
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 from typing import Callable
 
@@ -22,6 +25,7 @@ import torch
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
+from ..dispatch.host import recompute_contexts
 from ..moe.layer import moe_layers
 
 MODES = ("none", "full", "selective")
@@ -40,15 +44,28 @@ def _keep_products(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in KEEP else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _selective_contexts():
+    """The selective policy's contexts, each entered together with the host-value
+    record's (:func:`epscale.dispatch.host.recompute_contexts`)."""
+    keep_fwd, keep_rec = create_selective_checkpoint_contexts(_keep_products)
+    host_fwd, host_rec = recompute_contexts()
+    return _both(keep_fwd, host_fwd), _both(keep_rec, host_rec)
+
+
+@contextlib.contextmanager
+def _both(first, second):
+    with first, second:
+        yield
+
+
 def run(fn: Callable[..., torch.Tensor], mode: str, *args) -> torch.Tensor:
     """``fn(*args)`` under ``mode`` ('none' runs it plainly)."""
     if mode == "none" or not torch.is_grad_enabled():
         return fn(*args)
     if mode == "full":
-        return checkpoint(fn, *args, use_reentrant=False)
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=recompute_contexts)
     if mode == "selective":
-        return checkpoint(fn, *args, use_reentrant=False,
-                          context_fn=partial(create_selective_checkpoint_contexts, _keep_products))
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=_selective_contexts)
     raise ValueError(f"activation checkpointing mode {mode!r}; allowed: {', '.join(MODES)}")
 
 

@@ -120,7 +120,7 @@ def parallelize(module: nn.Module, dims, dispatcher: str = "dedup", overlap_chun
             lo = dims.ep_rank * e
             _keep_expert_rows(moe.experts, torch.arange(lo, lo + e), lo, E)
             moe.dispatcher = make_dispatcher(dispatcher, E, dims, payload, overlap_chunks,
-                                             workspace)
+                                             workspace, dropless=cfg.capacity_factor is None)
         else:
             S = placement.num_physical_experts
             s = S // ep
