@@ -189,7 +189,6 @@ class Trainer:
         if self.fsdp:
             self.fsdp_notes = apply_fsdp(
                 self.model, self.dims, param_dtype=torch.bfloat16 if self.use_bf16 else None,
-                prefetch=cfg.train.activation_checkpointing != "selective",
                 roots=self.chunks or None)
         if on_meta:
             materialize(self.model, self.device, cfg.train.seed, self.dims,
