@@ -68,7 +68,7 @@ PY
 
 stage tests "layer tests on cuda" "$TEST_S" env EPSCALE_TEST_DEVICE=cuda \
     "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -rfs tests/test_moe_layer.py \
-    tests/test_router.py tests/test_model.py
+    tests/test_router.py tests/test_model.py tests/test_optim.py
 
 RUN_DIR=$(mktemp -d)/tiny
 stage train "train on cuda, then resume" "$TRAIN_S" bash -c "

@@ -46,13 +46,20 @@ CASES4 = {
                                          "train.activation_checkpointing": "selective"},
     "hsdp 2x2 ep2 dedup-overlap": {**FSDP, "parallel.ep": 2, "parallel.dp_replicate": 2,
                                    "parallel.overlap_chunks": 2},
-    "fsdp4 ep4 hierarchical": {**FSDP, "parallel.ep": 4, "parallel.dispatcher": "hierarchical",
-                               "parallel.ranks_per_node": 2},
+    # efsdp = 1 under selective recomputation (the experts' weights need no gather)
+    "fsdp4 ep4 hierarchical ac-selective": {**FSDP, "parallel.ep": 4,
+                                            "parallel.dispatcher": "hierarchical",
+                                            "parallel.ranks_per_node": 2,
+                                            "train.activation_checkpointing": "selective"},
     "fsdp4 ep2 hidden-dim shards": {**FSDP, "parallel.ep": 2, "moe.num_experts": 6},
 }
 CASES2 = {
     "fsdp2 ep1": {**FSDP},
     "fsdp2 ep2 ac-full": {**FSDP, "parallel.ep": 2, "train.activation_checkpointing": "full"},
+    # the common single-node layout (efsdp = 1): crashed in the first backward when the
+    # experts were an FSDP unit of their own inside the recomputed block
+    "fsdp2 ep2 ac-selective": {**FSDP, "parallel.ep": 2,
+                               "train.activation_checkpointing": "selective"},
 }
 
 

@@ -96,9 +96,7 @@ def parallelize_model(model: Transformer, dims: ParallelDims, cfg: RunConfig,
     # 5. FSDP
     roots: list[nn.Module] | None = out.chunks or None
     if par.fsdp:
-        out.notes = apply_fsdp(model, dims, param_dtype=param_dtype,
-                               prefetch=train.activation_checkpointing != "selective",
-                               roots=roots)
+        out.notes = apply_fsdp(model, dims, param_dtype=param_dtype, roots=roots)
 
     # 6. materialisation, shard by shard
     if on_meta:

@@ -5,10 +5,10 @@ are all-gathered before each group's forward and freed after.
 
 Legend: E experts, e = E/ep local experts, D model dim, F expert hidden dim, W world size.
 
-Groups (bottom-up, as fully_shard wants): every MoE layer's experts on the expert mesh,
-then every transformer block (its attention, norms, router, shared experts, dense FFN) on
-the dense mesh, then the root (embedding, final norm, head). The experts' no-EP entry
-point ``forward_scatter`` is registered with FSDP so that it all-gathers like ``forward``.
+Groups (bottom-up, as fully_shard wants): every transformer block (its attention, norms,
+router, shared and routed experts, dense FFN), then the root (embedding, final norm,
+head). Dense weights are sharded on the dense mesh; routed-expert weights, in the same
+unit, on the expert mesh (dp_replicate, efsdp): FSDP2 keeps one parameter group per mesh.
 
 Gradient scale. The objective is the mean of every rank's loss. FSDP averages a group's
 gradients over its mesh: the world for dense weights (right), but only W / ep ranks for
@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+# FSDP2's per-parameter mesh (documented in fully_shard's shard_placement_fn; torch >= 2.13)
+from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo, ShardPlacementResult
 from torch.distributed.tensor import DTensor, Shard
 
 from ..config import ConfigError
 from ..moe.layer import moe_layers
+from ..plan.layout import Dims
 from .activation import transformer_blocks
 from .shard import mark_expert_params
 
@@ -46,40 +49,58 @@ def expert_shard_dims(num_local_experts: int, hidden_dim: int, efsdp: int) -> st
                       "parallel.ep or parallel.dp_shard whose efsdp divides one of them")
 
 
-def apply_fsdp(model: nn.Module, dims, param_dtype: torch.dtype | None = None,
+def expert_placements(model: nn.Module, dims: Dims) -> tuple[dict[int, ShardPlacementResult], list[str]]:
+    """Where FSDP shards each routed-expert weight: ``id(param) -> ShardPlacementResult``
+    on the expert mesh (dp_replicate, efsdp), whole experts (dim 0) or each expert's hidden
+    dim (see :func:`expert_shard_dims`). Returns (the table, lines for the header)."""
+    mesh_info = HSDPMeshInfo(dims.expert_dp_mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+    table, notes = {}, []
+    for moe in moe_layers(model):
+        experts = moe.experts
+        how = expert_shard_dims(experts.num_experts, experts.hidden_dim, dims.efsdp)
+        if how == "hidden" and not notes:
+            notes.append(f"experts: {experts.num_experts} per EP rank over efsdp = "
+                         f"{dims.efsdp} ranks: each expert's hidden dim is sharded")
+        for name in HIDDEN_DIM:
+            param = getattr(experts, name, None)
+            if param is not None:
+                dim = 0 if how == "experts" else HIDDEN_DIM[name]
+                table[id(param)] = ShardPlacementResult(Shard(dim), mesh_info)
+    return table, notes
+
+
+def apply_fsdp(model: nn.Module, dims: Dims, param_dtype: torch.dtype | None = None,
                reduce_dtype: torch.dtype | None = torch.float32,
                prefetch: bool = True, roots: list[nn.Module] | None = None) -> list[str]:
     """fully_shard ``model`` in place (after ``epscale.parallelize``, before the optimizer
     is built). ``param_dtype``: the compute dtype FSDP casts parameters to (bf16 mixed
     precision; None keeps fp32); gradients are reduced in ``reduce_dtype``; master weights
-    and optimizer state stay fp32. ``prefetch``: the explicit block-to-block prefetch (off
-    under selective activation checkpointing, whose regions must repeat their operations
-    exactly in backward, which FSDP's prefetch bookkeeping does not). ``roots``: the
-    modules that run (and are sharded last) instead of ``model``: a pipeline rank's
-    stages (``epscale.parallel.pipeline.StageChunk``), each holding some of the blocks;
-    blocks prefetch within their stage. Returns lines for the start-up header."""
+    and optimizer state stay fp32. ``prefetch``: the explicit block-to-block prefetch.
+    ``roots``: the modules that run (and are sharded last) instead of ``model``: a
+    pipeline rank's stages (``epscale.parallel.pipeline.StageChunk``), each holding some
+    of the blocks; blocks prefetch within their stage. Returns lines for the start-up
+    header.
+
+    A block's routed experts belong to the block's own FSDP unit, each expert weight on
+    the expert mesh (a per-parameter mesh, FSDP2's ``ShardPlacementResult``): one
+    all-gather per block before its forward and its recomputation, none inside the block.
+    (A separate unit for the experts ran FSDP's hooks inside the recomputed region, and
+    when efsdp = 1, where the forward gathers nothing, selective recomputation saw
+    operations the forward had not run and failed in the first backward.)"""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    notes = []
-    for moe in moe_layers(model):
-        experts = moe.experts
-        how = expert_shard_dims(experts.num_experts, experts.hidden_dim, dims.efsdp)
-        place = None
-        if how == "hidden":
-            def place(param, _names={id(getattr(experts, n)): n for n in HIDDEN_DIM
-                                     if getattr(experts, n, None) is not None}):
-                return Shard(HIDDEN_DIM[_names[id(param)]])
-            if not notes:
-                notes.append(f"experts: {experts.num_experts} per EP rank over efsdp = "
-                             f"{dims.efsdp} ranks: each expert's hidden dim is sharded")
-        fully_shard(experts, mesh=dims.expert_dp_mesh, mp_policy=mp, shard_placement_fn=place)
-        register_fsdp_forward_method(experts, "forward_scatter")
-        mark_expert_params(experts)
+    placements, notes = expert_placements(model, dims)
+
+    def place(param: nn.Parameter) -> ShardPlacementResult | None:
+        return placements.get(id(param))  # None: Shard(0) on the dense mesh
+
     for block in transformer_blocks(model):
-        fully_shard(block, mesh=dims.dense_mesh, mp_policy=mp)
+        fully_shard(block, mesh=dims.dense_mesh, mp_policy=mp, shard_placement_fn=place)
     for root in roots or [model]:
-        fully_shard(root, mesh=dims.dense_mesh, mp_policy=mp)
+        fully_shard(root, mesh=dims.dense_mesh, mp_policy=mp, shard_placement_fn=place)
         if prefetch:
             _prefetch(list(root.blocks) if roots else transformer_blocks(model))
+    for moe in moe_layers(model):  # FSDP registered new parameter objects
+        mark_expert_params(moe.experts)
     return notes
 
 
@@ -88,9 +109,9 @@ def _prefetch(blocks: list[nn.Module]) -> None:
     issued; when it starts its backward, block i-1's. FSDP's implicit prefetch issues the
     next all-gather only once the CPU reaches the next module, and an MoE layer's host sync
     (the split sizes of its dispatch) holds the CPU back until the device has caught up,
-    so that all-gather would not overlap anything. (A block's own experts are gathered
-    inside the block: selective recomputation must see the same operations in its region
-    in forward and in backward.)"""
+    so that all-gather would not overlap anything. The gathers run in the blocks' FSDP
+    hooks, outside any recomputed region, so prefetch works under every recomputation
+    mode."""
     for i, block in enumerate(blocks):
         if i + 1 < len(blocks):
             block.set_modules_to_forward_prefetch([blocks[i + 1]])
@@ -103,7 +124,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def finish_gradients(model: nn.Module, dims) -> None:
+def finish_gradients(model: nn.Module, dims: Dims) -> None:
     """After the step's backward (all micro-batches): the expert slices' gradients divided
     by ep (see the module docstring); the dense ones are final already."""
     if dims.ep == 1:

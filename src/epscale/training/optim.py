@@ -17,13 +17,22 @@ from ..placement.replicas import expert_grad_sq_norm
 from ..plan.layout import Dims
 
 
+def adamw_kernel(device: torch.device) -> dict[str, bool]:
+    """AdamW's implementation for parameters on ``device``: the fused kernel on CUDA (one
+    launch for every parameter instead of a few per tensor; what GPU trainers run);
+    torch's default elsewhere (the CPU path keeps the numerics it always had)."""
+    return {"fused": True} if device.type == "cuda" else {}
+
+
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW; matrices (dim >= 2: embeddings, projections, experts) decay, norms do not."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+    device = next((p.device for p in decay + no_decay), torch.device("cpu"))
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8,
+                             **adamw_kernel(device))
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -99,11 +108,14 @@ def grad_norm_and_flags(model: nn.Module, dims: Dims, max_norm: float, stop: boo
 
 def ensure_optimizer_state(opt: torch.optim.AdamW) -> None:
     """Create AdamW's per-parameter state (step 0, zero moments) where it does not exist
-    yet, exactly as AdamW would on its first step, so a checkpoint always has every entry."""
+    yet, exactly as AdamW would on its first step, so a checkpoint always has every entry.
+    The fused and capturable kernels keep the step count on the parameter's device."""
     for group in opt.param_groups:
+        on_device = group.get("fused") or group.get("capturable")
         for p in group["params"]:
             state = opt.state[p]
             if len(state) == 0:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["step"] = torch.zeros((), dtype=torch.float32,
+                                            device=p.device if on_device else "cpu")
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
