@@ -208,7 +208,7 @@ def test_collapsed_router_shows_dead_experts_and_bias_range():
 
 def test_collector_validates_arguments():
     m = TwoMoE(_cfg())
-    with pytest.raises(ValueError, match="ep=3 must divide num_experts=8"):
+    with pytest.raises(ValueError, match=r"parallel.ep. = 3 is invalid: must divide moe.num_experts \(8\)"):
         StepStatsCollector(m, ep=3)
     with pytest.raises(ValueError, match="expert_to_rank"):
         StepStatsCollector(m, ep=2, expert_to_rank=[0, 1, 2, 0, 1, 0, 1, 0])

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..moe.layer import is_recomputing, named_moe_layers
+from ..plan.layout import check_expert_split
 from .balance import max_vio, rank_loads
 from .fields import Fields
 from .flops import mfu as _mfu
@@ -140,8 +141,7 @@ class StepStatsCollector:
                     raise ValueError(f"StepStatsCollector: expert_to_rank must hold {E} ints in "
                                      f"[0, ep={ep}), got shape {placement.shape}")
             else:
-                if E % ep:
-                    raise ValueError(f"StepStatsCollector: ep={ep} must divide num_experts={E}")
+                check_expert_split(E, ep)
                 placement = np.arange(E) // (E // ep)
             self.expert_to_rank.append(placement)
         self.placement = None

@@ -17,6 +17,7 @@ from ..dispatch.registry import check_choice, make_dispatcher
 from ..moe.layer import moe_layers
 from ..placement.eplb import Placement
 from ..placement.replicas import PlacedDispatcher, check_placement, set_placement
+from ..plan.layout import check_expert_split
 
 _EXPERT_ATTR = "_epscale_expert"      # on each sharded expert weight
 _ROWS_ATTR = "_epscale_expert_rows"   # on each: (first row of this rank's slice, rows in all)
@@ -108,9 +109,7 @@ def parallelize(module: nn.Module, dims, dispatcher: str = "dedup", overlap_chun
         moe.balance_group = getattr(dims, "stage_group", None)  # a pipeline stage's ranks
         workspace = moe.experts.row_buffers()
         if placement is None:
-            if E % ep:
-                raise ConfigError(f"moe.num_experts = {E} is not divisible by parallel.ep = {ep}: "
-                                  f"each EP rank must hold the same number of experts")
+            check_expert_split(E, ep)
             if cfg.num_groups > 0 and dims.ep_num_nodes > 1 and cfg.topk_groups > dims.ep_num_nodes:
                 raise ConfigError(
                     f"moe.topk_groups = {cfg.topk_groups} is more than the {dims.ep_num_nodes} "

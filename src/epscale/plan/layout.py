@@ -35,6 +35,15 @@ def _positive(key: str, value: Any) -> None:
         fail(key, value, "must be a positive integer")
 
 
+def check_expert_split(num_experts: int, ep: int) -> None:
+    """The rule "ep divides the routed experts", in its one wording: for a Layout, and for
+    the runtime pieces built from degrees alone (``epscale.parallelize`` on a bare layer,
+    the step statistics)."""
+    if num_experts % ep:
+        fail("parallel.ep", ep, f"must divide moe.num_experts ({num_experts}) so every rank "
+             "holds whole experts")
+
+
 @dataclass(frozen=True)
 class Layout:
     """Degrees of one run over ``world`` processes (see the module docstring).
@@ -103,9 +112,8 @@ class Layout:
 
     def _check_experts(self) -> None:
         E, r, ep = self.num_experts, self.redundant_experts, self.ep
-        if E is not None and E % ep:
-            fail("parallel.ep", ep, f"must divide moe.num_experts ({E}) so every rank holds "
-                 "whole experts")
+        if E is not None:
+            check_expert_split(E, ep)
         if r and ep < 2:
             fail("parallel.redundant_experts", r, f"needs parallel.ep >= 2 (it is {ep}): "
                  "redundant copies spread load over EP ranks; set it to 0 or raise parallel.ep")

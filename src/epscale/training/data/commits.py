@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from .errors import DataError
-from .shards import HEAD_BYTES, MANIFEST, STATE_DIR, write_atomic
+from .shards import HEAD_BYTES, MANIFEST, STATE_DIR, sha256_file, write_atomic
 
 STATE_FILE = "state.json"
 # The files a prepare writes (only these are ever removed from an output directory).
@@ -35,14 +35,6 @@ class Buffer:
             self.parts.append(tokens)
             self.lens.append(lens)
             self.tokens += tokens.size
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 24):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -134,8 +126,8 @@ class Output:
                 return False
         except OSError:
             return False
-        return not deep or (_sha256(data) == entry["sha256"] and
-                            _sha256(index) == entry["index_sha256"])
+        return not deep or (sha256_file(data) == entry["sha256"] and
+                            sha256_file(index) == entry["index_sha256"])
 
     def _clean(self, keep: set[str]) -> None:
         """Remove the shard, temporary and manifest files not in ``keep`` (only files

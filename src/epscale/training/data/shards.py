@@ -171,7 +171,7 @@ def _check_size(root: Path, entry: dict[str, Any], itemsize: int) -> None:
 
 def _check_cheap_hashes(root: Path, entry: dict[str, Any]) -> None:
     """The document index's SHA-256 and the shard head's (when the manifest has it)."""
-    checks = [(root / entry["index"], entry["index_sha256"], _sha256_file, "its document index")]
+    checks = [(root / entry["index"], entry["index_sha256"], sha256_file, "its document index")]
     if entry.get("head_sha256"):
         checks.append((root / entry["file"], entry["head_sha256"], head_sha256,
                        f"its first {HEAD_BYTES:,} bytes"))
@@ -189,7 +189,7 @@ def _check_cheap_hashes(root: Path, entry: dict[str, Any]) -> None:
                 f"{root}` checks every shard whole")
 
 
-def _sha256_file(p: Path) -> str:
+def sha256_file(p: Path) -> str:
     h = hashlib.sha256()
     with p.open("rb") as f:
         while block := f.read(1 << 24):
@@ -207,7 +207,7 @@ def verify_shards(path: Path, report: Callable[[str], None] | None = None) -> di
             _check_size(path, e, itemsize)
             for key, hkey in (("file", "sha256"), ("index", "index_sha256")):
                 p = path / e[key]
-                got = _sha256_file(p)
+                got = sha256_file(p)
                 if got != e[hkey]:
                     raise DataError(
                         f"shard '{p}' does not match its manifest (sha256 {got[:12]}..., "
