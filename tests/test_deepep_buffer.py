@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -96,3 +97,14 @@ def _worker(rank: int, world: int):
 
 def test_deepep_one_buffer_per_process():
     assert_no_failures(run_distributed(_worker, 2), min_cases=4)
+
+
+def test_deepep_at_ep1_refused_before_launch(tmp_path):
+    from epscale import ConfigError
+    from epscale.config.recipes import load_config
+    from epscale.training.prelaunch import check_run
+
+    cfg = load_config(Path(__file__).parents[1] / "configs" / "tiny.yaml", ["parallel.dispatcher=deepep", "parallel.ep=1"])
+    with pytest.raises(ConfigError, match="'deepep' needs ep > 1 .*use dispatcher='local'"):
+        check_run(cfg, tmp_path / "run", 2)
+    assert not (tmp_path / "run").exists()
