@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 import epscale
-from epscale.dispatch.deepep import deepep_available
+from epscale.dispatch.deepep import DeepEPBuffer, deepep_available, hidden_bytes_of
 from epscale.parallel import make_dispatcher
 
 BACKENDS = [("alltoall", "auto"), ("allgather", "auto"), ("dedup", "auto"), ("dedup", "fp8"),
@@ -108,11 +108,8 @@ def mean_over_ranks(value: float, device) -> float:
     return float(t) / dist.get_world_size()
 
 
-def build(backend: str, payload: str, E: int, dims):
-    if backend == "deepep":
-        from epscale.dispatch.deepep import DeepEPDispatcher
-        return DeepEPDispatcher(E, dims)
-    return make_dispatcher(backend, E, dims, payload=payload)
+def build(backend: str, payload: str, E: int, dims, deepep_buffer=None):
+    return make_dispatcher(backend, E, dims, payload=payload, deepep_buffer=deepep_buffer)
 
 
 def time_dispatch(disp, x, idx, w, g, iters: int, device):
@@ -160,13 +157,15 @@ def bench_dispatch(args, device, dtype, rank, world, rpn):
                 print(f"# skipping ep={ep}: needs world % ep == 0 and experts % ep == 0")
             continue
         dims = epscale.ParallelDims(dp=world // ep, ep=ep, ranks_per_node=rpn)
+        # deepep: one buffer per EP group, as parallelize builds it; nothing to exchange at ep=1
+        deepep_buf = DeepEPBuffer(dims, hidden_bytes_of(D)) if have_deepep and ep > 1 else None
         for routing in args.routings.split(","):
             idx, w = make_routing(routing, T, E, K, ep, rank, device)
             ref = None
             for backend, payload in BACKENDS:
-                if backend == "deepep" and not have_deepep:
+                if backend == "deepep" and deepep_buf is None:
                     continue
-                disp = build(backend, payload, E, dims)
+                disp = build(backend, payload, E, dims, deepep_buf)
                 f, b, fb, bb, inter, y = time_dispatch(disp, x, idx, w, grad, args.iters, device)
                 if ref is None:
                     ref = y.float()

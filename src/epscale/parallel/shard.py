@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..config import ConfigError
+from ..dispatch.deepep import DeepEPBuffer, hidden_bytes_of
 from ..dispatch.registry import check_choice, make_dispatcher
 from ..moe.layer import moe_layers
 from ..placement.eplb import Placement
@@ -86,7 +87,8 @@ def parallelize(module: nn.Module, dims, dispatcher: str = "dedup", overlap_chun
     Expert parameters keep their names and their leading expert dim, sliced to this EP
     rank's experts ``[ep_rank*E/ep, (ep_rank+1)*E/ep)``; the router and shared experts stay
     replicated. ``dispatcher`` names the backend (``epscale.dispatch.DISPATCHERS``); with
-    ep=1 every choice except 'deepep' runs the local (communication-free) one.
+    ep=1 every choice except 'deepep' (refused there) runs the local (communication-free)
+    one; 'deepep' layers share one DeepEP buffer, built here for the widest layer.
     ``overlap_chunks`` > 1 lets 'dedup'/'hierarchical' pipeline chunks of tokens.
     ``payload``: 'auto' sends tokens in their dtype, 'bf16' casts them, 'fp8' sends e4m3
     with per-128-channel scales (dedup/hierarchical). ``placement``: an
@@ -96,10 +98,13 @@ def parallelize(module: nn.Module, dims, dispatcher: str = "dedup", overlap_chun
     copies; layers are matched to placement rows in registration order.
     Returns ``module``.
     """
-    check_choice(dispatcher, payload, overlap_chunks)
+    check_choice(dispatcher, payload, overlap_chunks, dims.ep)
     layers = moe_layers(module)
     if placement is not None:
         check_placement(layers, dims, placement)
+    shared = None
+    if dispatcher == "deepep" and layers:  # one per process, sized before any layer is built
+        shared = DeepEPBuffer(dims, max(hidden_bytes_of(moe.cfg.dim) for moe in layers))
     for i, moe in enumerate(layers):
         cfg = moe.cfg
         E, ep = cfg.num_experts, dims.ep
@@ -119,13 +124,15 @@ def parallelize(module: nn.Module, dims, dispatcher: str = "dedup", overlap_chun
             lo = dims.ep_rank * e
             _keep_expert_rows(moe.experts, torch.arange(lo, lo + e), lo, E)
             moe.dispatcher = make_dispatcher(dispatcher, E, dims, payload, overlap_chunks,
-                                             workspace, dropless=cfg.capacity_factor is None)
+                                             workspace, dropless=cfg.capacity_factor is None,
+                                             deepep_buffer=shared)
         else:
             S = placement.num_physical_experts
             s = S // ep
             lo = dims.ep_rank * s
             _keep_expert_rows(moe.experts, placement.phy2log[i, lo:lo + s], lo, S)
-            inner = make_dispatcher(dispatcher, S, dims, payload, overlap_chunks, workspace)
+            inner = make_dispatcher(dispatcher, S, dims, payload, overlap_chunks, workspace,
+                                    deepep_buffer=shared)
             moe.dispatcher = PlacedDispatcher(inner, placement.phy2log[i], E, rotate=dims.rank)
     if placement is not None:
         set_placement(module, placement)

@@ -331,8 +331,9 @@ def apply_spill(module: nn.Module, dims: Dims, threshold: float = 1.3, min_rows:
                              "backend; call epscale.parallelize(..., dispatcher='alltoall'|"
                              "'dedup'|'allgather'|'hierarchical') first")
 
-        def make_inner(n, name=plain.name, payload=plain.payload, ws=plain.workspace):
-            return make_dispatcher(name, n, dims, payload, 1, ws)
+        def make_inner(n, name=plain.name, payload=plain.payload, ws=plain.workspace,
+                       shared=getattr(plain, "shared", None)):  # deepep's one buffer
+            return make_dispatcher(name, n, dims, payload, 1, ws, deepep_buffer=shared)
 
         moe.dispatcher = SpillDispatcher(plain, moe.experts, make_inner, plain.info, threshold,
                                          min_rows)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, RunConfig
-from ..dispatch.registry import check_choice
+from ..dispatch.registry import check_choice, check_deepep_ep
 from ..model import Transformer
 from ..plan.layout import Layout
 from . import checkpoint as ckpt
@@ -43,6 +43,7 @@ def check_run(cfg: RunConfig, run_dir: str | Path | None, world_size: int) -> Ch
     lay = Layout.from_config(cfg, world_size)
     cfg, batch_note = fit_batch(cfg, world_size)  # grad_accum from train.global_batch_size
     note = "; ".join(n for n in (lay.note, batch_note) if n) or None
+    check_deepep_ep(cfg.parallel.dispatcher, lay.ep)
     if lay.ep > 1:
         check_choice(cfg.parallel.dispatcher, cfg.parallel.payload, cfg.parallel.overlap_chunks)
     check_data(cfg, world_size)
