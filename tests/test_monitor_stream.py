@@ -98,3 +98,18 @@ def test_streamed_downsampling_keeps_a_spike_visible(tmp_path):
     assert data["scalars"]["loss_max"][i] == spike
     assert data["scalars"]["loss"][i] < 0.6 * spike  # the bucket mean alone hides it
     assert log.steps[-1] == whole.steps[-1] and len(log.steps) == len(whole.steps)
+
+
+def test_streamed_report_follows_a_rollback(tmp_path):
+    run = make_run(tmp_path / "b", steps=400)
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    again = [ln for ln in lines if '"event"' not in ln and json.loads(ln)["step"] >= 100]
+    with open(run / "metrics.jsonl", "a") as f:  # resumed from step 99: steps 100.. again
+        f.write("\n".join(again) + "\n")
+    whole = load_run(run)
+    for tail, dropped in ((400, False), (30, True)):  # within the whole tail / beyond it
+        log, series, plotted = _streamed(run, max_points=20, tail=tail)
+        assert [r["step"] for r in log.steps] == [r["step"] for r in whole.steps]
+        assert plotted["x"] == sorted(set(plotted["x"])) and plotted["x"][-1] == 400
+        assert (series.dropped_buckets > 0) == dropped
+        assert any("rollback reached" in w for w in log.warnings) == dropped
