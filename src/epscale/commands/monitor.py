@@ -26,6 +26,7 @@ from ..appendfile import disk_error
 from ..monitor.alerts import CHECK_FIELDS, RULES, AlertRules, evaluate
 from ..monitor.live import follow
 from ..monitor.report import write_report
+from ..monitor.report_stream import ReportSeries
 from ..monitor.runlog import load_run
 
 
@@ -101,10 +102,15 @@ def run(args) -> int:
     try:
         # --check reads only what the rules need of the older records (a long run's file
         # is streamed; see epscale.monitor.alerts.CHECK_FIELDS)
-        run_log = load_run(args.run_dir, fields=CHECK_FIELDS if args.check else None)
+        # the report keeps the same slim records for the rules and builds its plotted
+        # series while streaming (epscale.monitor.report_stream)
+        series = None if args.check else ReportSeries(args.run_dir, args.max_points)
+        run_log = load_run(args.run_dir, fields=CHECK_FIELDS if args.check else None,
+                           observe=series.add if series else None)
     except FileNotFoundError as e:
         print(f"epscale monitor: error: {e}", file=sys.stderr)
         return 2
+    plotted = series.finish(run_log) if series else None
     _warn(run_log.warnings)
     now = time.time()
     alerts = evaluate(run_log, rules, now=now, job_over=args.ended)
@@ -121,7 +127,8 @@ def run(args) -> int:
     out = Path(args.out) if args.out else Path(args.run_dir) / "report.html"
     tmp = out.with_name(f".{out.name}.tmp")  # an old report stays whole until the new one is
     try:
-        write_report(run_log, alerts, rules, tmp, now=now, max_points=args.max_points)
+        write_report(run_log, alerts, rules, tmp, now=now, max_points=args.max_points,
+                     series=plotted)
         os.replace(tmp, out)
     except OSError as e:
         tmp.unlink(missing_ok=True)

@@ -7,9 +7,10 @@ step-time breakdown, an expert-load heatmap per layer over steps, MaxVio, drop r
 router entropy and expert-bias range per layer, per-rank load, idle and step time,
 memory, and tables of alerts, events and run facts.
 
-Long runs are bucketed to at most ``max_points`` columns (means; MaxVio and drop rate
-take the bucket's maximum, heatmaps the bucket's summed counts), so a months-long run
-still makes a page of a few MB at most.
+Long runs are bucketed to at most ``max_points`` columns (means, with the bucket maximum
+of loss and grad norm beside them; MaxVio and drop rate take the bucket's maximum,
+heatmaps the bucket's summed counts), so a months-long run still makes a page of a few MB
+at most; ``report_stream`` builds the same series while streaming metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -73,8 +74,23 @@ def _ep_size(run: RunLog) -> int | None:
 
 
 def build_data(run: RunLog, alerts: list[Alert], rules: AlertRules,
-               max_points: int = 1000) -> dict[str, Any]:
-    """Everything the page draws, JSON-ready (see the module docstring for bucketing)."""
+               max_points: int = 1000, series: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Everything the page draws, JSON-ready (see the module docstring for bucketing).
+    ``series``: the plotted series already built while streaming (``report_stream``),
+    else they are built from ``run.steps``."""
+    data = dict(series) if series is not None else build_series(run, max_points)
+    data["layout_changes"] = [
+        {"step": ev["step"], "label": f"{(ev.get('old') or {}).get('world_size')} "
+                                      f"-> {(ev.get('new') or {}).get('world_size')} proc"}
+        for ev in run.events if ev.get("event") == "layout_change" and isinstance(ev.get("step"), int)]
+    data["rules"], data["alerts"] = asdict(rules), [a.as_dict() for a in alerts]
+    return _clean(data)
+
+
+def build_series(run: RunLog, max_points: int = 1000) -> dict[str, Any]:
+    """The plotted series of ``run.steps`` in at most ``max_points`` columns; when they
+    are bucketed, ``loss_max`` and ``grad_norm_max`` hold each bucket's maximum (a spike
+    stays visible)."""
     recs = run.steps
     steps = [r["step"] for r in recs]
     bk = _buckets(len(recs), max_points)
@@ -89,6 +105,8 @@ def build_data(run: RunLog, alerts: list[Alert], rules: AlertRules,
         vals = col(key)
         if any(v is not None for v in vals):
             scalars[key] = _reduce(vals, bk)
+            if key in ("loss", "grad_norm") and len(bk) < len(recs):
+                scalars[f"{key}_max"] = _reduce(vals, bk, max)
     breakdown: dict[str, list[float | None]] = {}
     names = [k for k in SECTION_ORDER]
     extra = sorted({k for r in recs for k in (r.get("time_breakdown") or {}) if k not in names})
@@ -98,10 +116,6 @@ def build_data(run: RunLog, alerts: list[Alert], rules: AlertRules,
             breakdown[sec] = _reduce(vals, bk)
     bad_steps = [r["step"] for r in recs if r.get("skipped") is True or any(
         (num(r.get(k)) is not None and not math.isfinite(num(r.get(k)))) for k in ("loss", "grad_norm"))]
-    layout_changes = [{"step": ev["step"], "label": f"{(ev.get('old') or {}).get('world_size')} "
-                                                     f"-> {(ev.get('new') or {}).get('world_size')} proc"}
-                      for ev in run.events
-                      if ev.get("event") == "layout_change" and isinstance(ev.get("step"), int)]
     val_loss = [[r["step"], num(r.get("val_loss"))] for r in recs
                 if num(r.get("val_loss")) is not None and math.isfinite(num(r.get("val_loss")))]
 
@@ -192,9 +206,7 @@ def build_data(run: RunLog, alerts: list[Alert], rules: AlertRules,
         ranks["time_is_busy"] = any(isinstance(r.get("rank_wait_frac"), list) for r in recs)
     return _clean({
         "x": x, "layer_x": layer_x, "scalars": scalars, "breakdown": breakdown,
-        "val_loss": val_loss, "bad_steps": bad_steps, "layout_changes": layout_changes,
-        "layers": layers_out, "ranks": ranks,
-        "rules": asdict(rules), "alerts": [a.as_dict() for a in alerts],
+        "val_loss": val_loss, "bad_steps": bad_steps, "layers": layers_out, "ranks": ranks,
     })
 
 
@@ -276,6 +288,11 @@ def render_html(run: RunLog, data: dict[str, Any], alerts: list[Alert], now: flo
     facts = [("run directory", str(run.run_dir)), ("state", state),
              ("records", f"{len(recs)} step records, {len(run.events)} events"),
              ("steps", f"{recs[0]['step']} … {recs[-1]['step']}" if recs else "—")]
+    if len(data["x"]) < len(recs):
+        facts.append(("plotted", f"{len(recs)} step records in {len(data['x'])} columns: each "
+                      "column is a bucket of consecutive steps (mean; loss and grad norm also "
+                      "show the bucket maximum, dashed; MaxVio and drop rate: maximum; expert "
+                      "load: summed counts)"))
     if moe:
         cf = moe.get("capacity_factor")
         facts.append(("MoE", f"{moe.get('num_experts', '?')} experts, top-{moe.get('top_k', '?')}, "
@@ -403,10 +420,12 @@ def render_html(run: RunLog, data: dict[str, Any], alerts: list[Alert], now: flo
 
 
 def write_report(run: RunLog, alerts: list[Alert], rules: AlertRules, out: str | Path,
-                 now: float | None = None, max_points: int = 1000) -> Path:
-    """Render the report of ``run`` to ``out`` (written atomically) and return its path."""
+                 now: float | None = None, max_points: int = 1000,
+                 series: dict[str, Any] | None = None) -> Path:
+    """Render the report of ``run`` to ``out`` (written atomically) and return its path
+    (``series``: see :func:`build_data`)."""
     now = time.time() if now is None else now
-    data = build_data(run, alerts, rules, max_points=max_points)
+    data = build_data(run, alerts, rules, max_points=max_points, series=series)
     text = render_html(run, data, alerts, now)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -319,12 +319,16 @@ JS = r"""
     return { x: c.step, label: c.label, color: "#1f5fbf" }; }); }
   var KINDS = {
     loss: function (box) {
-      return lineChart(box, { x: X, series: [S("train loss", T.loss, 0)],
+      var s = [S("train loss", T.loss, 0)];
+      if (T.loss_max) s.push(S("train loss (bucket max)", T.loss_max, 1, { dash: true }));
+      return lineChart(box, { x: X, series: s,
         points: D.val_loss.map(function (p) { return { x: p[0], y: p[1], name: "validation loss", color: "#d62728" }; }),
         marks: D.bad_steps.map(function (s) { return { x: s }; }).concat(layoutMarks()) });
     },
     grad_norm: function (box) {
-      return lineChart(box, { x: X, series: [S("grad norm", T.grad_norm, 2)], ymin: 0,
+      var s = [S("grad norm", T.grad_norm, 2)];
+      if (T.grad_norm_max) s.push(S("grad norm (bucket max)", T.grad_norm_max, 3, { dash: true }));
+      return lineChart(box, { x: X, series: s, ymin: 0,
         marks: D.bad_steps.map(function (s) { return { x: s }; }) });
     },
     lr: function (box) { return lineChart(box, { x: X, series: [S("learning rate", T.lr, 4)], ymin: 0 }); },

@@ -15,13 +15,14 @@ longer exists (the monitor must see the trainer's processes: same host and pid n
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import yaml
 
@@ -358,12 +359,22 @@ class Fields:
     layer: frozenset[str]
     full_tail: int = 1000
 
+    def slim(self, rec: dict[str, Any]) -> dict[str, Any]:
+        """A copy of step record ``rec`` with only these keys (its layers' too)."""
+        out = {k: v for k, v in rec.items() if k in self.top}
+        if isinstance(out.get("layers"), list):
+            out["layers"] = [{k: v for k, v in lay.items() if k in self.layer}
+                             if isinstance(lay, dict) else lay for lay in out["layers"]]
+        return out
 
-def load_run(run_dir: str | Path, fields: Fields | None = None) -> RunLog:
+
+def load_run(run_dir: str | Path, fields: Fields | None = None,
+             observe: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> RunLog:
     """Read RUN_DIR, streaming metrics.jsonl a block at a time. ``fields``: keep only
     these of each step record but the newest ``fields.full_tail`` (what `monitor --check`
-    reads: a long run then fits in a fraction of the memory). Raises FileNotFoundError
-    when it holds no metrics.jsonl."""
+    reads: a long run then fits in a fraction of the memory). ``observe``: sees each whole
+    non-event line in file order and returns what the log keeps of it (the report's
+    streaming series). Raises FileNotFoundError when it holds no metrics.jsonl."""
     run_dir = Path(run_dir)
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
@@ -378,12 +389,20 @@ def load_run(run_dir: str | Path, fields: Fields | None = None) -> RunLog:
     keep, slim_before = None, 0
     if fields is not None:  # slim all but about the last full_tail lines
         keep, slim_before = fields.top | fields.layer, count_lines(metrics) - fields.full_tail
-    for objs, warns in [*tail.blocks(keep, slim_before), tail.rest()]:
+    # a block at a time (tail.rest() only after the last block: it takes what is left)
+    for objs, warns in itertools.chain(tail.blocks(keep, slim_before), _later(tail.rest)):
         log.warnings += warns
         for obj in objs:
+            if observe is not None and "event" not in obj:
+                obj = observe(obj)
             log.add(obj, where="a metrics.jsonl line ")
     refresh_heartbeats(log)
     return log
+
+
+def _later(fn: Callable[[], Any]) -> Iterator[Any]:
+    """Yields ``fn()``, called only when the iteration gets there."""
+    yield fn()
 
 
 def refresh_heartbeats(log: RunLog) -> None:
