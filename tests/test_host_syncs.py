@@ -31,10 +31,13 @@ from __future__ import annotations
 
 import traceback
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+import epscale
 
 from dist_utils import CaseRunner, assert_no_failures, run_distributed
 
@@ -48,11 +51,18 @@ INDEX_OPS = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
 COPY_OPS = {aten._to_copy, aten.copy_}
 
 
+# The package's own directory: a checkout may itself sit in a folder named epscale, so
+# "/epscale/" in a path would also match the tests.
+PACKAGE_DIR = str(Path(epscale.__file__).resolve().parent) + "/"
+
+
 def _where() -> str:
-    """The innermost epscale frame of the current stack (where a sync comes from)."""
+    """The innermost frame of the epscale package on the current stack (where a sync comes
+    from), as a path inside the package."""
     for frame in reversed(traceback.extract_stack()[:-2]):
-        if "/epscale/" in frame.filename:
-            return f"{frame.filename.rsplit('/epscale/', 1)[1]}:{frame.lineno} {frame.name}"
+        filename = str(Path(frame.filename).resolve())
+        if filename.startswith(PACKAGE_DIR):
+            return f"{filename[len(PACKAGE_DIR):]}:{frame.lineno} {frame.name}"
     return "outside epscale"
 
 
