@@ -250,3 +250,19 @@ def test_preflight_command_under_torchrun():
                        stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stderr[-2000:]  # slow ranks are reported, not fatal by default
     assert "preflight: 2 ranks (gloo)" in r.stdout, r.stdout + r.stderr[-2000:]
+
+
+def test_elastic_launch_pins_the_batch_of_the_data_parallel_ranks():
+    """An elastic launch pins the largest layout's global batch; under a pipeline the
+    stages share their micro-batches, so the batch counts data-parallel ranks (world / pp),
+    which is what the trainer's layout derives grad_accum from."""
+    from epscale.config import load_config
+    from epscale.launch.local import pin_global_batch
+    from epscale.plan.layout import Layout
+
+    cfg = load_config(TINY, ["parallel.pp=2", "parallel.ep=1", "model.tie_embeddings=false",
+                                            "train.grad_accum=4", "train.micro_batch_size=2"])
+    pinned, overrides = pin_global_batch(cfg, 8)
+    assert overrides == ["train.grad_accum=1", "train.global_batch_size=32"]
+    lay = Layout.from_config(pinned, 8)
+    assert lay.global_batch == 32 and lay.micro_batches == 4

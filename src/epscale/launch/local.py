@@ -65,12 +65,13 @@ def parse_nnodes(text: str | int) -> tuple[int, int]:
 
 def pin_global_batch(cfg: RunConfig, max_world: int) -> tuple[RunConfig, list[str]]:
     """For an elastic launch: ``cfg`` with ``train.global_batch_size`` fixed at the
-    largest layout's batch (``max_world`` x grad_accum x micro_batch_size) unless it is set
-    already, and the overrides that say so to every attempt's trainer."""
+    largest layout's batch (its data-parallel ranks, ``max_world`` / parallel.pp, x
+    grad_accum x micro_batch_size: pipeline stages share their micro-batches) unless it is
+    set already, and the overrides that say so to every attempt's trainer."""
     t = cfg.train
     if t.global_batch_size is not None:
         return cfg, []
-    g = max_world * t.grad_accum * t.micro_batch_size
+    g = max(1, max_world // cfg.parallel.pp) * t.grad_accum * t.micro_batch_size
     return (replace(cfg, train=replace(t, global_batch_size=g, grad_accum=1)),
             ["train.grad_accum=1", f"train.global_batch_size={g}"])
 
