@@ -550,6 +550,9 @@ def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, ru
                    "intra_bytes_per_gpu": float(intra[i]),
                    "inter_bytes_per_gpu": float(inter[i])} for i in range(n_dist)]
     expert_comm = m * slow["expert_comm"]
+    # Traffic per GPU: the mean over the pipeline ranks (each holds its own MoE layers),
+    # whatever rank sets the pace.
+    w_mean = np.mean([x["weights"] for x in ranks], axis=0)
     return SimResult(
         strategy=strat.name, dispatcher=disp, overlap=overlap, step_time_s=step,
         tokens_per_s_per_gpu=m * T / lay.pp / step, compute_s=m * slow["compute"],
@@ -557,6 +560,6 @@ def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, ru
         comm_share=expert_comm / step, dp_share=dp_exposed / step,
         worst_idle_share=float(idle_rank.max() / step),
         mean_idle_share=float(idle_rank.mean() / step), max_vio=max_vio,
-        intra_bytes_per_gpu=4 * m * float((intra * w).sum()),
-        inter_bytes_per_gpu=4 * m * float((inter * w).sum()),
+        intra_bytes_per_gpu=4 * m * float((intra * w_mean).sum()),
+        inter_bytes_per_gpu=4 * m * float((inter * w_mean).sum()),
         layers=layers_out, bubble_s=pipe - m * slow["time"], p2p_s=m * slow["p2p"])
