@@ -8,8 +8,13 @@ tokens, K top-k, T tokens per rank and micro-batch.
 What is modelled (one EP group stands for all ``dp`` replicas; they are statistically alike):
 
 * Compute. Non-expert work (attention, dense/shared FFNs, router, head) is the same on
-  every rank: ``T * flops / rate``. Expert work on rank r is its slots' rows times the
-  training FLOPs per row, each expert GEMM charged ``gemm_half_rows`` extra rows.
+  every rank; expert work on rank r follows its slots' rows. On a cluster with ``sm_count``
+  (the GPU presets) both are timed by shape (:mod:`epscale.plan.shapes`: every GEMM's
+  tiles in waves of the SMs under a roofline, each expert's rows rounded up to the tile,
+  fp8 as a rate, memory-bound work by its bytes at the HBM bandwidth, tensor parallelism
+  and recomputation by module as ``work`` says). On a calibrated cluster without it:
+  ``T * flops / rate`` and each expert GEMM charged ``gemm_half_rows`` extra rows, plus
+  ``layer_overhead_us`` per MoE layer and pass.
 * Dispatch and combine rows, with the dispatchers' arithmetic: ``alltoall`` one row per
   (token, expert), ``dedup`` one per (token, destination rank), ``hierarchical`` one
   inter-node row per (token, destination node) to the same-index GPU there, which forwards
@@ -19,8 +24,11 @@ What is modelled (one EP group stands for all ``dp`` replicas; they are statisti
 * Synchronisation. A layer's combine waits for the slowest rank's experts: a rank's idle
   time is the sum over layers of (slowest rank's expert time - its own).
 * Overlap. ``none``: transfers and compute in sequence. ``chunks``: dispatch, experts and
-  combine pipelined over ``overlap_chunks`` chunks. ``full``: the transfers hide behind the
-  other micro-batch's non-expert compute (DualPipe-style); what does not fit is exposed.
+  combine pipelined over ``overlap_chunks`` chunks. ``full``: DualPipe's pairing of a
+  forward chunk of one micro-batch with a backward chunk of another: the forward's
+  dispatch and combine hide behind the backward chunk's compute and the backward's behind
+  the forward's; what does not fit is exposed. Overlapped dispatch kernels may hold SMs
+  (``work.comm_sms``), which the compute then lacks.
 * Data parallelism. Once per step: non-expert gradients all-reduced over all ranks, expert
   gradients over the ``dp`` ranks holding the same experts (ring, bus bandwidth of the
   slowest link crossed, log-depth latency); with overlap, hidden behind the last
@@ -45,12 +53,15 @@ over its W GPUs). A stage's time per micro-batch is its blocks' non-expert work 
 share of :func:`epscale.plan.pipeline.stage_flops`, the head on the last) plus its MoE
 layers' times as above; a rank's is the sum over its stages, plus its p2p receives (each
 stage's input from another rank in forward and its output gradient in backward: T x D
-in the compute dtype, over NVLink when both ranks' GPUs share a node, else the NIC; not
-hidden) and its FSDP gathers beyond its compute. The slowest rank sets the pace:
+in the compute dtype, over NVLink when both ranks' GPUs share a node, else the NIC; exposed
+under 1F1B and GPipe, hidden behind the rank's compute under the looped and V schedules,
+which run another stage's micro-batch meanwhile) and its FSDP gathers beyond its compute. The slowest rank sets the pace:
 pipeline time = m x (slowest rank's time) / (1 - bubble), the bubble of the schedule at m
 (:func:`epscale.plan.pipeline.bubble_fraction`, equal stages assumed there). The
 data-parallel reduction of each rank's own weights over its stage's ranks follows, the
 slowest rank's counted. Tokens per GPU: m x T per step over the p GPUs of a pipeline.
+
+The AdamW step closes every step, memory-bound (by bytes, on clusters with ``mem_bw_GBps``).
 """
 
 from __future__ import annotations
