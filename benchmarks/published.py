@@ -82,7 +82,7 @@ RUNS = [
         "FLOPs per token",
         "mixtral-8x7b", _pipe(4, "interleaved_1f1b", 8, 2, 8, 16, 1, 4096) +
         ["train.activation_checkpointing=none"], "h100-64", 8, "alltoall", "none",
-        modelled="interleaved p2p overlap", not_modelled="Megatron's TE kernels as such"),
+        modelled="interleaved p2p overlap"),
     Run("DeepSeek-V3, 2,048 H800 (DeepSeek)", 14.8e12 / (2.664e6 * 3600),
         "DeepSeek-V3 Technical Report (arXiv 2412.19437): pre-training on '14.8T' tokens took "
         "'2664K' H800 GPU hours (Table 1); 2,048 H800; '16-way Pipeline Parallelism (PP), 64-way "

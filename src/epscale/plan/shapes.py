@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..config import RunConfig
+from ..config import ConfigError, RunConfig
 from .cluster import ClusterSpec
 from .sizing import _ffn_mats, attention_flops_per_token, head_dim
 
@@ -49,7 +49,6 @@ def _peak(cluster: ClusterSpec, precision: str) -> float:
     """Dense tensor-core FLOP/s of the linear layers' GEMMs at ``precision``."""
     if precision == "fp8":
         if not cluster.fp8_tflops:
-            from ..config import ConfigError
             raise ConfigError(f"precision 'fp8' needs the cluster's fp8_tflops (cluster "
                               f"'{cluster.name}' has none): set it, or use bf16")
         return cluster.fp8_tflops * 1e12
@@ -152,7 +151,9 @@ def elementwise_bytes(run_cfg: RunConfig, moe_layer: bool, fp8: bool) -> dict[st
         out["permute"] = 2 * (1 + K) * D * a             # dispatch permute + combine unpermute
         out["moe_act"] = K * F * act
         out["shared_act"] = moe.shared_width * act
-        linear_in = K * (D + F) + (D + moe.shared_width) * (moe.shared_width > 0)
+        # the routed experts' inputs are cast per row (:func:`expert_time`); the router
+        # stays in bf16
+        linear_in = (D + moe.shared_width) * (moe.shared_width > 0)
     else:
         out["mlp_act"] = m.dense_hidden_dim * act
         linear_in = D + m.dense_hidden_dim
@@ -211,7 +212,9 @@ def _layer_time(run_cfg: RunConfig, cluster: ClusterSpec, T: float, work: Work,
         prec = "bf16" if module == "router" else work.precision
         M, N, K = (T, n, k) if how == "-" or tp == 1 else             (full, n / tp, k) if how == "n" else (full, n, k / tp)
         t += train_gemms_time(cluster, M, N, K, prec)
-        if _recomputed(work, ac, module) or (module == "mlp" and _recomputed(work, ac, "mlp")):
+        again = _recomputed(work, ac, module) or (
+            module in ("router", "shared") and _recomputed(work, ac, "moe"))
+        if again:
             t += float(gemm_time(cluster, M, N, K, prec))
     attn = T * attention_flops_per_token(run_cfg.model) / (cluster.flops_per_s)
     t += 3 * attn + attn * _recomputed(work, ac, "core_attn")
