@@ -106,6 +106,14 @@ def test_recomputed_modules_add_their_forward():
     mlp = nonexpert_time(cfg, H100, T, Work(recompute_modules=("mlp",)))
     fwd = float(gemm_time(H100, T, 2 * 2048, 1024) + gemm_time(H100, T, 1024, 2048))
     assert mlp - base == pytest.approx(fwd, rel=1e-9)            # the one dense layer's FFN
+    # recomputing the MoE module runs its forward again: two more transfers, more compute
+    moe_cfg = _cfg(E=16, K=2, ep=16)
+    cl = dataclasses.replace(H100, nodes=2, gpus_per_node=8)
+    r = {mods: simulate(moe_cfg, cl, RoutingSpec.parse("uniform"), strategies=("none",),
+                        dispatchers=("dedup",), overlap="none", work=Work(recompute_modules=mods))[0]
+         for mods in ((), ("moe",))}
+    assert r[("moe",)].expert_comm_s == pytest.approx(1.5 * r[()].expert_comm_s)
+    assert r[("moe",)].compute_s > r[()].compute_s
     with pytest.raises(ConfigError, match="recompute module 'everything'"):
         simulate(cfg, H100, work=Work(recompute_modules=("everything",)))
 

@@ -379,11 +379,12 @@ def _expert_compute(sim: dict, run_cfg: RunConfig, cluster: ClusterSpec, ctx: di
     what is recomputed: by shape (:func:`epscale.plan.shapes.expert_time`) on a cluster
     with ``sm_count``, else the calibrated ``gemm_half_rows`` extra rows per expert GEMM."""
     rows, gemms, work = sim["rows"], sim["gemms"], ctx["work"]
+    again = "moe" in (work.recompute_modules or ())       # the MoE forward runs twice
     if not cluster.sm_count:
-        return ((rows + ctx["half_rows"] * gemms) * row_flops / rate + overhead) * (1 + redo)
+        base = (rows + ctx["half_rows"] * gemms) * row_flops / rate + overhead
+        return base * (1 + redo + again / 3.0)
     total, fwd = expert_time(run_cfg, ctx["ccl"], rows, rows + sim["pad"], gemms, work)
-    again = fwd if "moe" in (work.recompute_modules or ()) else 0.0
-    return total * (1 + redo) + again + overhead
+    return total * (1 + redo) + fwd * again + overhead
 
 
 def _optimizer_time(cluster: ClusterSpec, run_cfg: RunConfig, params: float, world: int) -> float:
