@@ -78,11 +78,12 @@ RUNS = [
         "Megatron-LM megatron/core/transformer/moe/README.md (commit 022bcb5a): 'we've achieved "
         "remarkable performance of **468 TFLOPS** for Mixtral 8X7B bf16 training'; layout table "
         "'Mixtral 8x7B(Dropless) | 32K | All-to-All | BF16 | 64 | 4096 | TP 1 | EP 8 | PP 4 | VP 8 | "
-        "MBS 1 | GBS 256'; 8xH100 80GB, InfiniBand 8x400 Gbit/s. tokens/s = 468e12 / Megatron's "
-        "FLOPs per token",
+        "MBS 1 | GBS 256'; 8xH100 80GB, InfiniBand 8x400 Gbit/s; 'Enable p2p comm overlap when "
+        "PP > 1 by setting num_layers_per_virtual_pipeline_stage'. tokens/s = 468e12 / "
+        "Megatron's FLOPs per token",
         "mixtral-8x7b", _pipe(4, "interleaved_1f1b", 8, 2, 8, 16, 1, 4096) +
         ["train.activation_checkpointing=none"], "h100-64", 8, "alltoall", "none",
-        modelled="interleaved p2p overlap"),
+        Work(p2p_overlap=True), modelled="interleaved p2p overlap"),
     Run("DeepSeek-V3, 2,048 H800 (DeepSeek)", 14.8e12 / (2.664e6 * 3600),
         "DeepSeek-V3 Technical Report (arXiv 2412.19437): pre-training on '14.8T' tokens took "
         "'2664K' H800 GPU hours (Table 1); 2,048 H800; '16-way Pipeline Parallelism (PP), 64-way "
@@ -105,7 +106,7 @@ RUNS = [
         "deepseek_workload_base_configs.py (DEEPSEEK_V3_PRETRAIN_CONFIG_H100_V1)",
         "deepseek-v3", _pipe(8, "interleaved_1f1b", 4, 2, 64, 128, 1, 4096), "field-report", 128,
         "hierarchical", "none",
-        Work(precision="fp8", tp=2, recompute_modules=("mla_up_proj", "mlp")),
+        Work(precision="fp8", tp=2, recompute_modules=("mla_up_proj", "mlp"), p2p_overlap=True),
         modelled="fp8 GEMMs, TP2 + sequence parallel, module recompute, interleaved p2p overlap",
         not_modelled="MTP layer in its pipeline layout ('...mL')"),
     Run("Qwen3-30B-A3B, 16 H100 (Megatron-Bridge 26.02)", 5113,
@@ -113,20 +114,20 @@ RUNS = [
         "TP 1 | PP 2 | CP 1 | VP 12 | EP 8 | 5113 | 118'",
         "qwen3-30b-a3b", _pipe(2, "interleaved_1f1b", 12, 1, 8, 128, 1, 4096) +
         ["train.activation_checkpointing=none"], "h100-node", 2, "dedup", "none",
-        Work(precision="fp8"), modelled="fp8 GEMMs, interleaved p2p overlap"),
+        Work(precision="fp8", p2p_overlap=True), modelled="fp8 GEMMs, interleaved p2p overlap"),
     Run("Qwen3-30B-A3B, 16 H100 (Megatron-Bridge 25.11)", 5275,
         MB_PERF + ": 25.11 DGX-H100 'Qwen3_30B_a3B | 16 | FP8-CS | GBS 512 | MBS 2 | 4096 | FSDP 0 | "
         "TP 1 | PP 2 | CP 1 | VP 24 | EP 8 | GA 32 | 5275 | 121'",
         "qwen3-30b-a3b", _pipe(2, "interleaved_1f1b", 24, 1, 8, 32, 2, 4096) +
         ["train.activation_checkpointing=none"], "h100-node", 2, "dedup", "none",
-        Work(precision="fp8"), modelled="fp8 GEMMs, interleaved p2p overlap"),
+        Work(precision="fp8", p2p_overlap=True), modelled="fp8 GEMMs, interleaved p2p overlap"),
     Run("Qwen3-30B-A3B, 16 H100 (Megatron-Bridge 25.09, token drop)", 10494,
         MB_PERF + ": 25.09 DGX-H100 'Qwen3_30B_a3B (tokendrop) | 16 | GBS 512 | MBS 2 | 4096 | FSDP 0 "
         "| TP 1 | PP 2 | CP 1 | VP 24 | EP 8 | GA 32 | 10494 | 241'; no precision given (bf16 "
         "assumed)",
         "qwen3-30b-a3b", _pipe(2, "interleaved_1f1b", 24, 1, 8, 32, 2, 4096) +
         ["train.activation_checkpointing=none"], "h100-node", 2, "dedup", "none",
-        modelled="interleaved p2p overlap",
+        Work(p2p_overlap=True), modelled="interleaved p2p overlap",
         not_modelled="token dropping (capacity factor unknown); precision not stated"),
     Run("Qwen3-235B-A22B, 256 H100 (Megatron-Bridge 26.02)", 1633,
         MB_PERF + ": 26.02 Qwen3_235B_a22B 'DGX-H100 | 256 | FP8 | GBS 8192 | MBS 1 | 4096 | FSDP 0 "
@@ -135,7 +136,7 @@ RUNS = [
         "(QWEN3_235B_A22B_PRETRAIN_CONFIG_H100_FP8_CS_V2)",
         "qwen3-30b-a3b", QWEN3_235B + _pipe(8, "interleaved_1f1b", 4, 1, 32, 512, 1, 4096) +
         ["train.activation_checkpointing=none"], "field-report", 32, "alltoall", "full",
-        Work(precision="fp8", tp=2),
+        Work(precision="fp8", tp=2, p2p_overlap=True),
         modelled="fp8 GEMMs, TP2 + sequence parallel, EP all-to-all overlap, interleaved p2p overlap"),
     Run("GPT-OSS-120B, 64 H100 (Megatron-Bridge 26.02)", 5993,
         MB_PERF + ": 26.02 GPT OSS 120B 'DGX-H100 | 64 | BF16 | GBS 1280 | MBS 1 | 4096 | FSDP 0 | "

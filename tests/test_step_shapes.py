@@ -151,7 +151,7 @@ def test_dualpipe_pairing_hides_transfers_behind_the_other_chunk():
     assert 0 < hidden <= r["full"].compute_s * (1 + 1e-9)
 
 
-def test_looped_and_v_schedules_hide_p2p_behind_compute():
+def test_looped_and_v_schedules_hide_p2p_behind_compute_with_overlap():
     m, T, D = 8, 64, 32
     cfg = lambda schedule, v: RunConfig(  # noqa: E731
         model=ModelConfig(vocab_size=64, dim=D, num_layers=8, num_heads=4, seq_len=T,
@@ -160,12 +160,16 @@ def test_looped_and_v_schedules_hide_p2p_behind_compute():
         parallel=ParallelConfig(pp=2, ep=8, pp_schedule=schedule, pp_virtual_stages=v),
         train=TrainConfig(micro_batch_size=1, grad_accum=m))
     cl = ClusterSpec(nodes=2, gpus_per_node=8, inter_bw_GBps=10, inter_latency_us=20)
-    run = lambda c: simulate(c, cl, RoutingSpec.parse("uniform"), strategies=("none",),  # noqa: E731
-                             dispatchers=("dedup",), overlap="none")[0]
-    plain = run(cfg("1f1b", 1))
-    assert plain.p2p_s == pytest.approx(m * (T * D * 4 / 10e9 + 20e-6))
+    def run(c, overlap="full", work=Work()):
+        return simulate(c, cl, RoutingSpec.parse("uniform"), strategies=("none",),
+                        dispatchers=("dedup",), overlap=overlap, work=work)[0]
+
+    hop = m * (T * D * 4 / 10e9 + 20e-6)
+    assert run(cfg("1f1b", 1)).p2p_s == pytest.approx(hop)          # 1F1B: exposed
     for schedule, v in (("interleaved_1f1b", 2), ("dualpipev", 2)):
-        assert run(cfg(schedule, v)).p2p_s < plain.p2p_s, schedule
+        c = cfg(schedule, v)
+        assert run(c).p2p_s < run(c, "none").p2p_s, schedule        # overlapped: hidden
+        assert run(c, "none", Work(p2p_overlap=True)).p2p_s == pytest.approx(run(c).p2p_s)
 
 
 def test_dispatch_sms_slow_only_the_overlapped_compute():

@@ -110,12 +110,15 @@ class Work:
     sequence parallelism: each holds T / tp tokens outside attention and the dense FFNs,
     experts are not split), ``recompute_modules`` (Megatron's names; ``None``: the
     recipe's ``train.activation_checkpointing``), ``comm_sms`` SMs the overlapped dispatch
-    kernels hold (:func:`compute_cluster`)."""
+    kernels hold (:func:`compute_cluster`), ``p2p_overlap``: a looped or V pipeline hides
+    its p2p behind compute even where the expert transfers are not overlapped (Megatron's
+    interleaved schedule)."""
 
     precision: str = "bf16"
     tp: int = 1
     recompute_modules: tuple[str, ...] | None = None
     comm_sms: int = 0
+    p2p_overlap: bool = False
 
 
 def compute_cluster(cluster: ClusterSpec, work: Work, overlap: str) -> ClusterSpec:

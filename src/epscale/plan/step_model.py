@@ -54,8 +54,9 @@ share of :func:`epscale.plan.pipeline.stage_flops`, the head on the last) plus i
 layers' times as above; a rank's is the sum over its stages, plus its p2p receives (each
 stage's input from another rank in forward and its output gradient in backward: T x D
 in the compute dtype, over NVLink when both ranks' GPUs share a node, else the NIC; exposed
-under 1F1B and GPipe, hidden behind the rank's compute under the looped and V schedules,
-which run another stage's micro-batch meanwhile) and its FSDP gathers beyond its compute. The slowest rank sets the pace:
+under 1F1B and GPipe and without overlap, else hidden behind the rank's compute under the
+looped and V schedules, which run another stage's micro-batch meanwhile) and its FSDP
+gathers beyond its compute. The slowest rank sets the pace:
 pipeline time = m x (slowest rank's time) / (1 - bubble), the bubble of the schedule at m
 (:func:`epscale.plan.pipeline.bubble_fraction`, equal stages assumed there). The
 data-parallel reduction of each rank's own weights over its stage's ranks follows, the
@@ -477,7 +478,7 @@ def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSp
     if lay.pp > 1:
         return _pipeline_result(
             strat, disp, overlap, lay, cluster, run_cfg, T, ctx["rate_ne"], grad_bytes, row_bytes, redo,
-            accum, ctx["work"].tp, dict(layer_time=layer_time, comp_max=comp_max, idle=idle,
+            accum, ctx["work"], dict(layer_time=layer_time, comp_max=comp_max, idle=idle,
                         rows=rows, comm_max=comm_max, comp=comp, out_intra=out_intra,
                         out_inter=out_inter))
 
@@ -543,7 +544,7 @@ def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSp
 
 def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, run_cfg: RunConfig,
                      T: int, rate: float, grad_bytes: int, row_bytes: float, redo: float,
-                     m: int, tp: int, moe_times: dict) -> SimResult:
+                     m: int, work: Work, moe_times: dict) -> SimResult:
     """One step under a pipeline (the module docstring's 'Pipeline'). ``moe_times``: the
     per-distribution arrays of :func:`_evaluate` ([S, L] or [S, L, R]) for one MoE layer
     and micro-batch."""
@@ -572,10 +573,12 @@ def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, ru
     dp_shard = W // rep
     efsdp = dp_shard // lay.ep
     hop_bytes = T * model.dim * grad_bytes                             # one activation, or its gradient
-    # The looped and V schedules run another stage's micro-batch while a boundary's
-    # activation or gradient travels (Megatron's interleaved schedule overlaps its p2p,
-    # DualPipe pairs chunks): there p2p is exposed only where it exceeds the compute.
-    hides_p2p = PP_SCHEDULES[par.pp_schedule] != "single"
+    # With overlap (or ``work.p2p_overlap``) the looped and V schedules run another stage's
+    # micro-batch while a boundary's activation or gradient travels (Megatron's interleaved
+    # schedule overlaps its p2p, DualPipe pairs chunks): p2p is exposed only where it
+    # exceeds the compute.
+    hides_p2p = PP_SCHEDULES[par.pp_schedule] != "single" and (overlap != "none" or work.p2p_overlap)
+    tp = work.tp
 
     def hop(a: int, b: int) -> float:
         same_node = W < gpn and (a * W) // gpn == (b * W) // gpn
