@@ -177,6 +177,8 @@ def test_dispatch_sms_slow_only_the_overlapped_compute():
     assert compute_cluster(H100, work, "none") is H100
     c = compute_cluster(H100, work, "full")
     assert c.sm_count == 112 and c.gemm_tflops == pytest.approx(989 * 112 / 132)
+    with pytest.raises(ConfigError, match="comm_sms = 132 is invalid"):
+        compute_cluster(H100, Work(comm_sms=132), "full")
     # the same rate per SM: a GEMM of one wave on either takes as long
     assert float(gemm_time(c, 8 * 128, 14 * 128, 8192)) == pytest.approx(
         float(gemm_time(H100, 12 * 128, 11 * 128, 8192)))

@@ -125,6 +125,9 @@ def compute_cluster(cluster: ClusterSpec, work: Work, overlap: str) -> ClusterSp
     """The cluster as compute sees it: while dispatch kernels run beside the compute
     (``overlap`` chunks or full) they hold ``work.comm_sms`` of the SMs (DeepSeek-V3's
     report: 20 of the H800's 132), so GEMM waves have fewer SMs at the same rate per SM."""
+    if work.comm_sms < 0 or (cluster.sm_count and work.comm_sms >= cluster.sm_count):
+        raise ConfigError(f"comm_sms = {work.comm_sms} is invalid: must be >= 0 and below the "
+                          f"cluster's sm_count ({cluster.sm_count})")
     if not work.comm_sms or overlap == "none" or not cluster.sm_count:
         return cluster
     keep = (cluster.sm_count - work.comm_sms) / cluster.sm_count
