@@ -301,3 +301,49 @@ def test_fit_ranks_pipeline_layouts_for_deepseek_v3():
         # the recipe's global batch: 128 data ranks x 64 sequences, over world / pp
         # data-parallel ranks
         assert r["layout"]["micro_batches"] == 128 * 64 // (2048 // r["layout"]["pp"])
+
+
+def test_pipeline_traffic_per_gpu_is_the_ranks_mean_whatever_the_overlap():
+    """Under a pipeline the per-GPU dispatch traffic is the mean over the pipeline ranks of
+    their own MoE layers' bytes: the same with and without overlap (which changes the rank
+    that sets the pace) and for any split of the same layers over the stages."""
+    def run(split, overlap):
+        cfg = RunConfig(
+            model=ModelConfig(vocab_size=20000, dim=64, num_layers=8, num_heads=4, seq_len=64,
+                              num_dense_layers=0, tie_embeddings=False),
+            moe=MoEConfig(dim=64, hidden_dim=32, num_experts=16, top_k=4),
+            parallel=ParallelConfig(pp=2, ep=8, pp_layers_per_stage=split),
+            train=TrainConfig(micro_batch_size=1, grad_accum=4))
+        cl = ClusterSpec(nodes=2, gpus_per_node=8, inter_bw_GBps=10, intra_bw_GBps=10,
+                         gemm_tflops=1)
+        return simulate(cfg, cl, RoutingSpec.parse("uniform"), strategies=("none",),
+                        dispatchers=("dedup",), overlap=overlap)[0]
+
+    ref = run([4, 4], "none")
+    assert ref.intra_bytes_per_gpu > 0
+    for split in ([6, 2], [4, 4]):
+        for overlap in ("none", "full"):
+            r = run(split, overlap)
+            assert r.intra_bytes_per_gpu == pytest.approx(ref.intra_bytes_per_gpu, rel=1e-9)
+            assert r.inter_bytes_per_gpu == pytest.approx(ref.inter_bytes_per_gpu, rel=1e-9)
+
+
+def test_fit_tries_each_pipeline_once():
+    """deepseek-v3 names dualpipev with pp_virtual_stages 1 (read as 2): --fit lists each
+    (pp, schedule) once, and its own layout keeps the recipe's stage split."""
+    from epscale.plan.fit import candidates, pipelines
+
+    cfg = load_recipe("deepseek-v3")
+    cl = ClusterSpec(nodes=256, gpus_per_node=8)
+    pipes = pipelines(cfg, cl)
+    assert len(pipes) == len(set(pipes))
+    assert len({(pp, s) for pp, s, _ in pipes}) == len(pipes)
+    assert (16, "dualpipev", 2) in pipes
+    split = [1] * 32
+    split[-1] = 61 - 31
+    own = load_recipe("deepseek-v3", ["parallel.pp_layers_per_stage=[" + ",".join(map(str, split)) + "]"])
+    keys = [(c.parallel.pp, c.parallel.pp_schedule, c.parallel.pp_virtual_stages,
+             c.parallel.ep, c.parallel.fsdp, c.parallel.dp_replicate,
+             c.train.activation_checkpointing) for c in candidates(own, cl)]
+    assert len(keys) == len(set(keys))
+    assert any(c.parallel.pp_layers_per_stage == split for c in candidates(own, cl))

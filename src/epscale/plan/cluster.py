@@ -8,6 +8,14 @@ fraction large GEMMs reach, and ``gemm_half_rows`` the rows per expert at which 
 GEMM reaches half of that (small expert batches are slower per row: each expert GEMM
 costs as if it had ``gemm_half_rows`` extra rows). ``layer_overhead_us`` is fixed time per
 MoE layer and pass (kernel launches, router, permutation bookkeeping).
+
+The step model by shape (:mod:`epscale.plan.shapes`) needs four more: ``sm_count`` (the
+GPU's SMs: GEMM tiles of ``gemm_tile_m x gemm_tile_n`` run in waves of them; 0 keeps the
+calibrated ``gemm_half_rows`` model), ``mem_bw_GBps`` (HBM bandwidth: memory-bound work is
+charged by the bytes it moves; 0 keeps ``layer_overhead_us`` instead), ``fp8_tflops``
+(the dense fp8 peak, for runs whose linear layers compute in fp8; 0: none). The GPU
+presets set them from the data sheets (H100 SXM: 132 SMs, 3.35 TB/s HBM3, 1,979 dense fp8
+TFLOP/s; H800: the same chip with NVLink cut) and charge no flat overhead.
 """
 
 from __future__ import annotations
@@ -35,6 +43,11 @@ class ClusterSpec:
     gemm_efficiency: float = 0.6
     gemm_half_rows: float = 128.0
     layer_overhead_us: float = 50.0
+    sm_count: int = 0
+    gemm_tile_m: int = 128
+    gemm_tile_n: int = 128
+    mem_bw_GBps: float = 0.0
+    fp8_tflops: float = 0.0
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -49,7 +62,13 @@ class ClusterSpec:
         if not 0 < self.gemm_efficiency <= 1:
             raise ConfigError(f"cluster key 'gemm_efficiency' = {self.gemm_efficiency!r} is "
                               "invalid: must be in (0, 1]")
-        for key in ("intra_latency_us", "inter_latency_us", "gemm_half_rows", "layer_overhead_us"):
+        for key in ("sm_count", "gemm_tile_m", "gemm_tile_n"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if key == "sm_count" else 1):
+                raise ConfigError(f"cluster key '{key}' = {v!r} is invalid: must be an integer "
+                                  f"{'>= 0' if key == 'sm_count' else '>= 1'}")
+        for key in ("intra_latency_us", "inter_latency_us", "gemm_half_rows", "layer_overhead_us",
+                    "mem_bw_GBps", "fp8_tflops"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"cluster key '{key}' = {getattr(self, key)!r} is invalid: "
                                   "must be >= 0")
@@ -71,18 +90,19 @@ class ClusterSpec:
 # direction), one 400 Gb/s NDR InfiniBand NIC per GPU (50 GB/s). H800: NVLink cut to
 # 400 GB/s bidirectional; DeepSeek-V3's report quotes ~160 GB/s achieved NVLink and 50 GB/s
 # IB per GPU, which is what the dispatch kernels see.
+H100 = dict(sm_count=132, mem_bw_GBps=3350.0, fp8_tflops=1979.0, layer_overhead_us=0.0)
 PRESETS: dict[str, ClusterSpec] = {
-    "h100-node": ClusterSpec(name="h100-node", nodes=1, gpus_per_node=8,
+    "h100-node": ClusterSpec(name="h100-node", nodes=1, gpus_per_node=8, **H100,
                              description="one 8x H100 SXM node, NVLink 4"),
-    "h100-64": ClusterSpec(name="h100-64", nodes=8, gpus_per_node=8,
+    "h100-64": ClusterSpec(name="h100-64", nodes=8, gpus_per_node=8, **H100,
                            description="8 nodes of 8x H100 SXM, NDR InfiniBand per GPU"),
     "field-report": ClusterSpec(
-        name="field-report", nodes=128, gpus_per_node=8,
+        name="field-report", nodes=128, gpus_per_node=8, **H100,
         description="1,024 H100 SXM (128 nodes x 8): NVLink 4 inside nodes, one 400 Gb/s "
                     "InfiniBand NIC per GPU between them; the field-report scenario "
                     "(64 experts, recipe ref-1t-64e)"),
     "h800-2048": ClusterSpec(
-        name="h800-2048", nodes=256, gpus_per_node=8, intra_bw_GBps=160.0,
+        name="h800-2048", nodes=256, gpus_per_node=8, intra_bw_GBps=160.0, **H100,
         description="DeepSeek-V3's cluster: 2,048 H800, NVLink ~160 GB/s, IB 50 GB/s per GPU"),
 }
 

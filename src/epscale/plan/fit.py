@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass, replace
 
 from ..config import ConfigError, RunConfig
+from ..config.schema import pp_stages_per_rank
 from .cluster import ClusterSpec
 from .memory import MemoryEstimate, memory_per_rank
 from .pipeline import micro_batch_problem, micro_batches
@@ -100,15 +101,26 @@ def global_batch(cfg: RunConfig, world: int) -> int:
     return world // cfg.parallel.pp * t.grad_accum * t.micro_batch_size
 
 
+def own_pipeline(cfg: RunConfig) -> tuple[int, str, int]:
+    """The recipe's (pp, schedule, stages per rank), the stages as the schedule reads
+    ``parallel.pp_virtual_stages`` (a V schedule's 1 is its 2)."""
+    par = cfg.parallel
+    if par.pp == 1:
+        return 1, par.pp_schedule, par.pp_virtual_stages
+    return par.pp, par.pp_schedule, pp_stages_per_rank(par.pp_schedule, par.pp_virtual_stages)
+
+
 def pipelines(cfg: RunConfig, cluster: ClusterSpec) -> list[tuple[int, str, int]]:
-    """(pp, schedule, stages per rank) of every pipeline --fit tries, (1, '1f1b', 1) first."""
-    model, par, world, gpn = cfg.model, cfg.parallel, cluster.world, cluster.gpus_per_node
+    """(pp, schedule, stages per rank) of every pipeline --fit tries, (1, '1f1b', 1) first,
+    each once."""
+    model, world, gpn = cfg.model, cluster.world, cluster.gpus_per_node
     out = [(1, "1f1b", 1)]
     if model.tie_embeddings or cfg.data.doc_masking:
         return out                      # both refuse a pipeline (RunConfig's checks)
     schedules = list(FIT_SCHEDULES)
-    if par.pp > 1 and (par.pp_schedule, par.pp_virtual_stages) not in schedules:
-        schedules.append((par.pp_schedule, par.pp_virtual_stages))
+    pp_own, schedule_own, v_own = own_pipeline(cfg)
+    if pp_own > 1 and (schedule_own, v_own) not in schedules:
+        schedules.append((schedule_own, v_own))
     pp = 2
     while pp <= model.num_layers // 2 and world % pp == 0:
         W = world // pp
@@ -132,7 +144,7 @@ def candidates(cfg: RunConfig, cluster: ClusterSpec) -> list[RunConfig]:
         m = G // (W * mbs)
         if pp > 1 and micro_batch_problem(schedule, pp, m):
             continue
-        same = (pp, schedule, v) == (own.pp, own.pp_schedule, own.pp_virtual_stages)
+        same = (pp, schedule, v) == own_pipeline(cfg)
         pipe = dict(pp=pp, pp_schedule=schedule, pp_virtual_stages=v,
                     pp_layers_per_stage=own.pp_layers_per_stage if same else None)
         accum = {} if cfg.train.global_batch_size is not None else {"grad_accum": m}

@@ -8,8 +8,13 @@ tokens, K top-k, T tokens per rank and micro-batch.
 What is modelled (one EP group stands for all ``dp`` replicas; they are statistically alike):
 
 * Compute. Non-expert work (attention, dense/shared FFNs, router, head) is the same on
-  every rank: ``T * flops / rate``. Expert work on rank r is its slots' rows times the
-  training FLOPs per row, each expert GEMM charged ``gemm_half_rows`` extra rows.
+  every rank; expert work on rank r follows its slots' rows. On a cluster with ``sm_count``
+  (the GPU presets) both are timed by shape (:mod:`epscale.plan.shapes`: every GEMM's
+  tiles in waves of the SMs under a roofline, each expert's rows rounded up to the tile,
+  fp8 as a rate, memory-bound work by its bytes at the HBM bandwidth, tensor parallelism
+  and recomputation by module as ``work`` says). On a calibrated cluster without it:
+  ``T * flops / rate`` and each expert GEMM charged ``gemm_half_rows`` extra rows, plus
+  ``layer_overhead_us`` per MoE layer and pass.
 * Dispatch and combine rows, with the dispatchers' arithmetic: ``alltoall`` one row per
   (token, expert), ``dedup`` one per (token, destination rank), ``hierarchical`` one
   inter-node row per (token, destination node) to the same-index GPU there, which forwards
@@ -19,8 +24,11 @@ What is modelled (one EP group stands for all ``dp`` replicas; they are statisti
 * Synchronisation. A layer's combine waits for the slowest rank's experts: a rank's idle
   time is the sum over layers of (slowest rank's expert time - its own).
 * Overlap. ``none``: transfers and compute in sequence. ``chunks``: dispatch, experts and
-  combine pipelined over ``overlap_chunks`` chunks. ``full``: the transfers hide behind the
-  other micro-batch's non-expert compute (DualPipe-style); what does not fit is exposed.
+  combine pipelined over ``overlap_chunks`` chunks. ``full``: DualPipe's pairing of a
+  forward chunk of one micro-batch with a backward chunk of another: the forward's
+  dispatch and combine hide behind the backward chunk's compute and the backward's behind
+  the forward's; what does not fit is exposed. Overlapped dispatch kernels may hold SMs
+  (``work.comm_sms``), which the compute then lacks.
 * Data parallelism. Once per step: non-expert gradients all-reduced over all ranks, expert
   gradients over the ``dp`` ranks holding the same experts (ring, bus bandwidth of the
   slowest link crossed, log-depth latency); with overlap, hidden behind the last
@@ -45,12 +53,16 @@ over its W GPUs). A stage's time per micro-batch is its blocks' non-expert work 
 share of :func:`epscale.plan.pipeline.stage_flops`, the head on the last) plus its MoE
 layers' times as above; a rank's is the sum over its stages, plus its p2p receives (each
 stage's input from another rank in forward and its output gradient in backward: T x D
-in the compute dtype, over NVLink when both ranks' GPUs share a node, else the NIC; not
-hidden) and its FSDP gathers beyond its compute. The slowest rank sets the pace:
+in the compute dtype, over NVLink when both ranks' GPUs share a node, else the NIC; exposed
+under 1F1B and GPipe and without overlap, else hidden behind the rank's compute under the
+looped and V schedules, which run another stage's micro-batch meanwhile) and its FSDP
+gathers beyond its compute. The slowest rank sets the pace:
 pipeline time = m x (slowest rank's time) / (1 - bubble), the bubble of the schedule at m
 (:func:`epscale.plan.pipeline.bubble_fraction`, equal stages assumed there). The
 data-parallel reduction of each rank's own weights over its stage's ranks follows, the
 slowest rank's counted. Tokens per GPU: m x T per step over the p GPUs of a pipeline.
+
+The AdamW step closes every step, memory-bound (by bytes, on clusters with ``mem_bw_GBps``).
 """
 
 from __future__ import annotations
@@ -61,6 +73,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..config import ConfigError, RunConfig
+from ..config.schema import PP_SCHEDULES
 from .sizing import expert_params_per_expert, model_size
 from .balance import (BalanceParams, Strategy, contiguous_placement, parse_strategy,
                       redundant_placement, temper)
@@ -70,6 +83,8 @@ from .memory import cached_param_shapes, block_of
 from .placement import plan_spill
 from .pipeline import (bubble_fraction, layers_per_stage, micro_batches, stage_flops, stage_layers,
                        stage_placement)
+from .shapes import (PRECISIONS, RECOMPUTE_MODULES, Work, compute_cluster, expert_time,
+                     nonexpert_time, optimizer_bytes_per_param)
 from .routing import (RoutingSpec, fit_weights, inclusion_probs, layer_shares, sample_topk,
                       shares_of)
 
@@ -152,7 +167,7 @@ def simulate(run_cfg: RunConfig, cluster: ClusterSpec, routing: RoutingSpec | No
              ep: int | None = None, overlap_chunks: int | None = None,
              params: BalanceParams = BalanceParams(), step_samples: int = 8,
              sample_tokens: int = 2048, seed: int = 0,
-             loads_cache: dict | None = None) -> list[SimResult]:
+             loads_cache: dict | None = None, work: Work = Work()) -> list[SimResult]:
     """Simulate one training step for every (strategy, dispatcher) pair.
 
     ``run_cfg`` supplies the model, the MoE layer, ``parallel.ep`` (unless ``ep`` is given;
@@ -161,7 +176,9 @@ def simulate(run_cfg: RunConfig, cluster: ClusterSpec, routing: RoutingSpec | No
     activations and gradients). ``loads_cache``: a dict shared by calls that differ only in
     layout keys that leave the routing alone (``describe --fit``'s candidates): the sampled
     per-rank loads, which depend on the strategies, ep, tokens per micro-batch, routing and
-    seed only, are drawn once per such key (the same draws a fresh call makes).
+    seed only, are drawn once per such key (the same draws a fresh call makes). ``work``:
+    the run's GEMM precision, tensor parallelism and recomputed modules where the recipe
+    does not say them (:class:`epscale.plan.shapes.Work`; the published runs' features).
     """
     routing = routing or RoutingSpec()
     for d in dispatchers:
@@ -181,18 +198,25 @@ def simulate(run_cfg: RunConfig, cluster: ClusterSpec, routing: RoutingSpec | No
 
     act_bytes = 2 if train.dtype == "bfloat16" else 4
     grad_bytes = act_bytes
-    T = train.micro_batch_size * model.seq_len
+    T = _tokens_per_gpu(run_cfg, work)
     rate = cluster.flops_per_s
     row_flops = 6.0 * expert_params_per_expert(moe)             # fwd + bwd per routed row
     expert_flops_tok = n_moe * K * row_flops
-    dense_time = T * (size.flops_per_token - expert_flops_tok) / rate   # per micro-batch
+    ne_flops = T * (size.flops_per_token - expert_flops_tok)   # non-expert, per micro-batch
+    ccl = compute_cluster(cluster, work, overlap)
+    if cluster.sm_count or work != Work():
+        dense_time = nonexpert_time(run_cfg, ccl, T, work)
+    else:
+        dense_time = ne_flops / rate
     dense_time_layer = dense_time / model.num_layers
     overhead = 3 * cluster.layer_overhead_us * 1e-6                      # fwd + 2x bwd
-    half_rows = cluster.gemm_half_rows
+    ctx = dict(half_rows=cluster.gemm_half_rows, work=work, rate_ne=ne_flops / dense_time, ccl=ccl,
+               tile=cluster.gemm_tile_m if cluster.sm_count else 0)
     row_bytes = model.dim * act_bytes
 
     key = (tuple(strategies), lay.ep, lay.ep_ranks_per_node, lay.ep_num_nodes, T, n_moe, E, K,
-           moe.num_groups, moe.topk_groups, routing, params, step_samples, sample_tokens, seed)
+           moe.num_groups, moe.topk_groups, routing, params, step_samples, sample_tokens, seed,
+           ctx["tile"])
     if loads_cache is not None and key in loads_cache:
         loads, n_dist = loads_cache[key]
     else:
@@ -205,7 +229,8 @@ def simulate(run_cfg: RunConfig, cluster: ClusterSpec, routing: RoutingSpec | No
             n_dist = base_w.shape[0]
         strats = [parse_strategy(sname, params) for sname in strategies]
         loads = [(strat, _strategy_loads(strat, base_w, trace_steps, lay, moe, params, T, rng,
-                                         step_samples, sample_tokens)) for strat in strats]
+                                         step_samples, sample_tokens, ctx["tile"]))
+                 for strat in strats]
         if loads_cache is not None:
             loads_cache[key] = (loads, n_dist)
     layer_of = np.arange(n_moe) % n_dist
@@ -215,9 +240,26 @@ def simulate(run_cfg: RunConfig, cluster: ClusterSpec, routing: RoutingSpec | No
     for strat, sim in loads:
         for disp in dispatchers:
             results.append(_evaluate(strat, disp, overlap, chunks, sim, lay, cluster, size, run_cfg,
-                                     T, rate, row_flops, half_rows, dense_time, dense_time_layer,
+                                     T, rate, row_flops, ctx, dense_time, dense_time_layer,
                                      overhead, row_bytes, grad_bytes, weight_L))
     return results
+
+
+def _tokens_per_gpu(run_cfg: RunConfig, work: Work) -> int:
+    """Tokens of one micro-batch on one GPU: the micro-batch's, over the tensor-parallel
+    ranks that share it (sequence parallelism)."""
+    if work.precision not in PRECISIONS:
+        raise ConfigError(f"precision '{work.precision}' is invalid: must be one of "
+                          f"{', '.join(PRECISIONS)}")
+    for mod in work.recompute_modules or ():
+        if mod not in RECOMPUTE_MODULES:
+            raise ConfigError(f"recompute module '{mod}' is invalid: must be one of "
+                              f"{', '.join(RECOMPUTE_MODULES)}")
+    tokens = run_cfg.train.micro_batch_size * run_cfg.model.seq_len
+    if work.tp < 1 or tokens % work.tp:
+        raise ConfigError(f"tp = {work.tp} is invalid: must be a positive integer dividing "
+                          f"the micro-batch's {tokens} tokens")
+    return tokens // work.tp
 
 
 def _miss_prob(q_LEX: np.ndarray, top_k: int) -> np.ndarray:
@@ -234,7 +276,7 @@ def _miss_prob(q_LEX: np.ndarray, top_k: int) -> np.ndarray:
 
 
 def _strategy_loads(strat: Strategy, base_w, trace_steps, lay: Layout, moe, params: BalanceParams,
-                    T: int, rng, step_samples: int, sample_tokens: int) -> dict:
+                    T: int, rng, step_samples: int, sample_tokens: int, tile: int = 0) -> dict:
     """Per-step rank rows, GEMM counts and dispatch dedup ratios of one strategy.
 
     Without group-limited routing everything is analytic: an expert's inclusion probability
@@ -312,6 +354,8 @@ def _strategy_loads(strat: Strategy, base_w, trace_steps, lay: Layout, moe, para
     rank_rows = slot_rows.reshape(S, L, R, spr)
     gemms = (rank_rows > 0).sum(axis=3).astype(np.float64)        # [S, L, R]
     rows = rank_rows.sum(axis=3)                                   # [S, L, R]
+    # rows a grouped GEMM computes: each expert's rounded up to the tile (``tile``: 0, none)
+    pad = (np.ceil(rank_rows / tile) * tile).sum(axis=3) - rows if tile else np.zeros(rows.shape)
     spills = np.zeros(rows.shape)                                  # expert weights moved
     if strat.spill and P == E:     # spill-over plans on the plain contiguous layout
         for si in range(S):
@@ -323,25 +367,65 @@ def _strategy_loads(strat: Strategy, base_w, trace_steps, lay: Layout, moe, para
                 rows[si, layer] = np.asarray(plan.rank_load_after, dtype=np.float64)
                 for sp in plan.spills:
                     gemms[si, layer, sp.helper] += 1
+                    pad[si, layer, sp.helper] += tile / 2
                     spills[si, layer, sp.owner] += 1
                     spills[si, layer, sp.helper] += 1
-    return {"rows": rows, "gemms": gemms, "dedup_ratio": np.clip(dedup_ratio, 0.0, 1.0),
+    return {"rows": rows, "gemms": gemms, "pad": pad, "dedup_ratio": np.clip(dedup_ratio, 0.0, 1.0),
             "node_ratio": np.clip(node_ratio, 0.0, 1.0), "spills": spills, "num_slots": P}
 
 
+def _expert_compute(sim: dict, run_cfg: RunConfig, cluster: ClusterSpec, ctx: dict, rate: float,
+                    row_flops: float, overhead: float, redo: float) -> np.ndarray:
+    """[S, L, R] seconds of each rank's experts per MoE layer and micro-batch, fwd + bwd and
+    what is recomputed: by shape (:func:`epscale.plan.shapes.expert_time`) on a cluster
+    with ``sm_count``, else the calibrated ``gemm_half_rows`` extra rows per expert GEMM."""
+    rows, gemms, work = sim["rows"], sim["gemms"], ctx["work"]
+    again = "moe" in (work.recompute_modules or ())       # the MoE forward runs twice
+    if not cluster.sm_count:
+        base = (rows + ctx["half_rows"] * gemms) * row_flops / rate + overhead
+        return base * (1 + redo + again / 3.0)
+    total, fwd = expert_time(run_cfg, ctx["ccl"], rows, rows + sim["pad"], gemms, work)
+    return total * (1 + redo) + fwd * again + overhead
+
+
+def _optimizer_time(cluster: ClusterSpec, run_cfg: RunConfig, params: float, world: int) -> float:
+    """The AdamW step over a rank's ``params`` (sharded over the stage's data-parallel ranks
+    under FSDP), memory-bound: its bytes at the HBM bandwidth (0 without ``mem_bw_GBps``)."""
+    if not cluster.mem_bw_GBps:
+        return 0.0
+    shard = world // run_cfg.parallel.dp_replicate if run_cfg.parallel.fsdp else 1
+    return params / shard * optimizer_bytes_per_param(run_cfg) / (cluster.mem_bw_GBps * 1e9)
+
+
+def _paired_exposure(comm: np.ndarray, compute: np.ndarray, transfers: int,
+                     redo: float) -> np.ndarray:
+    """Exposed transfer time of one MoE layer under DualPipe's pairing: a forward chunk of
+    one micro-batch runs beside a backward chunk of another, so the forward's dispatch and
+    combine hide behind the backward chunk's compute (with a recomputed forward, which
+    dispatches again) and the backward chunk's transfers behind the forward's compute."""
+    fwd_compute = compute / (3.0 + 3.0 * redo)
+    fwd_side = np.maximum(0.0, 2 * comm - (compute - fwd_compute))
+    bwd_side = np.maximum(0.0, (transfers - 2) * comm - fwd_compute)
+    return fwd_side + bwd_side
+
+
 def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSpec, size, run_cfg,
-              T, rate, row_flops, half_rows, dense_time, dense_time_layer, overhead, row_bytes,
+              T, rate, row_flops, ctx, dense_time, dense_time_layer, overhead, row_bytes,
               grad_bytes, weight_L) -> SimResult:
-    rows, gemms = sim["rows"], sim["gemms"]                       # [S, L, R]
+    rows = sim["rows"]                                            # [S, L, R]
     S, L, R = rows.shape
     g, n = lay.ep_ranks_per_node, lay.ep_num_nodes
     ac = run_cfg.train.activation_checkpointing
-    redo = 1.0 / 3.0 if ac == "full" else 0.0          # a second forward, as a share of fwd+bwd
-    transfers = 4 if ac == "none" else 6               # recomputation dispatches again
+    work = ctx["work"]
+    redo = 1.0 / 3.0 if ac == "full" and work.recompute_modules is None else 0.0
+    # a second forward as a share of fwd + bwd; recomputation dispatches again
+    if work.recompute_modules is None:
+        transfers = 4 if ac == "none" else 6
+    else:
+        transfers = 6 if "moe" in work.recompute_modules else 4
     dense_time = dense_time * (1 + redo)
     dense_time_layer = dense_time_layer * (1 + redo)
-    # Expert compute per rank (fwd + bwd, and the recomputed forward) per layer.
-    comp = ((rows + half_rows * gemms) * row_flops / rate + overhead) * (1 + redo)  # [S, L, R]
+    comp = _expert_compute(sim, run_cfg, cluster, ctx, rate, row_flops, overhead, redo)  # [S, L, R]
 
     # Rows each source sends to each destination rank (per micro-batch, one transfer).
     per_src_to = rows / R                                                     # alltoall
@@ -382,7 +466,7 @@ def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSp
         bwd = _pipeline(comm_max, 2 * comp_max / (3 + 3 * redo), comm_max, chunks)
         layer_time = fwd * (transfers // 2 - 1) + bwd   # the recomputed forward is a second fwd
     elif overlap == "full":
-        layer_time = comp_max + np.maximum(0.0, transfers * comm_max - dense_time_layer)
+        layer_time = comp_max + _paired_exposure(comm_max, comp_max + dense_time_layer, transfers, redo)
     else:
         layer_time = comp_max + transfers * comm_max
     exposed = layer_time - comp_max
@@ -393,8 +477,8 @@ def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSp
     accum = micro_batches(run_cfg, lay.world)
     if lay.pp > 1:
         return _pipeline_result(
-            strat, disp, overlap, lay, cluster, run_cfg, T, rate, grad_bytes, row_bytes, redo,
-            accum, dict(layer_time=layer_time, comp_max=comp_max, idle=idle,
+            strat, disp, overlap, lay, cluster, run_cfg, T, ctx["rate_ne"], grad_bytes, row_bytes, redo,
+            accum, ctx["work"], dict(layer_time=layer_time, comp_max=comp_max, idle=idle,
                         rows=rows, comm_max=comm_max, comp=comp, out_intra=out_intra,
                         out_inter=out_inter))
 
@@ -402,7 +486,7 @@ def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSp
     def link(span: int, stride: int = 1) -> tuple[float, float]:
         return _link(cluster, span, stride)
 
-    dense_params = size.total_params - size.expert_params
+    dense_params = (size.total_params - size.expert_params) / ctx["work"].tp
     expert_params = size.expert_params / lay.ep * sim["num_slots"] / run_cfg.moe.num_experts
     par = run_cfg.parallel
     fsdp_exposed = 0.0
@@ -424,13 +508,14 @@ def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSp
     else:
         bw, lat = link(lay.world)
         dp_bw, dp_lat = link(lay.dp, lay.ep)
-        ar = (_allreduce_time(dense_params * grad_bytes, lay.world, bw, lat)
+        ar = (_allreduce_time(dense_params * grad_bytes, lay.world // ctx["work"].tp, bw, lat)
               + _allreduce_time(expert_params * grad_bytes, lay.dp, dp_bw, dp_lat))
     if overlap == "none":
         dp_exposed = ar
     else:
         dp_exposed = max(0.0, ar - 2.0 / 3.0 * micro)
-    step = accum * micro + dp_exposed + fsdp_exposed
+    step = (accum * micro + dp_exposed + fsdp_exposed
+            + _optimizer_time(cluster, run_cfg, dense_params + expert_params, lay.world))
     idle_rank = accum * (idle.mean(axis=0) * weight_L[:, None]).sum(axis=0)   # [R]
     compute = accum * (dense_time + wsum(comp_max))
     expert_comm = accum * wsum(exposed)
@@ -459,7 +544,7 @@ def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSp
 
 def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, run_cfg: RunConfig,
                      T: int, rate: float, grad_bytes: int, row_bytes: float, redo: float,
-                     m: int, moe_times: dict) -> SimResult:
+                     m: int, work: Work, moe_times: dict) -> SimResult:
     """One step under a pipeline (the module docstring's 'Pipeline'). ``moe_times``: the
     per-distribution arrays of :func:`_evaluate` ([S, L] or [S, L, R]) for one MoE layer
     and micro-batch."""
@@ -488,6 +573,12 @@ def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, ru
     dp_shard = W // rep
     efsdp = dp_shard // lay.ep
     hop_bytes = T * model.dim * grad_bytes                             # one activation, or its gradient
+    # With overlap (or ``work.p2p_overlap``) the looped and V schedules run another stage's
+    # micro-batch while a boundary's activation or gradient travels (Megatron's interleaved
+    # schedule overlaps its p2p, DualPipe pairs chunks): p2p is exposed only where it
+    # exceeds the compute.
+    hides_p2p = PP_SCHEDULES[par.pp_schedule] != "single" and (overlap != "none" or work.p2p_overlap)
+    tp = work.tp
 
     def hop(a: int, b: int) -> float:
         same_node = W < gpn and (a * W) // gpn == (b * W) // gpn
@@ -506,8 +597,10 @@ def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, ru
         busy = nonexpert + float((layer_time * weights).sum())
         p2p = sum(hop(owner[s - 1], r) for s in stages if s > 0 and owner[s - 1] != r) \
             + sum(hop(owner[s + 1], r) for s in stages if s < n - 1 and owner[s + 1] != r)
+        if hides_p2p:
+            p2p = max(0.0, p2p - compute)
         keys = layers + ["embed"] * (0 in stages) + ["head"] * (n - 1 in stages)
-        d_params = sum(dense.get(k, 0) for k in keys)
+        d_params = sum(dense.get(k, 0) for k in keys) / tp
         e_params = sum(expert.get(k, 0) for k in keys)
         fsdp_t = 0.0
         if fsdp:
@@ -523,16 +616,17 @@ def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, ru
         else:
             bw, lat = _link(cluster, W)
             dp_bw, dp_lat = _link(cluster, lay.dp, lay.ep)
-            ar = (_allreduce_time(d_params * grad_bytes, W, bw, lat)
+            ar = (_allreduce_time(d_params * grad_bytes, W // tp, bw, lat)
                   + _allreduce_time(e_params * grad_bytes, lay.dp, dp_bw, dp_lat))
         dp_t = ar if overlap == "none" else max(0.0, ar - 2.0 / 3.0 * (busy + p2p + fsdp_t))
         ranks.append(dict(time=busy + p2p + fsdp_t, compute=compute, expert_comm=busy - compute,
-                          p2p=p2p, fsdp=fsdp_t, dp=dp_t, weights=weights))
+                          p2p=p2p, fsdp=fsdp_t, dp=dp_t, weights=weights,
+                          opt=_optimizer_time(cluster, run_cfg, d_params + e_params, W)))
     slow = max(ranks, key=lambda x: x["time"])
     bubble = bubble_fraction(par.pp_schedule, lay.pp, m, par.pp_virtual_stages)
     pipe = m * slow["time"] / (1.0 - bubble)
     dp_exposed = max(x["dp"] for x in ranks)
-    step = pipe + dp_exposed
+    step = pipe + dp_exposed + max(x["opt"] for x in ranks)
     w = slow["weights"]
     idle_rank = m * (idle * w[:, None]).sum(axis=0)                   # [R]
     rows = moe_times["rows"]
@@ -550,6 +644,9 @@ def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, ru
                    "intra_bytes_per_gpu": float(intra[i]),
                    "inter_bytes_per_gpu": float(inter[i])} for i in range(n_dist)]
     expert_comm = m * slow["expert_comm"]
+    # Traffic per GPU: the mean over the pipeline ranks (each holds its own MoE layers),
+    # whatever rank sets the pace.
+    w_mean = np.mean([x["weights"] for x in ranks], axis=0)
     return SimResult(
         strategy=strat.name, dispatcher=disp, overlap=overlap, step_time_s=step,
         tokens_per_s_per_gpu=m * T / lay.pp / step, compute_s=m * slow["compute"],
@@ -557,6 +654,6 @@ def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, ru
         comm_share=expert_comm / step, dp_share=dp_exposed / step,
         worst_idle_share=float(idle_rank.max() / step),
         mean_idle_share=float(idle_rank.mean() / step), max_vio=max_vio,
-        intra_bytes_per_gpu=4 * m * float((intra * w).sum()),
-        inter_bytes_per_gpu=4 * m * float((inter * w).sum()),
+        intra_bytes_per_gpu=4 * m * float((intra * w_mean).sum()),
+        inter_bytes_per_gpu=4 * m * float((inter * w_mean).sum()),
         layers=layers_out, bubble_s=pipe - m * slow["time"], p2p_s=m * slow["p2p"])

@@ -1,0 +1,300 @@
+"""The step model by shape: the time of each GEMM from its (M, N, K), and the memory-bound
+work (norms, activations, permutes, router, loss, fp8 casts, optimizer) from the bytes it
+moves (torch-free; :mod:`epscale.plan.step_model` reads it).
+
+Legend: T tokens of one micro-batch on one GPU, D model dim, F expert hidden, E experts,
+K top-k, V vocabulary, M/N/K of a GEMM: C[M, N] = A[M, K] @ B[K, N].
+
+GEMM time is a roofline over the tiles a GEMM kernel really computes (NVIDIA, "Matrix
+Multiplication Background User's Guide", docs.nvidia.com/deeplearning/performance/
+dl-performance-matrix-multiplication: *tile quantization* and *wave quantization*):
+
+* the output is computed in ``gemm_tile_m x gemm_tile_n`` tiles, one thread block each:
+  a dimension that is not a multiple of the tile still pays for the whole last tile;
+* the tiles run in waves of ``sm_count`` (one per SM): the last, partly filled wave costs
+  as much as a full one;
+* a full tile runs at ``gemm_tflops x gemm_efficiency`` (the rate large GEMMs reach), so
+  large shapes approach that rate and small ones fall below it;
+* the GEMM cannot beat its memory traffic either, ``(M K + K N) x in-bytes + M N x
+  out-bytes`` at ``mem_bw_GBps``: thin GEMMs (few rows per expert) are memory-bound.
+
+fp8 is a rate option: the linear layers' GEMMs run at ``fp8_tflops`` with 1-byte inputs,
+and every input is cast first (read 2 bytes, write 1: charged as memory-bound work).
+Attention's core (flash attention: QK^T and PV) is charged by its FLOPs at the large-GEMM
+bf16 rate. A cluster without ``sm_count`` (a CPU calibrated by ``epscale calibrate``)
+keeps the calibrated model: one rate, ``gemm_half_rows`` extra rows per expert GEMM.
+
+Memory-bound work is charged by bytes at ``mem_bw_GBps`` (the forward's bytes per token
+in :func:`elementwise_bytes`, the backward twice those: it reads the saved input and the
+output gradient and writes the input gradient). Without ``mem_bw_GBps`` the calibrated
+``layer_overhead_us`` per layer and pass stands for it instead.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from ..config import ConfigError, RunConfig
+from .cluster import ClusterSpec
+from .sizing import _ffn_mats, attention_flops_per_token, head_dim
+
+PRECISIONS = ("bf16", "fp8")
+RECOMPUTE_MODULES = ("layernorm", "mla_up_proj", "moe_act", "core_attn", "mlp", "moe")
+
+
+def _peak(cluster: ClusterSpec, precision: str) -> float:
+    """Dense tensor-core FLOP/s of the linear layers' GEMMs at ``precision``."""
+    if precision == "fp8":
+        if not cluster.fp8_tflops:
+            raise ConfigError(f"precision 'fp8' needs the cluster's fp8_tflops (cluster "
+                              f"'{cluster.name}' has none): set it, or use bf16")
+        return cluster.fp8_tflops * 1e12
+    return cluster.gemm_tflops * 1e12
+
+
+def gemm_time(cluster: ClusterSpec, M, N, K, precision: str = "bf16", out_bytes: int = 2):
+    """Seconds of one GEMM C[M, N] = A[M, K] @ B[K, N] (arrays broadcast), by the module
+    docstring's roofline. Without ``sm_count`` the cluster's flat rate."""
+    M, N, K = (np.asarray(x, dtype=np.float64) for x in (M, N, K))
+    rate = _peak(cluster, precision) * cluster.gemm_efficiency
+    flops = 2.0 * M * N * K
+    if not cluster.sm_count:
+        return flops / rate
+    tm, tn = cluster.gemm_tile_m, cluster.gemm_tile_n
+    tiles = np.ceil(M / tm) * np.ceil(N / tn)
+    waves = np.ceil(tiles / cluster.sm_count)
+    compute = waves * cluster.sm_count * (2.0 * tm * tn * K) / rate
+    in_bytes = 1 if precision == "fp8" else 2
+    memory = ((M * K + K * N) * in_bytes + M * N * out_bytes) / (cluster.mem_bw_GBps * 1e9) \
+        if cluster.mem_bw_GBps else 0.0
+    return np.where(flops > 0, np.maximum(compute, memory), 0.0)
+
+
+def gemm_efficiency(cluster: ClusterSpec, M, N, K, precision: str = "bf16"):
+    """Achieved / peak FLOP rate of one GEMM (what the tests check for monotony)."""
+    t = gemm_time(cluster, M, N, K, precision)
+    return 2.0 * np.asarray(M, float) * N * K / t / _peak(cluster, precision)
+
+
+def train_gemms_time(cluster: ClusterSpec, M: float, N: float, K: float, precision: str) -> float:
+    """Forward, input-gradient and weight-gradient GEMMs of one linear layer on M rows
+    (weight K x N): (M, N, K), (M, K, N) and (K, N, M), the weight gradient in fp32."""
+    return float(gemm_time(cluster, M, N, K, precision) + gemm_time(cluster, M, K, N, precision)
+                 + gemm_time(cluster, K, N, M, precision, out_bytes=4))
+
+
+def attention_linears(run_cfg: RunConfig) -> list[tuple[str, int, int]]:
+    """(name, in, out) of one attention block's weight matrices (as :mod:`.sizing` counts)."""
+    m = run_cfg.model
+    D, H = m.dim, m.num_heads
+    if m.attention == "mla":
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        out = [("wkv_a", D, m.kv_lora_rank + m.qk_rope_head_dim),
+               ("wkv_b", m.kv_lora_rank, H * (m.qk_nope_head_dim + m.v_head_dim)),
+               ("wo", H * m.v_head_dim, D)]
+        if m.q_lora_rank > 0:
+            return [("wq_a", D, m.q_lora_rank), ("wq_b", m.q_lora_rank, H * qk)] + out
+        return [("wq", D, H * qk)] + out
+    hd, kv = head_dim(m), m.num_kv_heads or m.num_heads
+    return [("wqkv", D, (H + 2 * kv) * hd), ("wo", H * hd, D)]
+
+
+@dataclass(frozen=True)
+class Work:
+    """Knobs of one simulated run that the recipe does not carry (the published runs'
+    features the trainer lacks are modelled through them): ``precision`` of the linear
+    layers' GEMMs, ``tp`` tensor-parallel ranks of the non-expert blocks (Megatron's
+    sequence parallelism: each holds T / tp tokens outside attention and the dense FFNs,
+    experts are not split), ``recompute_modules`` (Megatron's names; ``None``: the
+    recipe's ``train.activation_checkpointing``), ``comm_sms`` SMs the overlapped dispatch
+    kernels hold (:func:`compute_cluster`), ``p2p_overlap``: a looped or V pipeline hides
+    its p2p behind compute even where the expert transfers are not overlapped (Megatron's
+    interleaved schedule)."""
+
+    precision: str = "bf16"
+    tp: int = 1
+    recompute_modules: tuple[str, ...] | None = None
+    comm_sms: int = 0
+    p2p_overlap: bool = False
+
+
+def compute_cluster(cluster: ClusterSpec, work: Work, overlap: str) -> ClusterSpec:
+    """The cluster as compute sees it: while dispatch kernels run beside the compute
+    (``overlap`` chunks or full) they hold ``work.comm_sms`` of the SMs (DeepSeek-V3's
+    report: 20 of the H800's 132), so GEMM waves have fewer SMs at the same rate per SM."""
+    if work.comm_sms < 0 or (cluster.sm_count and work.comm_sms >= cluster.sm_count):
+        raise ConfigError(f"comm_sms = {work.comm_sms} is invalid: must be >= 0 and below the "
+                          f"cluster's sm_count ({cluster.sm_count})")
+    if not work.comm_sms or overlap == "none" or not cluster.sm_count:
+        return cluster
+    keep = (cluster.sm_count - work.comm_sms) / cluster.sm_count
+    return replace(cluster, sm_count=cluster.sm_count - work.comm_sms,
+                   gemm_tflops=cluster.gemm_tflops * keep, fp8_tflops=cluster.fp8_tflops * keep)
+
+
+def elementwise_bytes(run_cfg: RunConfig, moe_layer: bool, fp8: bool) -> dict[str, float]:
+    """Forward bytes per token of one layer's memory-bound work, by part (bf16 activations:
+    2 bytes, router in fp32). Per routed row (x K): the permute writes the row and the
+    unpermute reads it, the activation reads 2 F (gate, up) and writes F."""
+    m, moe = run_cfg.model, run_cfg.moe
+    D, a = m.dim, 2.0
+    out = {"layernorm": 2 * 2 * D * a,                  # two RMSNorms: read D, write D
+           "residual": 2 * 3 * D * a}                   # two adds: read 2 D, write D
+    if m.attention == "mla":
+        rope = m.num_heads * m.qk_rope_head_dim + m.qk_rope_head_dim
+        out["mla_norms"] = 2 * (m.q_lora_rank + m.kv_lora_rank) * a
+    else:
+        rope = (m.num_heads + (m.num_kv_heads or m.num_heads)) * head_dim(m)
+    out["rope"] = 2 * rope * a
+    mats = _ffn_mats(moe.activation)
+    act = (3 if mats == 3 else 2) * a                   # swiglu: read 2, write 1
+    if moe_layer:
+        K, F = moe.top_k, moe.hidden_dim
+        out["router"] = 3 * moe.num_experts * 4.0 + K * 8.0   # scores, softmax/top-k in fp32
+        out["permute"] = 2 * (1 + K) * D * a             # dispatch permute + combine unpermute
+        out["moe_act"] = K * F * act
+        out["shared_act"] = moe.shared_width * act
+        # the routed experts' inputs are cast per row (:func:`expert_time`); the router
+        # stays in bf16
+        linear_in = (D + moe.shared_width) * (moe.shared_width > 0)
+    else:
+        out["mlp_act"] = m.dense_hidden_dim * act
+        linear_in = D + m.dense_hidden_dim
+    linear_in += sum(i for _, i, _ in attention_linears(run_cfg))
+    if fp8:                          # each GEMM input cast to fp8: read 2 bytes, write 1
+        out["fp8_cast"] = 3.0 * linear_in
+    return out
+
+
+def loss_bytes(run_cfg: RunConfig) -> float:
+    """Bytes per token of the output layer's memory-bound work, fwd + bwd: the bf16 logits
+    written and read into an fp32 softmax and cross-entropy, and their gradient."""
+    return 16.0 * run_cfg.model.vocab_size
+
+
+def optimizer_bytes_per_param(run_cfg: RunConfig) -> float:
+    """AdamW step per parameter: read the fp32 weight, gradient and two moments, write the
+    weight, the moments and the bf16 copy."""
+    return 4 * 4 + 3 * 4 + 2
+
+
+def _recomputed(work: Work, ac: str, name: str) -> bool:
+    """Whether module ``name``'s forward runs again in backward."""
+    if work.recompute_modules is not None:
+        return name in work.recompute_modules
+    return ac == "selective" and name in ("layernorm", "moe_act")
+
+
+def _linears(run_cfg: RunConfig, moe_layer: bool) -> list[tuple[str, int, int, str]]:
+    """(module, in, out, how tensor parallelism splits it: 'n' columns, 'k' rows, '-' not)
+    of one layer's non-expert weight matrices; the fused gate/up counts as one."""
+    m, moe = run_cfg.model, run_cfg.moe
+    mats = _ffn_mats(moe.activation)
+    split = {"wq_a": "-", "wkv_a": "-", "wo": "k"}
+    out = [("mla_up_proj" if n in ("wq_b", "wkv_b") else "attn", i, o, split.get(n, "n"))
+           for n, i, o in attention_linears(run_cfg)]
+    if moe_layer:
+        out.append(("router", m.dim, moe.num_experts, "-"))
+        if moe.shared_width:
+            out += [("shared", m.dim, (mats - 1) * moe.shared_width, "n"),
+                    ("shared", moe.shared_width, m.dim, "k")]
+    else:
+        out += [("mlp", m.dim, (mats - 1) * m.dense_hidden_dim, "n"),
+                ("mlp", m.dense_hidden_dim, m.dim, "k")]
+    return out
+
+
+def _layer_time(run_cfg: RunConfig, cluster: ClusterSpec, T: float, work: Work,
+                moe_layer: bool) -> float:
+    """Seconds of one layer's non-expert work, fwd + bwd (+ the modules recomputed), on a
+    GPU holding T tokens of the micro-batch (T x tp under tensor parallelism)."""
+    tp, ac = work.tp, run_cfg.train.activation_checkpointing
+    full = T * tp
+    t = 0.0
+    for module, k, n, how in _linears(run_cfg, moe_layer):
+        prec = "bf16" if module == "router" else work.precision
+        M, N, K = (T, n, k) if how == "-" or tp == 1 else             (full, n / tp, k) if how == "n" else (full, n, k / tp)
+        t += train_gemms_time(cluster, M, N, K, prec)
+        again = _recomputed(work, ac, module) or (
+            module in ("router", "shared") and _recomputed(work, ac, "moe"))
+        if again:
+            t += float(gemm_time(cluster, M, N, K, prec))
+    attn = T * attention_flops_per_token(run_cfg.model) / (cluster.flops_per_s)
+    t += 3 * attn + attn * _recomputed(work, ac, "core_attn")
+    if cluster.mem_bw_GBps:
+        parts = elementwise_bytes(run_cfg, moe_layer, work.precision == "fp8")
+        per_row = ("permute", "moe_act")          # charged with the experts' rows
+        nbytes = sum(v for k_, v in parts.items() if k_ not in per_row)
+        nbytes = 3 * nbytes + parts["layernorm"] * _recomputed(work, ac, "layernorm")
+        t += T * nbytes / (cluster.mem_bw_GBps * 1e9)
+    if tp > 1:          # sequence parallelism: all-gather in, reduce-scatter out, fwd and bwd
+        hops = 4 * (1 + (not moe_layer))
+        t += hops * ((tp - 1) / tp * full * run_cfg.model.dim * 2 / (cluster.intra_bw_GBps * 1e9)
+                     + cluster.intra_latency_us * 1e-6)
+    return t
+
+
+def nonexpert_time(run_cfg: RunConfig, cluster: ClusterSpec, T: float, work: Work) -> float:
+    """Seconds of one micro-batch's non-expert work on one GPU holding T tokens: every
+    layer's attention, norms, dense FFN or shared experts and router, and the output head
+    with its loss (bf16), forward and backward."""
+    m = run_cfg.model
+    n_moe = sum(m.is_moe_layer(i) for i in range(m.num_layers))
+    t = (n_moe * _layer_time(run_cfg, cluster, T, work, True)
+         + (m.num_layers - n_moe) * _layer_time(run_cfg, cluster, T, work, False))
+    head_n = m.vocab_size / work.tp
+    t += train_gemms_time(cluster, T * work.tp, head_n, m.dim, "bf16")
+    if cluster.mem_bw_GBps:
+        t += T * loss_bytes(run_cfg) / (cluster.mem_bw_GBps * 1e9)
+    return t
+
+
+def _grouped(padded_rows, rows, gemms, N: int, K: int, rate: float, sm: int, tm: int, tn: int,
+             in_b: int, bw: float):
+    """One grouped GEMM over a rank's experts: tiles of every expert's padded rows, in waves
+    of ``sm``; or its bytes (each expert's weights read once) at ``bw``."""
+    tiles = padded_rows / tm * math.ceil(N / tn)
+    c = np.where(tiles > 0, np.ceil(tiles / sm) * sm * 2.0 * tm * tn * K / rate, 0.0)
+    mem = (rows * K * in_b + gemms * K * N * in_b + rows * N * 2) / bw
+    return np.maximum(c, mem)
+
+
+def expert_time(run_cfg: RunConfig, cluster: ClusterSpec, rows, padded_rows, gemms,
+                work: Work):
+    """Seconds of a rank's grouped expert GEMMs, fwd + bwd, and the memory-bound work of its
+    rows (arrays broadcast): ``rows`` received, ``padded_rows`` the same rounded up to the
+    tile per expert, ``gemms`` experts with rows. The forward's share is returned too (for
+    a recomputed MoE forward)."""
+    moe, D = run_cfg.moe, run_cfg.model.dim
+    mats, F = _ffn_mats(moe.activation), moe.hidden_dim
+    prec = work.precision
+    rate = _peak(cluster, prec) * cluster.gemm_efficiency
+    sm, tm, tn = cluster.sm_count, cluster.gemm_tile_m, cluster.gemm_tile_n
+    in_b = 1 if prec == "fp8" else 2
+    bw = cluster.mem_bw_GBps * 1e9 if cluster.mem_bw_GBps else np.inf
+    fwd = bwd = 0.0
+    for k, n in ((D, (mats - 1) * F), (F, D)):
+        for is_fwd, N, K in ((True, n, k), (False, k, n)):          # forward, input gradient
+            t = _grouped(padded_rows, rows, gemms, N, K, rate, sm, tm, tn, in_b, bw)
+            if is_fwd:
+                fwd = fwd + t
+            else:
+                bwd = bwd + t
+        tiles = gemms * math.ceil(k / tm) * math.ceil(n / tn)          # weight gradient
+        q = np.where(tiles > 0, tiles / np.maximum(np.ceil(tiles / sm) * sm, 1), 1.0)
+        c = 2.0 * rows * math.ceil(k / tm) * tm * math.ceil(n / tn) * tn / rate / q
+        mem = (rows * (k + n) * in_b + gemms * k * n * 4) / bw
+        bwd = bwd + np.maximum(c, mem)
+    if cluster.mem_bw_GBps:
+        parts = elementwise_bytes(run_cfg, True, prec == "fp8")
+        per_row = (parts["permute"] + parts["moe_act"]) / moe.top_k
+        if prec == "fp8":
+            per_row += 3.0 * (D + F)
+        act = parts["moe_act"] / moe.top_k
+        ac = run_cfg.train.activation_checkpointing
+        elem = rows * (3 * per_row + act * _recomputed(work, ac, "moe_act")) / bw
+        bwd = bwd + elem
+    return fwd + bwd, fwd

@@ -1,0 +1,213 @@
+"""The step model by shape (epscale.plan.shapes): GEMM efficiency from (M, N, K) by tile
+and wave quantization under a roofline, memory-bound work charged by its bytes, fp8 as a
+rate, tensor parallelism, recomputation by module, DualPipe's pairing and the SMs the
+overlapped dispatch holds; and benchmarks/published.py prints a ratio for every run (its
+ratios are a benchmark result in benchmarks/RESULTS.md, not asserted here). Pure
+computation: nothing is built and no process is started."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from epscale.config import ConfigError, ModelConfig, MoEConfig, ParallelConfig, RunConfig, TrainConfig
+from epscale.plan import ClusterSpec, load_cluster, simulate
+from epscale.plan.routing import RoutingSpec
+from epscale.plan.shapes import (Work, compute_cluster, elementwise_bytes, expert_time,
+                                 gemm_efficiency, gemm_time, loss_bytes, nonexpert_time)
+
+H100 = ClusterSpec(sm_count=132, mem_bw_GBps=3350.0, fp8_tflops=1979.0, layer_overhead_us=0.0)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cfg(dim=1024, hidden=1024, E=8, K=2, seq=2048, layers=2, dense=0, vocab=1024, ep=1):
+    return RunConfig(
+        model=ModelConfig(vocab_size=vocab, dim=dim, num_layers=layers, num_heads=8, seq_len=seq,
+                          dense_hidden_dim=2048, num_dense_layers=dense, tie_embeddings=False),
+        moe=MoEConfig(dim=dim, hidden_dim=hidden, num_experts=E, top_k=K),
+        parallel=ParallelConfig(ep=ep), train=TrainConfig(micro_batch_size=1))
+
+
+# ------------------------------------------------------------ GEMM efficiency by shape
+
+def test_gemm_efficiency_rises_with_the_shape_and_approaches_the_large_gemm_rate():
+    sizes = 2 ** np.arange(4, 15)                                  # 16 .. 16384
+    for axis in range(3):
+        shape = [np.full(sizes.shape, 8192.0)] * 3
+        shape[axis] = sizes.astype(float)
+        eff = gemm_efficiency(H100, *shape)
+        assert np.all(np.diff(eff) >= -1e-12), axis                # never falls as it grows
+        assert eff[0] < 0.5 * eff[-1]                               # small shapes: far below
+        assert np.all(eff <= H100.gemm_efficiency + 1e-12)
+    big = float(gemm_efficiency(H100, 16384, 16384, 16384))
+    assert 0.98 * H100.gemm_efficiency < big <= H100.gemm_efficiency
+
+
+def test_tile_and_wave_quantization_and_the_memory_roof():
+    # compute-bound: a partial tile costs a whole one (129 rows = 256), a partial wave a
+    # whole wave (one tile more than the SMs = two waves)
+    N = 132 * 128
+    assert gemm_time(H100, 129, N, 8192) == pytest.approx(float(gemm_time(H100, 256, N, 8192)))
+    one_wave = float(gemm_time(H100, 12 * 128, 11 * 128, 8192))          # 132 tiles
+    assert one_wave == pytest.approx(132 * 2 * 128 * 128 * 8192 / H100.flops_per_s)
+    assert float(gemm_time(H100, 12 * 128, 11 * 128 + 1, 8192)) == pytest.approx(2 * one_wave)
+    # a one-row GEMM with a short reduction is memory-bound: its bytes at the HBM bandwidth
+    M, N, K = 1, 4 * 132 * 128, 128
+    assert float(gemm_time(H100, M, N, K)) == pytest.approx(
+        ((M * K + K * N) * 2 + M * N * 2) / 3350e9)
+    # fp8 halves a large compute-bound GEMM at twice the peak
+    t16, t8 = (float(gemm_time(H100, 8192, 8192, 8192, p)) for p in ("bf16", "fp8"))
+    assert t8 == pytest.approx(t16 * 989 / 1979)
+    with pytest.raises(ConfigError, match="fp8_tflops"):
+        gemm_time(ClusterSpec(), 128, 128, 128, "fp8")
+
+
+# ------------------------------------------------------------ bytes of memory-bound work
+
+def test_memory_bound_work_is_charged_by_its_bytes():
+    """Doubling the bandwidth takes off half of the elementwise bytes' time and nothing
+    else but the router's input-gradient GEMM (N = E = 8 columns: memory-bound; every
+    other GEMM here is compute-bound at both bandwidths)."""
+    cfg = _cfg()
+    T = cfg.model.seq_len
+    fast = dataclasses.replace(H100, mem_bw_GBps=2 * 3350.0)
+    parts = elementwise_bytes(cfg, True, fp8=False)
+    per_token = 3 * sum(v for k, v in parts.items() if k not in ("permute", "moe_act"))
+    expected = T * (cfg.model.num_layers * per_token + loss_bytes(cfg)) / (2 * 3350e9)
+    router = [float(gemm_time(c, T, cfg.model.dim, cfg.moe.num_experts)) for c in (H100, fast)]
+    expected += cfg.model.num_layers * (router[0] - router[1])
+    work = Work()
+    saved = nonexpert_time(cfg, H100, T, work) - nonexpert_time(cfg, fast, T, work)
+    assert saved == pytest.approx(expected, rel=1e-9)
+    # the experts' rows: permute, unpermute and activation, forward and twice backward
+    rows, gemms = 16384.0, 8.0
+    per_row = (parts["permute"] + parts["moe_act"]) / cfg.moe.top_k
+    saved_e = expert_time(cfg, H100, rows, rows, gemms, work)[0] - \
+        expert_time(cfg, fast, rows, rows, gemms, work)[0]
+    assert saved_e == pytest.approx(rows * 3 * per_row / (2 * 3350e9), rel=1e-9)
+    # what is charged: a SwiGLU reads gate and up and writes their product
+    assert parts["moe_act"] == cfg.moe.top_k * cfg.moe.hidden_dim * 3 * 2
+    assert parts["layernorm"] == 2 * 2 * cfg.model.dim * 2
+
+
+def test_recomputed_modules_add_their_forward():
+    cfg = _cfg(dense=1)
+    T = cfg.model.seq_len
+    base = nonexpert_time(cfg, H100, T, Work(recompute_modules=()))
+    norms = nonexpert_time(cfg, H100, T, Work(recompute_modules=("layernorm",)))
+    ln = elementwise_bytes(cfg, True, False)["layernorm"]
+    assert norms - base == pytest.approx(T * cfg.model.num_layers * ln / 3350e9, rel=1e-9)
+    mlp = nonexpert_time(cfg, H100, T, Work(recompute_modules=("mlp",)))
+    fwd = float(gemm_time(H100, T, 2 * 2048, 1024) + gemm_time(H100, T, 1024, 2048))
+    assert mlp - base == pytest.approx(fwd, rel=1e-9)            # the one dense layer's FFN
+    # recomputing the MoE module runs its forward again: two more transfers, more compute
+    moe_cfg = _cfg(E=16, K=2, ep=16)
+    cl = dataclasses.replace(H100, nodes=2, gpus_per_node=8)
+    r = {mods: simulate(moe_cfg, cl, RoutingSpec.parse("uniform"), strategies=("none",),
+                        dispatchers=("dedup",), overlap="none", work=Work(recompute_modules=mods))[0]
+         for mods in ((), ("moe",))}
+    assert r[("moe",)].expert_comm_s == pytest.approx(1.5 * r[()].expert_comm_s)
+    assert r[("moe",)].compute_s > r[()].compute_s
+    with pytest.raises(ConfigError, match="recompute module 'everything'"):
+        simulate(cfg, H100, work=Work(recompute_modules=("everything",)))
+
+
+def test_tensor_parallel_splits_the_tokens_and_adds_its_collectives():
+    cfg = _cfg(ep=1)
+    cl = dataclasses.replace(H100, nodes=1, gpus_per_node=2)
+    one, two = (simulate(cfg, cl, RoutingSpec.parse("uniform"), strategies=("none",),
+                         dispatchers=("dedup",), overlap="none", work=Work(tp=tp))[0]
+                for tp in (1, 2))
+    # each of two GPUs holds half the micro-batch's tokens: about twice the tokens per
+    # second per GPU of the step, less the sequence-parallel collectives
+    assert two.step_time_s < one.step_time_s
+    T = cfg.model.seq_len
+    assert two.tokens_per_s_per_gpu == pytest.approx(T / 2 / two.step_time_s)
+    with pytest.raises(ConfigError, match="tp = 3 is invalid"):
+        simulate(cfg, cl, work=Work(tp=3))
+
+
+# ------------------------------------------------------------ overlap per schedule
+
+def test_dualpipe_pairing_hides_transfers_behind_the_other_chunk():
+    cfg = _cfg(E=16, K=4, ep=16, dim=256, hidden=256, seq=512, vocab=256)
+    cl = dataclasses.replace(H100, nodes=2, gpus_per_node=8, inter_bw_GBps=1000,
+                             intra_bw_GBps=1000, inter_latency_us=0, intra_latency_us=0)
+    res = {ov: simulate(cfg, cl, RoutingSpec.parse("uniform"), strategies=("none",),
+                        dispatchers=("dedup",), overlap=ov)[0] for ov in ("none", "full")}
+    assert res["none"].expert_comm_s > 0
+    assert res["full"].expert_comm_s == pytest.approx(0.0, abs=1e-12)   # fast links: all hidden
+    slow = dataclasses.replace(cl, inter_bw_GBps=0.01, intra_bw_GBps=0.01)
+    r = {ov: simulate(cfg, slow, RoutingSpec.parse("uniform"), strategies=("none",),
+                      dispatchers=("dedup",), overlap=ov)[0] for ov in ("none", "full")}
+    # slow links: at most the compute of the paired chunk is taken off each layer
+    hidden = r["none"].expert_comm_s - r["full"].expert_comm_s
+    assert 0 < hidden <= r["full"].compute_s * (1 + 1e-9)
+
+
+def test_looped_and_v_schedules_hide_p2p_behind_compute_with_overlap():
+    m, T, D = 8, 64, 32
+    cfg = lambda schedule, v: RunConfig(  # noqa: E731
+        model=ModelConfig(vocab_size=64, dim=D, num_layers=8, num_heads=4, seq_len=T,
+                          tie_embeddings=False),
+        moe=MoEConfig(dim=D, hidden_dim=48, num_experts=8, top_k=2),
+        parallel=ParallelConfig(pp=2, ep=8, pp_schedule=schedule, pp_virtual_stages=v),
+        train=TrainConfig(micro_batch_size=1, grad_accum=m))
+    cl = ClusterSpec(nodes=2, gpus_per_node=8, inter_bw_GBps=10, inter_latency_us=20)
+    def run(c, overlap="full", work=Work()):
+        return simulate(c, cl, RoutingSpec.parse("uniform"), strategies=("none",),
+                        dispatchers=("dedup",), overlap=overlap, work=work)[0]
+
+    hop = m * (T * D * 4 / 10e9 + 20e-6)
+    assert run(cfg("1f1b", 1)).p2p_s == pytest.approx(hop)          # 1F1B: exposed
+    for schedule, v in (("interleaved_1f1b", 2), ("dualpipev", 2)):
+        c = cfg(schedule, v)
+        assert run(c).p2p_s < run(c, "none").p2p_s, schedule        # overlapped: hidden
+        assert run(c, "none", Work(p2p_overlap=True)).p2p_s == pytest.approx(run(c).p2p_s)
+
+
+def test_dispatch_sms_slow_only_the_overlapped_compute():
+    work = Work(comm_sms=20)
+    assert compute_cluster(H100, work, "none") is H100
+    c = compute_cluster(H100, work, "full")
+    assert c.sm_count == 112 and c.gemm_tflops == pytest.approx(989 * 112 / 132)
+    with pytest.raises(ConfigError, match="comm_sms = 132 is invalid"):
+        compute_cluster(H100, Work(comm_sms=132), "full")
+    # the same rate per SM: a GEMM of one wave on either takes as long
+    assert float(gemm_time(c, 8 * 128, 14 * 128, 8192)) == pytest.approx(
+        float(gemm_time(H100, 12 * 128, 11 * 128, 8192)))
+
+
+def test_presets_use_the_shape_model_and_calibrated_clusters_keep_theirs():
+    for name in ("h100-node", "h100-64", "field-report", "h800-2048"):
+        cl = load_cluster(name)
+        assert cl.sm_count == 132 and cl.mem_bw_GBps > 0 and cl.layer_overhead_us == 0
+    with pytest.raises(ConfigError, match="cluster key 'sm_count'"):
+        ClusterSpec(sm_count=-1)
+
+
+# ------------------------------------------------------------ the published runs
+
+def test_published_runs_print_a_ratio_for_every_row(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("published", ROOT / "benchmarks" / "published.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["published"] = mod             # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    out = tmp_path / "rows.json"
+    assert mod.main(["--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    rows = json.loads(out.read_text())
+    assert [r["name"] for r in rows] == [run.name for run in mod.RUNS] and len(rows) >= 4
+    for r, run in zip(rows, mod.RUNS):
+        assert r["published"] > 0 and r["predicted"] > 0
+        assert r["ratio"] == pytest.approx(r["predicted"] / r["published"])
+        assert f"{r['ratio']:6.2f}" in text and run.name in text
+        assert run.source and "'" in run.source      # every figure quoted from its source
+    # Mixtral's 468 TFLOPS in tokens/s by Megatron's own FLOPs formula
+    assert rows[0]["published"] == pytest.approx(468e12 / 8.2933e10, rel=1e-3)
