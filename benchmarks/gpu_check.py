@@ -219,7 +219,7 @@ def stage_grouped_gemm(ctx: Ctx) -> dict:
     gy = torch.randn(shape["T"], shape["D"], generator=g).to(ctx.device, ctx.dtype)
     _fwd_bwd(fast, x, gy)   # warm-up: first-call set-up is not the steady state
     events = count_syncs(ctx, lambda: _fwd_bwd(fast, x, gy))
-    debug = "n/a (CPU: counted instead)"
+    debug = "n/a on CPU (counted instead)"
     if ctx.device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -245,7 +245,7 @@ def stage_grouped_gemm(ctx: Ctx) -> dict:
                rel_diff_vs_fp32=err, grouped_ms=1e3 * t_fast, loop_ms=1e3 * t_loop,
                speedup_vs_loop=t_loop / t_fast)
     res["headline"] = (f"syncs {len(events)}, sync debug {debug.split(':')[0]}, "
-                       f"err {err:.1e}, {t_loop / t_fast:.2f}x the per-group loop")
+                       f"err {err:.1e}, grouped GEMM at {t_loop / t_fast:.2f}x the loop's speed")
     return verdict(res, {"no host sync": not events,
                          "sync debug mode": debug.startswith(("passed", "n/a")),
                          "output within 5e-2 of fp32": err < 5e-2})
@@ -354,7 +354,10 @@ def stage_train(ctx: Ctx, variant: list[str]) -> dict:
             recs = [trainer.train_step() for _ in range(measured)]
             if ctx.device.type == "cuda":
                 res["peak_allocated"] = torch.cuda.max_memory_allocated()
-            events = count_syncs(ctx, trainer.train_step)
+            try:  # counted apart: a failure here keeps the figures above
+                events = count_syncs(ctx, trainer.train_step)
+            except Exception as e:  # noqa: BLE001 - e.g. a compiled graph under the mode
+                events, res["sync_count_error"] = None, f"{type(e).__name__}: {e}"[:500]
             clean = True
         finally:
             trainer.close(clean)
@@ -363,8 +366,8 @@ def stage_train(ctx: Ctx, variant: list[str]) -> dict:
                mfu=statistics.median(r["mfu"] for r in recs),
                step_s=statistics.median(r["step_time_s"] for r in recs),
                time_breakdown_s=_median_breakdown(recs), final_loss=recs[-1]["loss"],
-               host_syncs_per_step=len(events),
-               sync_places=dict(list(by_place(events).items())[:10]),
+               host_syncs_per_step=None if events is None else len(events),
+               sync_places=dict(list(by_place(events or []).items())[:10]),
                describe_memory=estimate, target="MFU >= 40%; memory within 5% of describe")
     mem = ""
     if "peak_allocated" in res:
@@ -373,7 +376,7 @@ def stage_train(ctx: Ctx, variant: list[str]) -> dict:
                    mfu_target_met=res["mfu"] >= 0.40)
         mem = f", memory {ratio:.3f}x describe"
     res["headline"] = (f"{res['tokens_per_s']:,.0f} tok/s, MFU {100 * res['mfu']:.1f}%, "
-                       f"{len(events)} syncs/step{mem}")
+                       f"{'?' if events is None else len(events)} syncs/step{mem}")
     res["status"] = "ok"
     return res
 
@@ -501,13 +504,13 @@ class Stage:
 
 
 DRY_CAP_S = 120.0
-GPU_BUDGET_S = 570.0   # the whole run, start-up included, stays under 10 minutes
+GPU_BUDGET_S = 540.0   # the whole run stays under 10 minutes with the wheels' install
 
 
 def stages(has_compile: bool) -> list[Stage]:
     out = [Stage("grouped_gemm", 60, stage_grouped_gemm)]
-    out += [Stage(f"layer:{name}", 90, stage_layer, (name,)) for name in LAYER_SHAPES["gpu"]]
-    out += [Stage(f"train:{name}", 90 if "compile" in name else 60, stage_train, (over,))
+    out += [Stage(f"layer:{name}", 80, stage_layer, (name,)) for name in LAYER_SHAPES["gpu"]]
+    out += [Stage(f"train:{name}", 90 if "compile" in name else 55, stage_train, (over,))
             for name, over in train_variants(has_compile)]
     out += [Stage("dispatchers", 45, stage_dispatchers), Stage("deepep", 45, stage_deepep),
             Stage("overlap", 60, stage_overlap)]
