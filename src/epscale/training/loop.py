@@ -193,10 +193,10 @@ class Trainer:
                                                             and self.device.type == "cuda")
         self.fsdp = cfg.parallel.fsdp
         self.pp = cfg.parallel.pp
-        # FSDP and pipelines: built on the meta device and sharded (or cut into stages)
-        # before any memory is allocated; each rank then fills only its part (the values a
-        # one-process build would hold).
-        on_meta = self.fsdp or self.pp > 1
+        # Every parallel layout (FSDP, pipelines, replicated dp x ep) is built on the meta
+        # device and sharded (or cut into stages) before any memory is allocated; each
+        # rank then fills only its part (the values a one-process build would hold).
+        on_meta = self.fsdp or self.pp > 1 or self.world > 1
         self.model = build_meta_model(cfg) if on_meta else build_model(cfg, self.device)
         self.layers_per_stage = layers_per_stage(cfg) if self.pp > 1 else []
         self._resume_from = self._find_checkpoint()
