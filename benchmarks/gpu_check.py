@@ -189,13 +189,15 @@ def _fwd_bwd(module, x: torch.Tensor, gy: torch.Tensor) -> torch.Tensor:
 
 
 def count_syncs(ctx: Ctx, fn: Callable[[], object]) -> list[tuple[str, str]]:
-    """Host syncs of one call of ``fn`` (on CPU on the code path CUDA takes)."""
+    """Host syncs of one call of ``fn`` (on CPU: on the code path CUDA takes, every CPU
+    tensor standing in for a device one; on a GPU: calls that involve a device tensor)."""
     from epscale.metrics.host_syncs import HostSyncCounter
     from epscale.ops import device_code_path
 
     ctx.sync()
-    path = device_code_path() if ctx.device.type == "cpu" else contextlib.nullcontext()
-    with path, HostSyncCounter() as counter:
+    cpu = ctx.device.type == "cpu"
+    with device_code_path() if cpu else contextlib.nullcontext(), \
+            HostSyncCounter(count_cpu=cpu) as counter:
         fn()
     ctx.sync()
     return counter.events

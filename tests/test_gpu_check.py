@@ -84,3 +84,46 @@ def test_the_stages_report_their_figures(dry_run):
     assert {"allgather", "alltoall", "dedup", "hierarchical"} <= set(backends)
     for name, b in backends.items():
         assert b["max_rel_diff"] < b["limit"], (name, b)
+
+
+def test_the_sync_counter_sees_each_kind_and_skips_host_only_reads_when_asked():
+    """epscale.metrics.host_syncs (what the GPU check counts a step's syncs with): every
+    kind of sync on CPU tensors standing in for device ones, in backward too; with
+    count_cpu=False (on a GPU) a read of a CPU tensor is no sync."""
+    import torch
+
+    from epscale.metrics.host_syncs import HostSyncCounter, by_place
+
+    x = torch.arange(6)
+    cases = [(lambda: x.tolist(), "tolist"), (lambda: x.sum().item(), "item"),
+             (lambda: bool(x[0]), "_local_scalar_dense"), (lambda: x.nonzero(), "nonzero"),
+             (lambda: x[x > 2], "index with a bool mask"),
+             (lambda: torch.repeat_interleave(x, x), "repeat_interleave without output_size"),
+             (lambda: torch.tensor([1], device=x.device), "tensor(host data, device=...)")]
+    for fn, what in cases:
+        with HostSyncCounter() as c:
+            fn()
+        assert [e[0] for e in c.events] == [what], (what, c.events)
+        with HostSyncCounter(count_cpu=False) as c:
+            fn()
+        assert c.events == [], (what, c.events)
+
+    class ReadsInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            g.sum().item()
+            return g * 2
+
+    t = torch.ones(3, requires_grad=True)
+    with HostSyncCounter() as c:
+        ReadsInBackward.apply(t).sum().backward()
+    assert [e[0] for e in c.events] == ["item"]
+    assert by_place(c.events + c.events) == {f"item at {c.events[0][1]}": 2}
+    with HostSyncCounter() as c:   # sized on the host: none
+        torch.repeat_interleave(x, 2)
+        x.index_select(0, x[:2])
+    assert c.events == [] and "wrapper" not in repr(torch.Tensor.tolist)

@@ -33,6 +33,7 @@ from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 aten = torch.ops.aten
 
@@ -83,6 +84,16 @@ PATCHES: list[tuple[object, str, Callable]] = (
         else "new_tensor(host data)")])
 
 
+def touches_device(args, kwargs) -> bool:
+    """Whether a call involves a tensor (or a ``device=``) off the CPU: reading a CPU
+    tensor on the host waits for no device."""
+    for leaf in tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu":
+            return True
+    device = kwargs.get("device")
+    return device is not None and torch.device(device).type != "cpu"
+
+
 class _OpWatch(TorchDispatchMode):
     def __init__(self, counter: "HostSyncCounter"):
         super().__init__()
@@ -90,10 +101,11 @@ class _OpWatch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not self.counter.inside:
+        c = self.counter
+        if not c.inside and (c.count_cpu or touches_device(args, kwargs)):
             name = op_sync(func, args, kwargs)
             if name is not None:
-                self.counter.record(name)
+                c.record(name)
         return func(*args, **kwargs)
 
 
@@ -110,9 +122,12 @@ def op_sync(func, args, kwargs) -> str | None:
     if packet in COPY_OPS:  # between the host and a device: only with a real device
         src = args[1] if packet is aten.copy_ else args[0]
         dst = args[0].device if packet is aten.copy_ else kwargs.get("device")
+        non_blocking = (args[2] if packet is aten.copy_ and len(args) > 2
+                        else kwargs.get("non_blocking", False))
         if isinstance(src, torch.Tensor):
             dst = torch.device(dst) if dst is not None else src.device
-            if dst.type != src.device.type:
+            pinned_upload = (src.device.type == "cpu" and non_blocking and src.is_pinned())
+            if dst.type != src.device.type and not pinned_upload:
                 return f"copy {src.device.type} -> {dst.type}"
     return None
 
@@ -120,9 +135,14 @@ def op_sync(func, args, kwargs) -> str | None:
 class HostSyncCounter:
     """``with HostSyncCounter() as c: ...``: ``c.events`` lists (what, where) of every call
     that synchronises on CUDA, in forward, backward and recomputation alike. Not
-    re-entrant; one at a time per process (it patches torch's classes)."""
+    re-entrant; one at a time per process (it patches torch's classes).
 
-    def __init__(self):
+    ``count_cpu``: count calls on CPU tensors too, the stand-in for device tensors when
+    counting on CPU; on a GPU pass False, so that host reads of CPU tensors (AdamW's step
+    counters, host lists) are not taken for syncs."""
+
+    def __init__(self, count_cpu: bool = True):
+        self.count_cpu = count_cpu
         self.events: list[tuple[str, str]] = []
         self.inside = 0   # > 0 inside a patched call: the ops it runs are part of it
         self._mode = _OpWatch(self)
@@ -134,7 +154,7 @@ class HostSyncCounter:
     def _wrap(self, fn: Callable, what: Callable) -> Callable:
         def wrapper(*args, **kwargs):
             name = what(*args, **kwargs)
-            if name is None or self.inside:
+            if name is None or self.inside or not (self.count_cpu or touches_device(args, kwargs)):
                 return fn(*args, **kwargs)
             self.record(name)
             self.inside += 1
