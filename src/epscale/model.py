@@ -197,10 +197,14 @@ def attend(q_BHSh: torch.Tensor, k_BGSh: torch.Tensor, v_BGSh: torch.Tensor, att
     included; :func:`document_mask`), or a FlexAttention ``BlockMask``
     (:func:`document_block_mask`), whose kernel skips the tiles the mask empties."""
     if BlockMask is not None and isinstance(attn_mask, BlockMask):
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
-            return _flex_kernel(q_BHSh.device)(q_BHSh, k_BGSh, v_BGSh, block_mask=attn_mask,
-                                               scale=scale, enable_gqa=enable_gqa)
+        kernel = _flex_kernel(q_BHSh.device)
+        if kernel is not flex_attention:  # compiled (no warnings context in its graph)
+            return kernel(q_BHSh, k_BGSh, v_BGSh, block_mask=attn_mask, scale=scale,
+                          enable_gqa=enable_gqa)
+        with warnings.catch_warnings():  # the eager form warns that it is not compiled
+            warnings.filterwarnings("ignore", message=".*flex_attention called without")
+            return kernel(q_BHSh, k_BGSh, v_BGSh, block_mask=attn_mask, scale=scale,
+                          enable_gqa=enable_gqa)
     return F.scaled_dot_product_attention(q_BHSh, k_BGSh, v_BGSh, attn_mask=attn_mask,
                                           is_causal=attn_mask is None, scale=scale,
                                           enable_gqa=enable_gqa)
