@@ -97,3 +97,56 @@ def test_a_process_killed_mid_save_keeps_the_previous_checkpoint(tmp_path):
     assert losses_by_step(res.records) == {s: want[s] for s in (3, 4, 5, 6)}
     assert [s for s, _ in ckpt.list_checkpoints(run)] == [2, 4, 6]
     assert not list((run / "checkpoints").glob(".tmp_*"))      # the partial one cleared
+
+
+def test_staging_is_pinned_and_kept_on_cuda_only():
+    """Background saves stage into pinned CPU memory kept between saves on CUDA (DCP's
+    DefaultStager: pinned, staged before the save returns, non-blocking copies); on CPU
+    DCP's default copy (no stager)."""
+    import torch
+    from torch.distributed.checkpoint.staging import StagingOptions
+
+    assert ckpt.staging_options(torch.device("cpu")) is None
+    assert ckpt.background_stager(torch.device("cpu")) is None
+    assert ckpt.staging_options(torch.device("cuda", 0)) == StagingOptions(
+        use_pinned_memory=True, use_shared_memory=False, use_async_staging=False,
+        use_non_blocking_copy=True)
+
+
+def test_a_kept_stager_saves_each_steps_own_state(tmp_path):
+    """One stager for every background save (its buffers reused): each checkpoint holds
+    the state of its own step, though the second save staged into the first's buffers
+    and training changed the weights in between. (On CPU with the CUDA stager's options
+    less what needs CUDA: pinning, non-blocking copies.)"""
+    import copy
+
+    import torch
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    from test_checkpoint import DIMS, assert_same, cfg, trained
+
+    c = cfg()
+    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                          use_async_staging=False, use_non_blocking_copy=False))
+    model, opt = trained(c, steps=1)
+    snapshots, paths = [], []
+    try:
+        for step in (1, 2):
+            snapshots.append(trained(c, steps=0, seed=9))
+            snap_m, snap_o = snapshots[-1]
+            snap_m.load_state_dict(model.state_dict())
+            snap_o.load_state_dict(copy.deepcopy(opt.state_dict()))  # AdamW's step: no alias
+            pending = ckpt.save_async(tmp_path, step, model, opt, DIMS, {}, keep=5, stager=stager)
+            x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(step))
+            (model.loss(x, x) + model.aux_loss()).backward()   # training goes on
+            opt.step()
+            opt.zero_grad()
+            paths.append(pending.wait())
+        staged = stager._state_dict_stager._cached_storage_mapping
+        assert len(staged) > 0   # the buffers are kept for the next save
+    finally:
+        stager.close()
+    for path, (snap_m, snap_o) in zip(paths, snapshots):
+        got_m, got_o = trained(c, steps=1, seed=5)
+        ckpt.load(path, got_m, got_o, DIMS)
+        assert_same(snap_m, snap_o, got_m, got_o)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from typing import Callable, ContextManager
 
 import torch
@@ -27,6 +28,11 @@ from .config.schema import RopeScalingConfig
 from .moe.experts import FeedForward
 from .moe.layer import MoE
 from .model_init import initialize_
+
+try:  # FlexAttention: block-sparse masks (whole masked tiles skipped), torch >= 2.5
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+except ImportError:  # an older torch: document masking keeps the dense mask
+    BlockMask = create_block_mask = flex_attention = None
 
 
 class RMSNorm(nn.Module):
@@ -171,6 +177,39 @@ def cached_attention(q_BHSh: torch.Tensor, k_BGTh: torch.Tensor, v_BGTh: torch.T
                                           scale=scale, enable_gqa=gqa)
 
 
+_COMPILED_FLEX: list = []   # torch.compile(flex_attention), made on first use on a device
+
+
+def _flex_kernel(device: torch.device) -> Callable[..., torch.Tensor]:
+    """flex_attention compiled (its fused block-sparse kernel) on accelerators; on CPU its
+    eager form (a reference: forward only, used by the tests)."""
+    if device.type == "cpu":
+        return flex_attention
+    if not _COMPILED_FLEX:
+        _COMPILED_FLEX.append(torch.compile(flex_attention, dynamic=False))
+    return _COMPILED_FLEX[0]
+
+
+def attend(q_BHSh: torch.Tensor, k_BGSh: torch.Tensor, v_BGSh: torch.Tensor, attn_mask=None,
+           scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+    """Attention over a whole sequence. ``attn_mask``: None (plain causal, SDPA's causal
+    kernels), a dense bool [B, 1, S, S] mask (True where a query may attend, causal
+    included; :func:`document_mask`), or a FlexAttention ``BlockMask``
+    (:func:`document_block_mask`), whose kernel skips the tiles the mask empties."""
+    if BlockMask is not None and isinstance(attn_mask, BlockMask):
+        kernel = _flex_kernel(q_BHSh.device)
+        if kernel is not flex_attention:  # compiled (no warnings context in its graph)
+            return kernel(q_BHSh, k_BGSh, v_BGSh, block_mask=attn_mask, scale=scale,
+                          enable_gqa=enable_gqa)
+        with warnings.catch_warnings():  # the eager form warns that it is not compiled
+            warnings.filterwarnings("ignore", message=".*flex_attention called without")
+            return kernel(q_BHSh, k_BGSh, v_BGSh, block_mask=attn_mask, scale=scale,
+                          enable_gqa=enable_gqa)
+    return F.scaled_dot_product_attention(q_BHSh, k_BGSh, v_BGSh, attn_mask=attn_mask,
+                                          is_causal=attn_mask is None, scale=scale,
+                                          enable_gqa=enable_gqa)
+
+
 class Attention(nn.Module):
     """Causal multi-head attention (grouped-query when num_kv_heads < num_heads; with
     ``qk_norm`` each head's query and key RMS-normalised before RoPE, as Qwen3 does)."""
@@ -214,8 +253,7 @@ class Attention(nn.Module):
 
     def forward(self, x_BSD: torch.Tensor, kv: LayerKV | None = None,
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``attn_mask``: bool [B, 1, S, S], True where a query may attend (causal
-        included; :func:`document_mask`); None: plain causal."""
+        """``attn_mask``: None (plain causal) or a document mask (:func:`attend`)."""
         B, S, _ = x_BSD.shape
         h, H, G = self.head_dim, self.num_heads, self.num_kv_heads
         if kv is not None:  # incremental decoding
@@ -223,8 +261,7 @@ class Attention(nn.Module):
             o_BHSh = cached_attention(q, *kv.append(k, v))
             return self.wo(o_BHSh.transpose(1, 2).reshape(B, S, H * h))
         q, k, v = self._qkv(x_BSD)
-        o_BHSh = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
-                                                is_causal=attn_mask is None, enable_gqa=G != H)
+        o_BHSh = attend(q, k, v, attn_mask, enable_gqa=G != H)
         return self.wo(o_BHSh.transpose(1, 2).reshape(B, S, H * h))
 
 
@@ -281,8 +318,7 @@ class LatentAttention(nn.Module):
             o_BHSh = cached_attention(q, *kv.append(k, v), scale=self.scale)
         else:
             q, k, v = self._qkv(x_BSD)
-            o_BHSh = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
-                                                    is_causal=attn_mask is None, scale=self.scale)
+            o_BHSh = attend(q, k, v, attn_mask, scale=self.scale)
         return self.wo(o_BHSh.transpose(1, 2).reshape(B, S, self.num_heads * self.v_dim))
 
 
@@ -323,15 +359,50 @@ class Block(nn.Module):
         return x_BSD + self.ffn(self.ffn_norm(x_BSD))
 
 
+def document_ids(tokens_BS: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """int64 [B, S]: the document of each token within its sequence (0, 1, ...); a
+    document ends with (and includes) an ``eos_id`` token."""
+    is_eos_BS = tokens_BS == eos_id
+    return torch.cumsum(is_eos_BS, dim=1) - is_eos_BS.long()
+
+
 def document_mask(tokens_BS: torch.Tensor, eos_id: int) -> torch.Tensor:
     """bool [B, 1, S, S]: query i may attend key j when j <= i and both lie in the same
-    document; a document ends with (and includes) an ``eos_id`` token. Every query sees
-    itself, so no row is empty."""
-    is_eos_BS = tokens_BS == eos_id
-    doc_BS = torch.cumsum(is_eos_BS, dim=1) - is_eos_BS.long()  # EOS belongs to its document
+    document (:func:`document_ids`). Every query sees itself, so no row is empty."""
+    doc_BS = document_ids(tokens_BS, eos_id)
     S = tokens_BS.shape[1]
     causal_SS = torch.ones(S, S, dtype=torch.bool, device=tokens_BS.device).tril()
     return ((doc_BS.unsqueeze(2) == doc_BS.unsqueeze(1)) & causal_SS).unsqueeze(1)
+
+
+def document_block_mask(tokens_BS: torch.Tensor, eos_id: int):
+    """The same mask as :func:`document_mask` as a FlexAttention ``BlockMask`` (causal AND
+    same document, one for all heads): tiles of (query, key) blocks it empties are
+    skipped, so attention costs O(S x document length), not O(S^2)."""
+    if create_block_mask is None:
+        raise RuntimeError(f"FlexAttention is not in this torch ({torch.__version__}); "
+                           "document masking needs the dense mask (document_mask)")
+    doc_BS = document_ids(tokens_BS, eos_id)
+    B, S = tokens_BS.shape
+
+    def causal_same_document(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (doc_BS[b, q_idx] == doc_BS[b, kv_idx])
+
+    return create_block_mask(causal_same_document, B, None, S, S, device=tokens_BS.device)
+
+
+DOC_MASKS = ("auto", "flex", "dense")
+
+
+def uses_flex(kind: str, device: torch.device) -> bool:
+    """Whether document masking of ``kind`` (one of :data:`DOC_MASKS`) on ``device`` runs
+    FlexAttention: 'auto' on accelerators where torch has it (its CPU form has no
+    backward), 'flex' always, 'dense' never."""
+    if kind not in DOC_MASKS:
+        raise ValueError(f"document mask kind {kind!r}: must be one of {', '.join(DOC_MASKS)}")
+    if kind == "auto":
+        return device.type != "cpu" and flex_attention is not None
+    return kind == "flex"
 
 
 class Transformer(nn.Module):
@@ -353,19 +424,30 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.doc_eos_id: int | None = None  # set_document_masking
+        self.doc_mask_kind = "auto"
 
-    def set_document_masking(self, eos_id: int | None) -> None:
+    def set_document_masking(self, eos_id: int | None, kind: str = "auto") -> None:
         """``data.doc_masking``: with ``eos_id`` set, a token attends only to the earlier
         tokens of its own document (a document ends with its ``eos_id``; see
         :func:`document_mask`) and :meth:`loss` skips the targets that follow an EOS
         (the first token of the next document, which the model cannot see coming).
-        The mask is dense, bool [B, 1, S, S] (O(S^2) memory per sequence) and nothing
-        skips the masked blocks: on CPU torch's flash kernel takes it; on CUDA the flash
-        kernel takes no mask, so SDPA falls back to its memory-efficient kernel or, where
-        that does not apply, the math kernel (O(S^2) memory per head) - for CPU and
-        testing scale, not long GPU sequences (FlexAttention's block masks would be).
-        Incremental decoding (``cache=``) ignores it."""
-        self.doc_eos_id = eos_id
+        ``kind`` (:func:`uses_flex`): on accelerators ('auto') a FlexAttention block mask
+        (:func:`document_block_mask`), whose compiled kernel skips the masked tiles, with
+        GQA and MLA alike; on CPU the dense bool [B, 1, S, S] mask, which torch's CPU
+        flash kernel takes (FlexAttention has no CPU backward). Incremental decoding
+        (``cache=``) ignores it."""
+        if kind not in DOC_MASKS:
+            raise ValueError(f"document mask kind {kind!r}: must be one of {', '.join(DOC_MASKS)}")
+        self.doc_eos_id, self.doc_mask_kind = eos_id, kind
+
+    def attention_mask(self, tokens_BS: torch.Tensor):
+        """The document mask of ``tokens_BS`` for every block (None without document
+        masking): a BlockMask or the dense mask, by ``set_document_masking``'s kind."""
+        if self.doc_eos_id is None:
+            return None
+        if uses_flex(self.doc_mask_kind, tokens_BS.device):
+            return document_block_mask(tokens_BS, self.doc_eos_id)
+        return document_mask(tokens_BS, self.doc_eos_id)
 
     def param_init(self, name: str) -> tuple[str, float | None]:
         """How parameter ``name`` starts: N(0, 0.02) for embeddings and dense projections,
@@ -407,14 +489,12 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence length {before}{tokens_BS.shape[1]} exceeds "
                              f"model.seq_len={self.cfg.seq_len}")
         h_BSD = self.tok_embeddings(tokens_BS)
-        mask_B1SS = None
-        if self.doc_eos_id is not None and cache is None:
-            mask_B1SS = document_mask(tokens_BS, self.doc_eos_id)
+        mask = self.attention_mask(tokens_BS) if cache is None else None
         for block in self.layers.values():
             if cache is not None:
                 h_BSD = block(h_BSD, cache.layers[block.layer_id])
             else:
-                h_BSD = block(h_BSD) if mask_B1SS is None else block(h_BSD, None, mask_B1SS)
+                h_BSD = block(h_BSD) if mask is None else block(h_BSD, None, mask)
         return self.logits(h_BSD)
 
     def logits(self, h_BSD: torch.Tensor) -> torch.Tensor:

@@ -65,7 +65,9 @@ def expert_placements(model: nn.Module, dims: Dims) -> tuple[dict[int, ShardPlac
             param = getattr(experts, name, None)
             if param is not None:
                 dim = 0 if how == "experts" else HIDDEN_DIM[name]
-                table[id(param)] = ShardPlacementResult(Shard(dim), mesh_info)
+                # one rank: both meshes are one group, which FSDP2 describes once (its own)
+                table[id(param)] = (Shard(dim) if dims.world_size == 1
+                                    else ShardPlacementResult(Shard(dim), mesh_info))
     return table, notes
 
 

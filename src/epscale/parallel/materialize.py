@@ -1,7 +1,8 @@
 """Materialising a meta-built, parallelized model shard by shard: each rank allocates only
 its shards and fills them with the values a single process would hold at those positions
 (``epscale.model_init``: values are a function of (seed, name, position)). No rank ever
-builds the whole model.
+builds the whole model, at any layout (FSDP, pipelines, and the replicated dp x ep one,
+whose expert slots may be copies of a redundant-expert placement).
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..model import Transformer
-from ..model_init import initialize_
+from ..model_init import InitSpec, fill_normal_, initialize_
+from ..moe.layer import moe_layers
+from ..placement.replicas import get_placement
 from ..plan.layout import Dims
-from .shard import expert_global_rows, is_expert_param, mark_all_expert_params
+from .shard import (EXPERT_PARAMS, expert_global_rows, held_slots, is_expert_param,
+                    mark_all_expert_params)
 
 
 def full_view(param: torch.Tensor, dims: Dims | None = None) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
@@ -49,15 +53,54 @@ def reset_buffers_(module: nn.Module) -> None:
         reset()
 
 
+def placed_expert_rows(model: nn.Module) -> dict[str, tuple[list[int], int]]:
+    """{name: (the logical expert of each local row, logical experts in all)} of the
+    expert weights that hold slots of a redundant-expert placement: their rows are copies
+    of experts anywhere in the one-process tensor, not one contiguous run of it."""
+    placement = get_placement(model)
+    if placement is None:
+        return {}
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for i, moe in enumerate(moe_layers(model)):
+        first, n = held_slots(moe.experts)
+        logical = [int(e) for e in placement.phy2log[i, first:first + n].tolist()]
+        for pname in EXPERT_PARAMS:
+            p = getattr(moe.experts, pname, None)
+            if p is not None:
+                out[names[id(p)]] = (logical, moe.cfg.num_experts)
+    return out
+
+
+@torch.no_grad()
+def _fill_placed(model: nn.Module, spec: InitSpec, seed: int,
+                 placed: dict[str, tuple[list[int], int]]) -> None:
+    """Each slot row of a placed expert weight gets its logical expert's one-process row."""
+    params = dict(model.named_parameters())
+    for name, (logical, E) in placed.items():
+        p = params[name]
+        kind, std = spec(name)
+        if kind != "normal":   # values that do not depend on the position
+            initialize_(model, spec, seed, names=[name])
+            continue
+        full = (E, *p.shape[1:])
+        for row, e in enumerate(logical):
+            fill_normal_(p[row:row + 1], full, (e,) + (0,) * (p.dim() - 1), std, seed, name)
+
+
 def materialize(model: Transformer, device: torch.device | str, seed: int, dims=None,
                 roots: list[nn.Module] | None = None) -> None:
     """Allocate a (parallelized, possibly FSDP-sharded) meta-device ``model`` on
     ``device`` and fill each rank's shard of every parameter with the values a
-    single-process :func:`epscale.model.build_model` of ``seed`` holds there; buffers are
-    set again. ``roots``: the modules FSDP was applied to last, when not ``model`` itself
-    (the pipeline stages of a rank: together they hold all of its parameters)."""
+    single-process :func:`epscale.model.build_model` of ``seed`` holds there (a slot of a
+    redundant-expert placement: its logical expert's); buffers are set again.
+    ``roots``: the modules FSDP was applied to last, when not ``model`` itself (the
+    pipeline stages of a rank: together they hold all of its parameters)."""
     for root in roots or [model]:
         root.to_empty(device=device)
     mark_all_expert_params(model)  # to_empty registered new parameter objects
-    initialize_(model, model.param_init, seed, view=lambda p: full_view(p, dims))
+    placed = placed_expert_rows(model)
+    rest = [n for n, _ in model.named_parameters() if n not in placed]
+    initialize_(model, model.param_init, seed, view=lambda p: full_view(p, dims), names=rest)
+    _fill_placed(model, model.param_init, seed, placed)
     reset_buffers_(model)

@@ -43,6 +43,13 @@ def is_parallelized(experts: nn.Module) -> bool:
     return getattr(experts, _SHARD_ATTR, None) is not None
 
 
+def held_slots(experts: nn.Module) -> tuple[int, int]:
+    """(first physical slot, slots) of a parallelized experts module on this rank: rows
+    of its stacked weights (the experts ``first ..`` of a plain split, or slots of the
+    redundant-expert placement)."""
+    return getattr(experts, _SHARD_ATTR)
+
+
 def mark_expert_params(experts: nn.Module) -> None:
     """Mark the experts module's weights as sharded expert parameters (again after FSDP,
     which registers new parameter objects): what :func:`is_expert_param` and the

@@ -96,6 +96,7 @@ class Trainer:
         self._verified: set[Path] = set()  # checkpoints hashed by this process
         self._save_failures = 0            # failed saves in a row
         self._pending: ckpt.PendingSave | None = None   # an async save not finished yet
+        self._stager = None  # background saves' staging buffers (pinned on CUDA), kept
         self._layout_change: dict | None = None  # an elastic restart's, until its first step
         self.standby = 0  # ranks of this attempt past the world it trains at (elastic)
 
@@ -192,10 +193,10 @@ class Trainer:
                                                             and self.device.type == "cuda")
         self.fsdp = cfg.parallel.fsdp
         self.pp = cfg.parallel.pp
-        # FSDP and pipelines: built on the meta device and sharded (or cut into stages)
-        # before any memory is allocated; each rank then fills only its part (the values a
-        # one-process build would hold).
-        on_meta = self.fsdp or self.pp > 1
+        # Every parallel layout (FSDP, pipelines, replicated dp x ep) is built on the meta
+        # device and sharded (or cut into stages) before any memory is allocated; each
+        # rank then fills only its part (the values a one-process build would hold).
+        on_meta = self.fsdp or self.pp > 1 or self.world > 1
         self.model = build_meta_model(cfg) if on_meta else build_model(cfg, self.device)
         self.layers_per_stage = layers_per_stage(cfg) if self.pp > 1 else []
         self._resume_from = self._find_checkpoint()
@@ -657,12 +658,15 @@ class Trainer:
         if self.rebalancer is not None:
             extra[REBALANCER_FILE] = self.rebalancer.state_dict()
         background = self.cfg.train.async_checkpoint and not blocking
+        if background and self._stager is None:
+            self._stager = ckpt.background_stager(self.device)  # None: DCP's CPU copy
         t0 = time.perf_counter()
         pending = ckpt.save_async(self.run_dir, self.step, self.model, self.opt, self.dims, meta,
                                   keep=self.cfg.train.ckpt_keep, extra_files=extra,
                                   verified=self._verified, report=self._warn,
                                   background=background,
-                                  process_group=self.dims.background_group() if background else None)
+                                  process_group=self.dims.background_group() if background else None,
+                                  stager=self._stager if background else None)
         if background and pending.failed is None:
             self._pending = pending
             dt = time.perf_counter() - t0
@@ -811,7 +815,7 @@ class Trainer:
     def close(self, clean: bool = True) -> None:
         """Tear down whatever setup got to (it may have failed half-way)."""
         try:
-            for part in ("watchdog", "collector", "writer", "_log_file"):
+            for part in ("watchdog", "collector", "writer", "_log_file", "_stager"):
                 obj = getattr(self, part, None)
                 if obj is not None:
                     (obj.stop if part == "watchdog" else obj.close)()

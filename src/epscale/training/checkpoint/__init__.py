@@ -7,12 +7,12 @@ from .paths import (FORMAT_VERSION, CheckpointError, checkpoints_root, corrupt_r
                     latest_valid, list_checkpoints, prune, read_meta, set_aside, step_dir,
                     validate)
 from .state import build_state, check_compatible
-from .store import (CheckpointSaveError, PendingSave, load, load_extra, rng_state, save,
-                    save_async, set_rng_state)
+from .store import (CheckpointSaveError, PendingSave, background_stager, load, load_extra,
+                    rng_state, save, save_async, set_rng_state, staging_options)
 
 __all__ = ["CheckpointError", "CheckpointSaveError", "FORMAT_VERSION", "corrupt_root", "prune",
            "set_aside", "build_state", "check_compatible",
            "checkpoints_root", "export_full", "import_full", "latest_valid", "list_checkpoints",
            "load", "load_extra", "read_meta", "resolve", "rng_state", "save", "save_async",
-           "PendingSave", "set_rng_state",
+           "PendingSave", "set_rng_state", "background_stager", "staging_options",
            "step_dir", "validate"]
