@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 
-from dist_utils import CaseRunner, assert_no_failures, make_inputs, run_distributed
+from dist_utils import CaseRunner, assert_no_failures, run_distributed
 
 F64 = dict(atol=1e-10, rtol=1e-9)
 # (backend, overlap_chunks, MoEConfig overrides, tokens on rank r)
