@@ -21,6 +21,13 @@ while they travel); chunk c's expert backward runs while chunk c+1's dispatch gr
 are in flight (autograd runs the most recently created ready node first, and chunk c+1's
 dispatch was started before chunk c's experts ran).
 
+On CUDA (unrun here: no GPU in this project's CI): an async exchange is an NCCL
+collective with ``async_op=True``, which runs on the process group's own stream after an
+event recorded on the current one; ``wait()`` makes the current stream wait for its end
+event, with no host sync, and the work object keeps its buffers alive until then. The
+backward's exchanges go the same way (started in ``Exchange.done``'s backward, waited for
+in the exchange's own backward, each on the stream autograd runs that node on).
+
 :func:`dispatch_one` runs them for one chunk (a plain ``dispatch``); :func:`run_pipelined`
 overlaps them: the exchange of chunk c+1 is in flight while the experts compute chunk c,
 each chunk's combine is in flight while the next chunk computes, and the side work (the
