@@ -67,9 +67,9 @@ class AllToAllDispatcher(EPDispatcher):
         y_raw_RD = y_RD.index_select(0, inverse_R)
         back = handle.exchange.reversed()
         back.async_op = async_op
-        (y_SD,) = back(y_raw_RD)
+        (y,) = back(y_raw_RD)
 
         def finish() -> torch.Tensor:
-            back.wait()
+            (y_SD,) = back.done(y) if async_op else (y,)
             return unpermute_weighted(y_SD, handle.order_S, handle.topk_weight_TK, self.workspace)
         return finish

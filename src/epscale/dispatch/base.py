@@ -127,11 +127,19 @@ class EPDispatcher(Dispatcher):
 
     ``payload``: how token rows travel; a backend lists what it can send in ``payloads``
     ('fp8' only where the rows carry their scales: dedup and hierarchical).
+
+    ``overlap`` (``parallel.overlap``; True unless it is 'none'): exchanges run
+    asynchronously behind compute, in forward and backward (an async exchange's gradients
+    travel back asynchronously too: :meth:`~.comm.Exchange.done`), the shared experts
+    while the combine is in flight, and ``overlap_chunks`` > 1 pipelines chunks. False:
+    every exchange blocks, in both directions, one chunk (the plain path, kept for
+    comparison).
     """
 
     payloads: tuple[str, ...] = ("auto", "bf16")
 
-    def __init__(self, num_experts: int, info: GroupInfo, payload: str = "auto", workspace=None):
+    def __init__(self, num_experts: int, info: GroupInfo, payload: str = "auto", workspace=None,
+                 overlap: bool = True):
         P = info.size
         if num_experts % P:
             raise ValueError(f"num_experts={num_experts} is not divisible by the EP size {P}")
@@ -143,6 +151,7 @@ class EPDispatcher(Dispatcher):
         super().__init__(num_experts, e, info.index * e, workspace)
         self.info = info
         self.payload = payload
+        self.overlap = overlap
 
     @property
     def counter(self) -> CommCounter:
@@ -164,7 +173,7 @@ class EPDispatcher(Dispatcher):
         return self._combine_start(y_RD, handle, False)()
 
     def combine_overlapped(self, y_RD, handle, side_work):
-        finish = self._combine_start(y_RD, handle, side_work is not None)
+        finish = self._combine_start(y_RD, handle, side_work is not None and self.overlap)
         side = side_work() if side_work is not None else None
         return finish(), side
 

@@ -218,6 +218,8 @@ class Exchange:
     async_op: bool = False
     _work: object | None = field(default=None, repr=False)
     _finish: Callable[[], None] | None = field(default=None, repr=False)
+    _bwd_meta: object | None = field(default=None, repr=False)      # set by the forward
+    _bwd_pending: tuple | None = field(default=None, repr=False)    # started by done()'s backward
 
     def reversed(self) -> "Exchange":
         return Exchange(self.info, self.recv_splits, self.send_splits)
@@ -232,6 +234,13 @@ class Exchange:
         if self._finish is not None:
             self._finish()
             self._finish = None
+
+    def done(self, *outs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Wait for an async exchange and return its outputs ``outs`` through the point
+        where they are first read (:class:`_ExchangeDone`): in backward, the gradients'
+        exchange starts there and is waited for in this exchange's own backward, so what
+        autograd runs in between (the next chunk's experts, the shared experts) hides it."""
+        return _ExchangeDone.apply(self, *outs)
 
 
 def all_to_all_bytes(info: GroupInfo, send_buf: torch.Tensor, send_splits: list[int],
@@ -256,8 +265,8 @@ class _RowAllToAll(torch.autograd.Function):
                                        ex.fp8_field)
         ctx.ex, ctx.shapes = ex, [tuple(t.shape[1:]) for t in fields]
         ctx.float_fields = [i for i, t in enumerate(fields) if t.is_floating_point()]
-        ctx.in_dtypes = [t.dtype for t in fields]
-        ctx.device = fields[0].device
+        ctx.bwd_meta = ex._bwd_meta = _GradMeta(ctx.shapes, ctx.float_fields,
+                                                [t.dtype for t in fields], fields[0].device)
         flat = [t.reshape(t.shape[0], s.width) for t, s in zip(fields, specs)]
         send = pack_rows(flat, specs, row_bytes)
         recv, work = all_to_all_bytes(ex.info, send, ex.send_splits, ex.recv_splits, ex.async_op)
@@ -293,29 +302,80 @@ class _RowAllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        pending = getattr(ctx.ex, "_bwd_pending", None)
+        if pending is None:  # no done() point, or its backward did not run: blocking
+            pending = _grads_start(ctx.ex, ctx.bwd_meta, grads)
+        ctx.ex._bwd_pending = None
+        return (None, *_grads_finish(ctx.bwd_meta, pending))
+
+
+@dataclass(frozen=True)
+class _GradMeta:
+    """What the backward of a row exchange needs to know about its forward fields."""
+
+    shapes: list[tuple[int, ...]]
+    float_fields: list[int]
+    in_dtypes: list[torch.dtype]
+    device: torch.device
+
+
+def _grads_start(ex: Exchange, meta: _GradMeta, grads) -> tuple:
+    """Pack the float fields' gradients and start their exchange (sent back the way the
+    rows came; async). Every float field travels (zeros where no grad arrived) so the
+    byte layout is the same on every rank whatever each one's autograd graph needed.
+    Returns (recv buffer or None, work or None, field specs)."""
+    M = sum(ex.recv_splits)
+    g_list = []
+    for i in meta.float_fields:
+        g = grads[i]
+        if g is None:
+            g = torch.zeros((M,) + meta.shapes[i], dtype=meta.in_dtypes[i], device=meta.device)
+        g_list.append(g.reshape(M, math.prod(meta.shapes[i])).to(meta.in_dtypes[i]))
+    specs, row_bytes = plan_fields(
+        [(meta.in_dtypes[i], math.prod(meta.shapes[i])) for i in meta.float_fields], None)
+    if not g_list:
+        return None, None, specs
+    send = pack_rows(g_list, specs, row_bytes)
+    recv, work = all_to_all_bytes(ex.info, send, ex.recv_splits, ex.send_splits, async_op=True)
+    return recv, work, specs
+
+
+def _grads_finish(meta: _GradMeta, pending: tuple) -> list:
+    """Wait for :func:`_grads_start`'s exchange; the gradient of each forward field."""
+    recv, work, specs = pending
+    out = [None] * len(meta.shapes)
+    if recv is None:
+        return out
+    if work is not None:
+        work.wait()
+    N = recv.shape[0]
+    for i, g in zip(meta.float_fields, unpack_rows(recv, specs)):
+        out[i] = g.reshape((N,) + meta.shapes[i])
+    return out
+
+
+class _ExchangeDone(torch.autograd.Function):
+    """Identity on an exchange's outputs that marks where they are first read. Forward:
+    wait for the transfer. Backward: START the gradients' exchange (async), which the
+    exchange's backward waits for; the incoming gradients pass through unchanged (that
+    backward ignores them once started)."""
+
+    @staticmethod
+    def forward(ctx, ex: Exchange, *outs):
+        ex.wait()
+        ctx.ex = ex
+        ctx.is_float = [o.is_floating_point() for o in outs]
+        views = tuple(o.view_as(o) for o in outs)
+        non_diff = [v for v in views if not v.is_floating_point()]
+        if non_diff:
+            ctx.mark_non_differentiable(*non_diff)
+        return views
+
+    @staticmethod
+    def backward(ctx, *grads):
         ex: Exchange = ctx.ex
-        idx = ctx.float_fields
-        # Always send every float field (zeros where no grad arrived) so the byte layout is
-        # the same on every rank whatever each one's autograd graph needed.
-        M = sum(ex.recv_splits)
-        g_list = []
-        for i in idx:
-            g = grads[i]
-            if g is None:
-                g = torch.zeros((M,) + ctx.shapes[i], dtype=ctx.in_dtypes[i], device=ctx.device)
-            g_list.append(g.reshape(M, math.prod(ctx.shapes[i])).to(ctx.in_dtypes[i]))
-        specs, row_bytes = plan_fields(
-            [(ctx.in_dtypes[i], math.prod(ctx.shapes[i])) for i in idx], None)
-        send = pack_rows(g_list, specs, row_bytes) if g_list else None
-        out = [None] * len(ctx.shapes)
-        if send is not None:
-            recv, work = all_to_all_bytes(ex.info, send, ex.recv_splits, ex.send_splits)
-            if work is not None:
-                work.wait()
-            N = recv.shape[0]
-            for i, g in zip(idx, unpack_rows(recv, specs)):
-                out[i] = g.reshape((N,) + ctx.shapes[i])
-        return (None, *out)
+        ex._bwd_pending = _grads_start(ex, ex._bwd_meta, grads)
+        return (None, *(g if f else None for g, f in zip(grads, ctx.is_float)))
 
 
 def exchange_counts(info: GroupInfo, counts_PC: torch.Tensor) -> torch.Tensor:

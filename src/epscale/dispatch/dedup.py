@@ -27,7 +27,7 @@ from .base import EPDispatcher
 from .comm import Exchange, GroupInfo, exchange_counts
 from .host import host_ints
 from .layout import get_dispatch_layout, select_true
-from .rows import chunk_bounds, expand_rows, reduce_rows, relative_expert_ids
+from .rows import acc_dtype, chunk_bounds, expand_rows, reduce_rows, relative_expert_ids
 
 
 @dataclass(frozen=True)
@@ -56,8 +56,8 @@ class DedupDispatcher(EPDispatcher):
     payloads = ("auto", "bf16", "fp8")
 
     def __init__(self, num_experts: int, info: GroupInfo, payload: str = "auto",
-                 overlap_chunks: int = 1, workspace=None):
-        super().__init__(num_experts, info, payload, workspace)
+                 overlap_chunks: int = 1, workspace=None, overlap: bool = True):
+        super().__init__(num_experts, info, payload, workspace, overlap)
         self.overlap_chunks = overlap_chunks
 
     # ------------------------------------------------------------------ planning
@@ -98,8 +98,8 @@ class DedupDispatcher(EPDispatcher):
         return tok_N, exchange, recv
 
     def _receive(self, sent, plan: _Plan, c: int, dtype: torch.dtype, num_tokens: int):
-        tok_N, exchange, (recv_x_MD, recv_lidx_MK, recv_w_MK) = sent
-        exchange.wait()
+        tok_N, exchange, recv = sent
+        recv_x_MD, recv_lidx_MK, recv_w_MK = exchange.done(*recv) if exchange.async_op else recv
         recv_x_RD, order_R = expand_rows(recv_x_MD, recv_lidx_MK, self.num_local_experts,
                                          plan.num_expanded[c], dtype, self.workspace)
         handle = DedupHandle(tok_N, order_R, recv_w_MK, exchange, num_tokens)
@@ -110,16 +110,17 @@ class DedupDispatcher(EPDispatcher):
         red_MD = reduce_rows(y_RD, handle.order_R, handle.recv_w_MK, self.workspace)
         back = handle.exchange.reversed()
         back.async_op = async_op
-        (ret_ND,) = back(red_MD)
+        (ret,) = back(red_MD)
 
         def finish(acc_TD: torch.Tensor | None = None) -> torch.Tensor:
-            """y_TD in the compute dtype, or, given an fp32 accumulator, acc + this part."""
-            back.wait()
+            """y_TD in the compute dtype, or, given an accumulator (fp32, or float64 for
+            float64 rows), acc + this part."""
+            (ret_ND,) = back.done(ret) if async_op else (ret,)
             if acc_TD is not None:
-                return acc_TD.index_add(0, handle.tok_N, ret_ND.float())
-            y_TD = torch.zeros((handle.num_tokens, y_RD.shape[1]), dtype=torch.float32,
+                return acc_TD.index_add(0, handle.tok_N, ret_ND.to(acc_TD.dtype))
+            y_TD = torch.zeros((handle.num_tokens, y_RD.shape[1]), dtype=acc_dtype(out_dtype),
                                device=y_RD.device)
-            return y_TD.index_add(0, handle.tok_N, ret_ND.float()).to(out_dtype)
+            return y_TD.index_add(0, handle.tok_N, ret_ND.to(y_TD.dtype)).to(out_dtype)
         return finish
 
     # ------------------------------------------------------------------ public API

@@ -30,7 +30,7 @@ from .base import EPDispatcher
 from .comm import Exchange, GroupInfo, exchange_counts
 from .host import host_ints
 from .layout import get_dispatch_layout, membership, select_true
-from .rows import chunk_bounds, expand_rows, reduce_rows, relative_expert_ids
+from .rows import acc_dtype, chunk_bounds, expand_rows, reduce_rows, relative_expert_ids
 
 
 @dataclass(frozen=True)
@@ -66,8 +66,9 @@ class HierarchicalDispatcher(EPDispatcher):
     payloads = ("auto", "bf16", "fp8")
 
     def __init__(self, num_experts: int, info: GroupInfo, inter: GroupInfo, intra: GroupInfo,
-                 payload: str = "auto", overlap_chunks: int = 1, workspace=None):
-        super().__init__(num_experts, info, payload, workspace)
+                 payload: str = "auto", overlap_chunks: int = 1, workspace=None,
+                 overlap: bool = True):
+        super().__init__(num_experts, info, payload, workspace, overlap)
         if inter.size * intra.size != info.size:
             raise ValueError(f"inter group ({inter.size}) x intra group ({intra.size}) must "
                              f"cover the EP group ({info.size})")
@@ -127,8 +128,8 @@ class HierarchicalDispatcher(EPDispatcher):
         return tok_N1, inter, recv, fp8
 
     def _receive(self, sent, plan: _HPlan, c, dtype, num_tokens):
-        tok_N1, inter, (x1_MD, nid_MK, w1_MK), fp8 = sent
-        inter.wait()
+        tok_N1, inter, recv, fp8 = sent
+        x1_MD, nid_MK, w1_MK = inter.done(*recv) if inter.async_op else recv
         e, L = self.num_local_experts, self.intra.size
         M1 = x1_MD.shape[0]
         local_MK = torch.where(nid_MK >= 0, nid_MK.long() // e, torch.full_like(nid_MK, -1).long())
@@ -149,16 +150,18 @@ class HierarchicalDispatcher(EPDispatcher):
         out_dtype, D = y_RD.dtype, y_RD.shape[1]
         red_M2D = reduce_rows(y_RD, handle.order_R, handle.recv_w_MK, self.workspace)
         (back_N2D,) = handle.intra.reversed()(red_M2D)
-        red_M1D = torch.zeros((handle.num_forwarder_rows, D), dtype=torch.float32,
-                              device=y_RD.device).index_add(0, handle.row_N2, back_N2D.float())
+        red_M1D = torch.zeros((handle.num_forwarder_rows, D), dtype=acc_dtype(out_dtype),
+                              device=y_RD.device)
+        red_M1D = red_M1D.index_add(0, handle.row_N2, back_N2D.to(red_M1D.dtype))
         back = handle.inter.reversed()
         back.async_op = async_op
-        (ret_N1D,) = back(red_M1D.to(out_dtype))
+        (ret,) = back(red_M1D.to(out_dtype))
 
         def finish(acc_TD: torch.Tensor | None = None) -> torch.Tensor:
-            back.wait()
+            (ret_N1D,) = back.done(ret) if async_op else (ret,)
             if acc_TD is not None:
-                return acc_TD.index_add(0, handle.tok_N1, ret_N1D.float())
-            y_TD = torch.zeros((handle.num_tokens, D), dtype=torch.float32, device=y_RD.device)
-            return y_TD.index_add(0, handle.tok_N1, ret_N1D.float()).to(out_dtype)
+                return acc_TD.index_add(0, handle.tok_N1, ret_N1D.to(acc_TD.dtype))
+            y_TD = torch.zeros((handle.num_tokens, D), dtype=acc_dtype(out_dtype),
+                               device=y_RD.device)
+            return y_TD.index_add(0, handle.tok_N1, ret_N1D.to(y_TD.dtype)).to(out_dtype)
         return finish

@@ -144,7 +144,8 @@ class WeightedRowSum(torch.autograd.Function):
         g_RD = torch.index_select(grad_MD, 0, order_R // K,
                                   out=take_rows(ctx.ws, "combine_grad", grad_MD, order_R.numel()))
         R, D = g_RD.shape
-        dot_R = torch.empty(R, dtype=torch.float32, device=g_RD.device) if need_w else None
+        acc = acc_dtype(g_RD.dtype)
+        dot_R = torch.empty(R, dtype=acc, device=g_RD.device) if need_w else None
         B = rows_per_block(R, D * g_RD.element_size(), g_RD.device)
         tmp_BD = torch.empty((B, D), dtype=g_RD.dtype, device=g_RD.device) if need_w else None
         for r0 in range(0, R, B):
@@ -152,7 +153,7 @@ class WeightedRowSum(torch.autograd.Function):
             g_BD = g_RD[r0:r1]
             if need_w:
                 prod_BD = torch.mul(g_BD, y_RD[r0:r1], out=tmp_BD[:r1 - r0])
-                torch.sum(prod_BD, 1, dtype=torch.float32, out=dot_R[r0:r1])
+                torch.sum(prod_BD, 1, dtype=acc, out=dot_R[r0:r1])
             if need_y:
                 g_BD.mul_(w_R[r0:r1].unsqueeze(1))
         grad_w = None
@@ -160,6 +161,11 @@ class WeightedRowSum(torch.autograd.Function):
             grad_w = torch.zeros(M * K, dtype=ctx.dtype_w, device=g_RD.device)
             grad_w = grad_w.index_copy_(0, order_R, dot_R.to(ctx.dtype_w)).view(M, K)
         return (g_RD if need_y else None), None, grad_w, None
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype sums over rows accumulate in: fp32, or the rows' own when wider."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def chunk_bounds(num_tokens: int, num_chunks: int) -> list[tuple[int, int]]:

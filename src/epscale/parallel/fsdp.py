@@ -15,6 +15,14 @@ gradients over its mesh: the world for dense weights (right), but only W / ep ra
 an expert slice, whose local gradient already sums the losses of the ep ranks that sent it
 tokens; :func:`finish_gradients` divides those by ep once after the step's backward.
 (FSDP's own divide factor would do it in the reduction, but gloo has no PREMUL_SUM.)
+
+Communication behind compute (``parallel.overlap``): the explicit block-to-block prefetch
+(:func:`_prefetch`, ``apply_fsdp(prefetch=...)``, on unless overlap is 'none'); under
+gradient accumulation, HSDP's replica all-reduce once per step, in the last micro-batch's
+backward (``epscale.parallel.grads.set_last_micro_batch``, which the accumulation step
+calls; the reduce-scatters still run every micro-batch and FSDP keeps their sum). Under a
+pipeline, torch.distributed.pipelining's stage already defers every reduction of an
+FSDP-wrapped stage (reduce-scatter and all-reduce) to its last backward of the step.
 """
 
 from __future__ import annotations

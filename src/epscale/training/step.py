@@ -27,6 +27,7 @@ from torch import nn
 
 from ..metrics import StepTimers
 from ..parallel.dims import ParallelDims
+from ..parallel.grads import set_last_micro_batch
 from ..parallel.pipeline import Pipeline
 from .data import DataLoader
 
@@ -35,18 +36,25 @@ Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs x_BS, targets y_BS), on the
 
 class AccumulationStep:
     """``accum`` micro-batches forward and backward one after another through the whole
-    model; every rank reads its own data."""
+    model; every rank reads its own data.
+
+    ``overlap`` (``parallel.overlap``; True unless 'none'): reductions that only need the
+    step's sum run in the last micro-batch's backward only (HSDP's replica all-reduce,
+    the replicated layout's DDP buckets: :func:`epscale.parallel.grads.set_last_micro_batch`);
+    False reduces after every micro-batch (the plain path)."""
 
     def __init__(self, model: nn.Module, device: torch.device, timers: StepTimers,
                  autocast: Callable[[], contextlib.AbstractContextManager], rank: int,
-                 world: int):
+                 world: int, overlap: bool = True):
         self.model, self.device, self.timers, self.autocast = model, device, timers, autocast
         self.data_rank, self.data_world = rank, world
+        self.overlap = overlap
 
     def train(self, loader: DataLoader, accum: int) -> tuple[torch.Tensor, bool]:
         T = self.timers
         loss_sum = torch.zeros((), device=self.device)
-        for _ in range(accum):
+        for i in range(accum):
+            set_last_micro_batch(self.model, i == accum - 1 or not self.overlap)
             with T.section("data"):
                 x_BS, y_BS = loader.next_micro_batch()
                 x_BS, y_BS = (x_BS.to(self.device, non_blocking=True),
