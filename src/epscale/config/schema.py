@@ -325,6 +325,11 @@ class ParallelConfig:
     dispatcher: str = "dedup"
     ranks_per_node: int | None = None
     overlap_chunks: int = 1
+    # Communication behind compute: 'auto' overlaps what the layout allows (async
+    # exchanges, chunked dispatch, FSDP prefetch); 'none' is the plain blocking path (every
+    # exchange synchronous, overlap_chunks treated as 1, no FSDP explicit prefetch), for
+    # comparison and debugging. The losses are the same either way (to summation order).
+    overlap: str = "auto"
     # dispatch payload: 'auto' (the activations' dtype), 'bf16', or 'fp8' (e4m3 with
     # per-128-channel scales; dedup and hierarchical only).
     payload: str = "auto"
@@ -353,6 +358,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         choice("parallel.payload", self.payload, ("auto", "bf16", "fp8"))
+        choice("parallel.overlap", self.overlap, ("auto", "none"))
         self._check_pipeline()
         for name in ("redundant_experts", "rebalance_every"):
             v = getattr(self, name)
