@@ -13,12 +13,12 @@ minus exposed is the communication that ran behind compute.
 
 How the intervals are taken:
 
-* CPU (gloo): ``time.perf_counter`` at issue and around each wait. The completion of an
-  asynchronous collective is the earliest of: its future's done-callback (gloo gives
-  all-to-all, all-reduce and all-gather a future), the first moment the rank saw it done
-  (``is_completed()`` when the wait starts), and the end of the wait. Gloo's
-  reduce-scatter and point-to-point works have no future: their in-flight interval ends
-  when the rank first sees them done, an upper bound.
+* CPU (gloo): ``time.perf_counter`` at issue and around each wait. An asynchronous
+  collective still running when its wait starts is in flight until the wait returns (so
+  the exposed wait lies inside its flight); one already done then ended at the earlier of
+  its future's done-callback (gloo gives all-to-all, all-reduce and all-gather a future)
+  and the wait's start. Gloo's reduce-scatter and point-to-point works have no future:
+  when done before their wait, their flight ends at the wait's start, an upper bound.
 * CUDA: events, never a host sync in the step (they are read in :meth:`CommClock.totals`
   after the step's one synchronisation, which ``StepTimers`` already does). Exposed: a
   pair of events on the current stream around ``work.wait()`` (or around a blocking call
@@ -78,15 +78,23 @@ def _union(intervals: Sequence[tuple[float, float]]) -> float:
 class _Flight:
     """One collective's in-flight interval (CPU seconds or CUDA events)."""
 
-    __slots__ = ("kind", "start", "end")
+    __slots__ = ("kind", "start", "end", "final")
 
     def __init__(self, kind: str, start: Any, end: Any = None):
         self.kind, self.start, self.end = kind, start, end
+        self.final = end is not None
 
     def done_at(self, t: float) -> None:
-        """CPU: the completion is the earliest moment it was known done."""
-        if self.end is None or t < self.end:
+        """CPU: done by ``t`` (the completion is the earliest such moment)."""
+        if not self.final and (self.end is None or t < self.end):
             self.end = t
+
+    def waited_until(self, t: float) -> None:
+        """CPU: the rank waited for it until ``t``: in flight until then, so the wait
+        (exposed) lies inside the flight even where the done-callback ran a little
+        before the wait returned."""
+        if not self.final:
+            self.end, self.final = t, True
 
 
 class CommClock:
@@ -161,12 +169,13 @@ class CommClock:
 
         def wait(_timeout=None) -> bool:
             start = clock._now()
-            if not clock.cuda and work.is_completed():
+            done = clock.cuda or work.is_completed()
+            if not clock.cuda and done:
                 flight.done_at(start)
             out = work.wait()
             end = clock._now()
-            if not clock.cuda:
-                flight.done_at(end)
+            if not done:
+                flight.waited_until(end)
             clock._exposed.append((kind, start, end))
             keep.clear()
             return True if out is None else bool(out)
