@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 from dist_utils import CaseRunner, assert_no_failures, run_distributed, run_trainer
 from epscale.config import ConfigError, load_config
-from epscale.metrics.commclock import COMM_KINDS, CommClock, _union
+from epscale.metrics.commclock import CommClock, _union
+from epscale.plan.overlap import COMM_KINDS
 from test_train import assert_losses_close, tiny_overrides
 
 BASE = {"train.steps": 2, "train.eval_every": 0, "train.ckpt_every": 0,

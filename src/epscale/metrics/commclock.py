@@ -46,11 +46,8 @@ import torch
 
 from ..dispatch.comm import counters_of
 from ..moe.layer import moe_layers
+from ..plan.overlap import COMM_KINDS
 
-# dispatch: the dispatchers' exchanges (dispatch, combine, their backward, the count
-# exchanges); fsdp: FSDP2's all-gathers and reduce-scatters; dp: the data-parallel gradient
-# all-reduce; pp: the pipeline's point-to-point sends and receives.
-COMM_KINDS: tuple[str, ...] = ("dispatch", "fsdp", "dp", "pp")
 
 try:  # a Work whose wait() runs Python: passes FSDP's isinstance(work, Work) checks
     from torch._C._distributed_c10d import PythonCallbackWork as _CallbackWork

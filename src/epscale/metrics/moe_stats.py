@@ -46,7 +46,8 @@ from .balance import max_vio, rank_loads
 from .fields import Fields
 from .flops import mfu as _mfu
 from .flops import peak_flops as _peak_flops
-from .commclock import COMM_KINDS, empty_totals
+from ..plan.overlap import COMM_KINDS
+from .commclock import empty_totals
 from .timers import COMM_SECTIONS, STANDARD_SECTIONS
 
 # Values each rank writes into its own row of the rank matrix (a sum then gathers them).
