@@ -77,7 +77,8 @@ def _clock_cases(runner: CaseRunner, corpus_dir: Path, tmp: Path) -> None:
         assert t["dp"]["s"] > 0 and t["dp"]["exposed_s"] == t["dp"]["s"]
         assert 0 < t["dispatch"]["exposed_s"] <= t["dispatch"]["s"]
         assert 0 < t["fsdp"]["exposed_s"] <= t["fsdp"]["s"]
-        assert t["pp"] == {"s": 0.0, "exposed_s": 0.0}
+        assert t["pp"] == {"s": 0.0, "n": 0.0, "exposed_s": 0.0}
+        assert [t[k]["n"] for k in ("dp", "dispatch", "fsdp")] == [1, 1, 2]
         assert t["exposed_s"] <= t["s"] <= sum(t[k]["s"] for k in COMM_KINDS) + 1e-12
         clock.reset()
         assert clock.totals()["s"] == 0.0

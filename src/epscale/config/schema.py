@@ -641,13 +641,16 @@ class MetricsConfig:
     (null: off; 0: any free port). prometheus_addr: the address it binds (127.0.0.1: this
     machine only; 0.0.0.0 to let a scraper on another host reach it).
     dead_after_steps: an expert with no tokens for this many steps counts as dead in the
-    metrics and alerts.
+    metrics and alerts. comm_timing: time every collective for the step records'
+    comm_s / comm_exposed_s (``epscale.metrics.commclock``; false: no collective is
+    touched and those fields read 0).
     """
 
     tensorboard: bool = False
     prometheus_port: int | None = None
     prometheus_addr: str = "127.0.0.1"
     dead_after_steps: int = 50
+    comm_timing: bool = True
 
     def __post_init__(self) -> None:
         if self.prometheus_port is not None and not 0 <= self.prometheus_port <= 65535:

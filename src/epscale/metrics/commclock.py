@@ -121,7 +121,7 @@ class CommClock:
         """Start a new step: forget the intervals recorded so far."""
         self._flights: list[_Flight] = []
         self._exposed: list[tuple[str, Any, Any]] = []
-        self._origin = self._now()
+        self._origin = self._now() if self.enabled else None
 
     # ------------------------------------------------------------------ recording
     @contextlib.contextmanager
@@ -225,10 +225,12 @@ class CommClock:
         return t - self._origin
 
     def totals(self) -> dict[str, Any]:
-        """``{"s": in flight, "exposed_s": exposed, kind: {"s", "exposed_s"} for every
-        kind of COMM_KINDS}`` in seconds since :meth:`reset`. A collective still in flight
+        """``{"s": in flight, "exposed_s": exposed, kind: {"s", "n", "exposed_s"} for
+        every kind of COMM_KINDS}`` in seconds since :meth:`reset` (``n``: collectives). A collective still in flight
         counts up to now. CUDA: one ``torch.cuda.synchronize()`` (after StepTimers', it
-        waits for nothing)."""
+        waits for nothing). Disabled: zeros, nothing read."""
+        if not self.enabled:
+            return empty_totals()
         if self.cuda:
             torch.cuda.synchronize()
             now = self._origin.elapsed_time(self._now()) / 1e3
@@ -240,7 +242,8 @@ class CommClock:
         out: dict[str, Any] = {"s": _union([(s, e) for _k, s, e in flights]),
                                "exposed_s": _union([(s, e) for _k, s, e in exposed])}
         for kind in COMM_KINDS:
-            out[kind] = {"s": _union([(s, e) for k, s, e in flights if k == kind]),
+            mine = [(s, e) for k, s, e in flights if k == kind]
+            out[kind] = {"s": _union(mine), "n": float(len(mine)),
                          "exposed_s": _union([(s, e) for k, s, e in exposed if k == kind])}
         return out
 
@@ -248,7 +251,7 @@ class CommClock:
 def empty_totals() -> dict[str, Any]:
     """:meth:`CommClock.totals` of a step without communication."""
     out: dict[str, Any] = {"s": 0.0, "exposed_s": 0.0}
-    out.update({k: {"s": 0.0, "exposed_s": 0.0} for k in COMM_KINDS})
+    out.update({k: {"s": 0.0, "n": 0.0, "exposed_s": 0.0} for k in COMM_KINDS})
     return out
 
 

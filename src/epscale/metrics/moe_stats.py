@@ -62,8 +62,9 @@ def _routed_fields(num_experts: int) -> Fields:
 
 
 # A rank's communication of the step (CommClock.totals()): in flight and exposed seconds,
-# in all and by kind; summed over ranks, then divided by the world (a rank mean).
-_COMM_PAIR = Fields([("s", ()), ("exposed_s", ())])
+# in all and by kind (with the kind's number of collectives); summed over ranks, then
+# divided by the world (a rank mean).
+_COMM_PAIR = Fields([("s", ()), ("n", ()), ("exposed_s", ())])
 COMM_FIELDS = Fields([("s", ()), ("exposed_s", ())] + [(k, _COMM_PAIR) for k in COMM_KINDS])
 
 _BIAS = Fields([("min", ()), ("max", ())])          # a layer's expert-bias range
@@ -93,7 +94,8 @@ def _comm_record(summed: dict[str, Any], world: int, mean_step: float) -> dict[s
     by_kind = {}
     for k in COMM_KINDS:
         s, e = summed[k]["s"] / world, summed[k]["exposed_s"] / world
-        by_kind[k] = {"s": s, "exposed_s": e, "exposed_share": share(e)}
+        by_kind[k] = {"s": s, "exposed_s": e, "exposed_share": share(e),
+                      "collectives": summed[k]["n"] / world}
     exposed = summed["exposed_s"] / world
     return {"comm_s": summed["s"] / world, "comm_exposed_s": exposed,
             "comm_exposed_share": share(exposed), "comm_by_kind": by_kind}

@@ -4,7 +4,7 @@ times and the median exposed share of a run's records.
 
 A step record carries ``comm_s`` (in flight), ``comm_exposed_s`` (waited on),
 ``comm_exposed_share`` (exposed / mean step time) and ``comm_by_kind`` (kind -> ``s``,
-``exposed_s``, ``exposed_share``), each the mean over ranks.
+``exposed_s``, ``exposed_share``, ``collectives``), each the mean over ranks.
 """
 
 from __future__ import annotations

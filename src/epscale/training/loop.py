@@ -216,8 +216,8 @@ class Trainer:
         # comm_s / comm_exposed_s of every step: the dispatchers' exchanges and FSDP's
         # gathers and reductions directly; the gradient all-reduce and the pipeline's p2p
         # where the step runs them (train_step)
-        self.comm_clock = CommClock(self.device)
-        for part in [self.model, *parts.chunks]:
+        self.comm_clock = CommClock(self.device, enabled=cfg.metrics.comm_timing)
+        for part in [self.model, *parts.chunks] if cfg.metrics.comm_timing else []:
             attach_comm_clock(part, self.comm_clock)
         self.stepper = self._step_strategy(parts.chunks)
         return placement, placement_note
