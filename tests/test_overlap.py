@@ -132,3 +132,36 @@ def test_overlap_key_is_checked(tmp_path):
 def test_union_of_intervals():
     assert _union([]) == 0.0
     assert _union([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0), (3.5, 3.6), (5.0, 5.0)]) == 3.0
+
+
+def _synthetic(step: int, exposed: float, dispatch_s: float) -> dict:
+    kinds = {k: {"s": 0.0, "exposed_s": 0.0, "exposed_share": 0.0, "collectives": 0.0}
+             for k in COMM_KINDS}
+    kinds["dispatch"] = {"s": dispatch_s, "exposed_s": exposed, "exposed_share": exposed,
+                         "collectives": 8.0}
+    return {"step": step, "step_time_s": 1.0, "comm_s": dispatch_s, "comm_exposed_s": exposed,
+            "comm_exposed_share": exposed, "comm_by_kind": kinds}
+
+
+def test_exposed_share_in_summary_report_and_check():
+    from epscale.commands.monitor import exposed_line
+    from epscale.monitor.report import exposed_columns
+    from epscale.plan.overlap import exposed_summary
+
+    recs = [_synthetic(s, e, 0.5) for s, e in ((1, 0.4), (2, 0.1), (3, 0.2), (4, 0.3))]
+    ex = exposed_summary(recs)
+    assert ex["exposed_share"] == pytest.approx(0.25)
+    assert ex["by_kind"] == {"dispatch": pytest.approx(0.25)}  # only kinds that sent
+    assert ex["hidden_frac"] == pytest.approx(0.5)             # 1 - exposed / in flight
+    # monitor --check: the steps after the first fifth (a warm-up step 0 left out)
+    warm = [_synthetic(0, 0.9, 1.0)] + recs
+    assert exposed_line(warm) == ("communication: exposed 25.0% of the step (dispatch "
+                                  "25.0%); 50.0% of its time in flight hidden behind compute")
+    cols = exposed_columns(recs)
+    assert cols["comm_exposed_share"] == [0.4, 0.1, 0.2, 0.3]
+    assert cols["comm_exposed_share.dispatch"] == [0.4, 0.1, 0.2, 0.3]
+    assert set(cols) == {"comm_exposed_share", "comm_exposed_share.dispatch"}
+    # runs from before these fields, and runs without communication, show nothing
+    assert exposed_summary([{"step": 1}]) is None and exposed_line([{"step": 1}]) is None
+    assert exposed_line([_synthetic(1, 0.0, 0.0)]) is None
+    assert exposed_columns([_synthetic(1, 0.0, 0.0)]) == {}

@@ -12,9 +12,19 @@ from __future__ import annotations
 from statistics import median
 from typing import Any, Sequence
 
-# dispatch: the dispatchers' exchanges (dispatch, combine, their backward, the count
-# exchanges); fsdp: FSDP2's all-gathers and reduce-scatters; dp: the data-parallel gradient
-# all-reduce; pp: the pipeline's point-to-point sends and receives.
+# What each kind includes (a collective is timed from its issue; a blocking one is exposed
+# whole, an asynchronous one while the rank sits in its wait()):
+# dispatch: every exchange of the MoE layers' dispatchers (epscale.dispatch.comm): the token
+#   and count all-to-alls of dispatch and combine, forward and backward; the allgather
+#   backend's gathers and reduce-scatters; spill-over's count gather and row shipping.
+# fsdp: FSDP2's parameter all-gathers (forward, and again for backward) and gradient
+#   reduce-scatters. Not HSDP's replica all-reduce (FSDP2 issues it inside its reduction,
+#   with no object to wrap): it is in no kind.
+# dp: the replicated layout's gradient all-reduces after backward (epscale.parallel.grads,
+#   with the redundant-expert replica sums). None under FSDP.
+# pp: the pipeline schedule's point-to-point sends and receives (torch's _batch_p2p).
+# In no kind: the step record's and the gradient norm's all-reduces, the balance and
+# aux-loss all-reduces (a few numbers each), checkpoint, validation and re-placement traffic.
 COMM_KINDS: tuple[str, ...] = ("dispatch", "fsdp", "dp", "pp")
 
 
