@@ -58,7 +58,8 @@ from ab_revisions import revision_dir  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 # step-record fields that are wall-clock or memory measurements: they differ run to run
 TIMING = {"time", "tokens_per_s", "tokens_per_s_per_proc", "step_time_s", "time_breakdown",
-          "comm_share", "mfu", "rank_step_time_s", "rank_wait_frac", "mem_mb", "rank_mem_mb"}
+          "comm_share", "mfu", "rank_step_time_s", "rank_wait_frac", "mem_mb", "rank_mem_mb",
+          "comm_s", "comm_exposed_s", "comm_exposed_share", "comm_by_kind"}
 # the Python ``random`` state each rank saves: nothing seeds it, so it differs run to run
 UNSEEDED = re.compile(r"rank_\d+\.pt\.python\.")
 # the torch RNG state each rank saves: compared where train.seed seeded it (the

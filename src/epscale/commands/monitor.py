@@ -28,6 +28,7 @@ from ..monitor.live import follow
 from ..monitor.report import write_report
 from ..monitor.report_stream import ReportSeries
 from ..monitor.runlog import load_run
+from ..plan.overlap import exposed_summary, format_by_kind
 
 
 def configure_parser(p) -> None:
@@ -82,6 +83,19 @@ def _warn(lines: list[str]) -> None:
         print(f"warning: {w}", file=sys.stderr)
 
 
+def exposed_line(steps: list[dict]) -> str | None:
+    """'communication: ...' with the exposed share of the step (median over the steps after
+    the first fifth, as the run summary), by kind, and the share hidden behind compute;
+    None for a run without communication or from before these fields."""
+    steady = steps[len(steps) // 5:] or steps
+    ex = exposed_summary(steady)
+    if ex is None or not any(r.get("comm_s", 0) > 0 for r in steady):
+        return None
+    return (f"communication: exposed {100 * ex['exposed_share']:.1f}% of the step "
+            f"({format_by_kind(ex['by_kind'])}); {100 * ex['hidden_frac']:.1f}% of its time in "
+            "flight hidden behind compute")
+
+
 def run(args) -> int:
     rules = load_rules(args)  # ConfigError -> exit 2 with the message (epscale.cli)
     if args.interval <= 0:
@@ -117,6 +131,9 @@ def run(args) -> int:
     if args.check:
         for a in alerts:
             print(a.line())
+        line = exposed_line(run_log.steps)
+        if line:
+            print(line)
         if alerts:
             return 1
         last = run_log.last_step

@@ -325,6 +325,11 @@ class ParallelConfig:
     dispatcher: str = "dedup"
     ranks_per_node: int | None = None
     overlap_chunks: int = 1
+    # Communication behind compute: 'auto' overlaps what the layout allows (async
+    # exchanges, chunked dispatch, FSDP prefetch); 'none' is the plain blocking path (every
+    # exchange synchronous, overlap_chunks treated as 1, no FSDP explicit prefetch), for
+    # comparison and debugging. The losses are the same either way (to summation order).
+    overlap: str = "auto"
     # dispatch payload: 'auto' (the activations' dtype), 'bf16', or 'fp8' (e4m3 with
     # per-128-channel scales; dedup and hierarchical only).
     payload: str = "auto"
@@ -353,6 +358,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         choice("parallel.payload", self.payload, ("auto", "bf16", "fp8"))
+        choice("parallel.overlap", self.overlap, ("auto", "none"))
         self._check_pipeline()
         for name in ("redundant_experts", "rebalance_every"):
             v = getattr(self, name)
@@ -635,13 +641,16 @@ class MetricsConfig:
     (null: off; 0: any free port). prometheus_addr: the address it binds (127.0.0.1: this
     machine only; 0.0.0.0 to let a scraper on another host reach it).
     dead_after_steps: an expert with no tokens for this many steps counts as dead in the
-    metrics and alerts.
+    metrics and alerts. comm_timing: time every collective for the step records'
+    comm_s / comm_exposed_s (``epscale.metrics.commclock``; false: no collective is
+    touched and those fields read 0).
     """
 
     tensorboard: bool = False
     prometheus_port: int | None = None
     prometheus_addr: str = "127.0.0.1"
     dead_after_steps: int = 50
+    comm_timing: bool = True
 
     def __post_init__(self) -> None:
         if self.prometheus_port is not None and not 0 <= self.prometheus_port <= 65535:

@@ -16,6 +16,7 @@ is how the dispatchers keep a transfer in flight while experts or shared experts
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -28,6 +29,7 @@ from ..plan.layout import Dims
 FP8_DTYPE = getattr(torch, "float8_e4m3fn", None)
 FP8_MAX = 448.0          # largest finite e4m3fn value
 FP8_BLOCK = 128          # channels that share one scale (DeepEP's per-128-channel scaling)
+_NULL = contextlib.nullcontext()
 
 
 # --------------------------------------------------------------------------------------
@@ -41,12 +43,19 @@ class CommCounter:
     ``total`` counts every byte, ``inter_node`` the ones whose destination lives on another
     node. Both forward and backward exchanges are counted; read the difference around the
     region you want to measure.
+
+    The counter is shared by all of one dispatcher's groups, so it also carries their
+    communication settings: ``blocking`` (``parallel.overlap: none``: every exchange runs
+    synchronously, whatever its caller asked) and ``clock`` (an
+    ``epscale.metrics.commclock.CommClock`` timing the exchanges as 'dispatch', or None).
     """
 
     def __init__(self) -> None:
         self.total = 0
         self.inter_node = 0
         self.num_collectives = 0
+        self.blocking = False
+        self.clock = None
 
     def add(self, group_ranks: Sequence[int], my_rank: int, bytes_per_dest: Sequence[int],
             ranks_per_node: int) -> None:
@@ -253,8 +262,19 @@ def all_to_all_bytes(info: GroupInfo, send_buf: torch.Tensor, send_splits: list[
     if info.size == 1:
         recv.copy_(send_buf)
         return recv, None
-    work = dist.all_to_all_single(recv, send_buf, recv_splits, send_splits, group=info.group,
-                                  async_op=async_op)
+    async_op = async_op and not info.counter.blocking
+    clock = info.counter.clock
+    if clock is None:
+        work = dist.all_to_all_single(recv, send_buf, recv_splits, send_splits,
+                                      group=info.group, async_op=async_op)
+    elif async_op:
+        work = clock.track("dispatch", dist.all_to_all_single(
+            recv, send_buf, recv_splits, send_splits, group=info.group, async_op=True),
+            keep=(recv, send_buf))
+    else:
+        with clock.blocking("dispatch"):
+            work = dist.all_to_all_single(recv, send_buf, recv_splits, send_splits,
+                                          group=info.group)
     return recv, work
 
 
@@ -269,9 +289,10 @@ class _RowAllToAll(torch.autograd.Function):
                                                 [t.dtype for t in fields], fields[0].device)
         flat = [t.reshape(t.shape[0], s.width) for t, s in zip(fields, specs)]
         send = pack_rows(flat, specs, row_bytes)
-        recv, work = all_to_all_bytes(ex.info, send, ex.send_splits, ex.recv_splits, ex.async_op)
+        async_op = ex.async_op and not ex.info.counter.blocking
+        recv, work = all_to_all_bytes(ex.info, send, ex.send_splits, ex.recv_splits, async_op)
         M = recv.shape[0]
-        if ex.async_op and any(s.fp8 for s in specs):
+        if async_op and any(s.fp8 for s in specs):
             # The fp8 field must be dequantized after the data arrived: hand out a buffer now
             # and fill it in wait(). Nothing reads it before then.
             fp8_i = ex.fp8_field
@@ -292,7 +313,7 @@ class _RowAllToAll(torch.autograd.Function):
         else:
             outs = unpack_rows(recv, specs)
         ex._work = work
-        if not ex.async_op:
+        if not async_op:
             ex.wait()
         outs = [o if o.shape[1:] == shp else o.view((M,) + shp) for o, shp in zip(outs, ctx.shapes)]
         non_diff = [o for i, o in enumerate(outs) if i not in ctx.float_fields]
@@ -392,6 +413,13 @@ def exchange_counts(info: GroupInfo, counts_PC: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------
 
 
+def timed_blocking(info: GroupInfo):
+    """The context a blocking collective of ``info`` runs in: timed as 'dispatch' by the
+    dispatcher's clock, if it has one."""
+    clock = info.counter.clock
+    return _NULL if clock is None else clock.blocking("dispatch")
+
+
 def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> None:
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     fn(out, inp, group=group)
@@ -410,7 +438,8 @@ class AllGatherRows(torch.autograd.Function):
         if P == 1:
             out.copy_(x_TC)
         else:
-            dist.all_gather_into_tensor(out, x_TC.contiguous(), group=info.group)
+            with timed_blocking(info):
+                dist.all_gather_into_tensor(out, x_TC.contiguous(), group=info.group)
         return out
 
     @staticmethod
@@ -432,9 +461,26 @@ class ReduceScatterRows(torch.autograd.Function):
         if P == 1:
             out.copy_(y_PTC)
         else:
-            _reduce_scatter(out, y_PTC.contiguous(), info.group)
+            with timed_blocking(info):
+                _reduce_scatter(out, y_PTC.contiguous(), info.group)
         return out
 
     @staticmethod
     def backward(ctx, g):
         return None, AllGatherRows.apply(ctx.info, g.contiguous())
+
+
+def counters_of(dispatcher) -> list[CommCounter]:
+    """The byte counters of a MoE layer's dispatcher and of the dispatchers it wraps
+    (a placement wrapper holds it in ``inner``, spill-over in ``plain``, with its ``info``
+    and the inner dispatchers it builds later taking the same switches); where the layer's
+    communication switches live."""
+    out, seen = [], set()
+    while dispatcher is not None:
+        for counter in (getattr(dispatcher, "counter", None),
+                        getattr(getattr(dispatcher, "info", None), "counter", None)):
+            if isinstance(counter, CommCounter) and id(counter) not in seen:
+                seen.add(id(counter))
+                out.append(counter)
+        dispatcher = getattr(dispatcher, "inner", None) or getattr(dispatcher, "plain", None)
+    return out

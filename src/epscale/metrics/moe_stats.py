@@ -46,6 +46,8 @@ from .balance import max_vio, rank_loads
 from .fields import Fields
 from .flops import mfu as _mfu
 from .flops import peak_flops as _peak_flops
+from ..plan.overlap import COMM_KINDS
+from .commclock import empty_totals
 from .timers import COMM_SECTIONS, STANDARD_SECTIONS
 
 # Values each rank writes into its own row of the rank matrix (a sum then gathers them).
@@ -58,6 +60,12 @@ def _routed_fields(num_experts: int) -> Fields:
     return Fields([("tokens_per_expert", (num_experts,)), ("router_entropy_sum", ()),
                    ("nonfinite_inputs", ()), ("dropped", ())])
 
+
+# A rank's communication of the step (CommClock.totals()): in flight and exposed seconds,
+# in all and by kind (with the kind's number of collectives); summed over ranks, then
+# divided by the world (a rank mean).
+_COMM_PAIR = Fields([("s", ()), ("n", ()), ("exposed_s", ())])
+COMM_FIELDS = Fields([("s", ()), ("exposed_s", ())] + [(k, _COMM_PAIR) for k in COMM_KINDS])
 
 _BIAS = Fields([("min", ()), ("max", ())])          # a layer's expert-bias range
 _FORWARDS = Fields([("num_tokens", ()), ("num_forwards", ())])  # a layer's host counters
@@ -76,6 +84,21 @@ def process_memory_mb(device: torch.device | None = None) -> float:
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _comm_record(summed: dict[str, Any], world: int, mean_step: float) -> dict[str, Any]:
+    """The record's communication fields from the rank sum of ``CommClock.totals()``."""
+    def share(x: float) -> float:
+        return min(max(x / mean_step, 0.0), 1.0) if mean_step > 0 else 0.0
+
+    by_kind = {}
+    for k in COMM_KINDS:
+        s, e = summed[k]["s"] / world, summed[k]["exposed_s"] / world
+        by_kind[k] = {"s": s, "exposed_s": e, "exposed_share": share(e),
+                      "collectives": summed[k]["n"] / world}
+    exposed = summed["exposed_s"] / world
+    return {"comm_s": summed["s"] / world, "comm_exposed_s": exposed,
+            "comm_exposed_share": share(exposed), "comm_by_kind": by_kind}
 
 
 class StepStatsCollector:
@@ -157,7 +180,8 @@ class StepStatsCollector:
              zip(self.slots, self.num_experts)]
             + [(f"layers.{lid}.bias", _BIAS) for lid, _i in self.slots]
             + [("loss_tensor", ()), ("loss_value", ()), ("loss_count", ()), ("num_tokens", ()),
-               ("breakdown", Fields([(k, ()) for k in STANDARD_SECTIONS]))]
+               ("breakdown", Fields([(k, ()) for k in STANDARD_SECTIONS])),
+               ("comm", COMM_FIELDS)]
             + [(f"layers.{lid}.forwards", _FORWARDS) for lid, _i in self.slots]
             + [("ranks", (self.world, len(_RANK_FIELDS)))])
         self._zero_streak = [np.zeros(E, dtype=np.int64) for E in self.num_experts]
@@ -231,7 +255,8 @@ class StepStatsCollector:
                grad_norm: float | torch.Tensor | None = None,
                breakdown: dict[str, float] | None = None, skipped: bool = False,
                mem_mb: float | None = None, extra: dict[str, Any] | None = None,
-               time_now: float | None = None) -> dict[str, Any]:
+               time_now: float | None = None, comm: dict[str, Any] | None = None
+               ) -> dict[str, Any]:
         """Reduce this step's numbers across ranks (collective: every rank calls it) and
         return the step record of the metrics.jsonl contract (the same dict on every rank).
 
@@ -240,7 +265,10 @@ class StepStatsCollector:
         over ranks). grad_norm: the global gradient norm (taken from rank 0). breakdown:
         this rank's ``StepTimers.breakdown()`` (averaged over ranks; its 'sync' is also
         kept per rank). mem_mb: None measures ``process_memory_mb``. extra: fields copied
-        into the record as they are (e.g. ``val_loss``).
+        into the record as they are (e.g. ``val_loss``). comm: this rank's
+        ``CommClock.totals()`` (None: no communication was timed; zeros), averaged over
+        ranks into ``comm_s``, ``comm_exposed_s``, ``comm_exposed_share`` (exposed over the
+        mean step time) and ``comm_by_kind``.
         """
         import time as _time
 
@@ -261,6 +289,7 @@ class StepStatsCollector:
             "loss_count": 0.0 if loss is None else 1.0,
             "num_tokens": float(num_tokens),
             "breakdown": {k: float(bd.get(k, 0.0)) for k in STANDARD_SECTIONS},
+            "comm": comm if comm is not None else empty_totals(),
             "ranks": ranks,
         }
         with torch.no_grad():
@@ -342,6 +371,7 @@ class StepStatsCollector:
             })
         rank_idle = (idle_by_rank / L).tolist() if L else []
         rec: dict[str, Any] = {
+            **_comm_record(red["comm"], self.world, mean_step),
             "step": int(step),
             "time": float(time_now if time_now is not None else _time.time()),
             "loss": loss_sum / loss_n if loss_n > 0 else float("nan"),

@@ -527,7 +527,8 @@ def rule_layout_change(run: RunLog, r: AlertRules) -> list[Alert]:
 CHECK_FIELDS = Fields(
     top=frozenset({"step", "time", "loss", "grad_norm", "val_loss", "skipped", "tokens_per_s",
                    "dropped_frac", "comm_share", "rank_step_time_s", "rank_wait_frac",
-                   "world_size", "layers"}),
+                   "world_size", "layers", "comm_s", "comm_exposed_s", "comm_exposed_share",
+                   "comm_by_kind"}),
     layer=frozenset({"layer", "max_vio", "tokens_per_expert", "dropped_frac", "bias_min",
                      "bias_max", "nonfinite_inputs"}))
 

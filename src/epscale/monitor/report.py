@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..plan.layout import record_label
+from ..plan.overlap import COMM_KINDS
 from .alerts import Alert, AlertRules
 from .report_assets import CSS, JS
 from .runlog import RunLog, fmt_value as _fmt, layers_of, num
@@ -87,6 +88,20 @@ def build_data(run: RunLog, alerts: list[Alert], rules: AlertRules,
     return _clean(data)
 
 
+def exposed_columns(recs: list[dict[str, Any]]) -> dict[str, list[float | None]]:
+    """The exposed communication share of each record ('comm_exposed_share') and of each
+    kind that sent anything ('comm_exposed_share.KIND'); {} for records without them."""
+    out: dict[str, list[float | None]] = {}
+    if not any(num(r.get("comm_s")) for r in recs):
+        return out
+    out["comm_exposed_share"] = [num(r.get("comm_exposed_share")) for r in recs]
+    for k in COMM_KINDS:
+        kinds = [(r.get("comm_by_kind") or {}).get(k) or {} for r in recs]
+        if any(num(v.get("s")) for v in kinds):
+            out[f"comm_exposed_share.{k}"] = [num(v.get("exposed_share")) for v in kinds]
+    return out
+
+
 def build_series(run: RunLog, max_points: int = 1000) -> dict[str, Any]:
     """The plotted series of ``run.steps`` in at most ``max_points`` columns; when they
     are bucketed, ``loss_max`` and ``grad_norm_max`` hold each bucket's maximum (a spike
@@ -107,6 +122,8 @@ def build_series(run: RunLog, max_points: int = 1000) -> dict[str, Any]:
             scalars[key] = _reduce(vals, bk)
             if key in ("loss", "grad_norm") and len(bk) < len(recs):
                 scalars[f"{key}_max"] = _reduce(vals, bk, max)
+    for key, vals in exposed_columns(recs).items():
+        scalars[key] = _reduce(vals, bk)
     breakdown: dict[str, list[float | None]] = {}
     names = [k for k in SECTION_ORDER]
     extra = sorted({k for r in recs for k in (r.get("time_breakdown") or {}) if k not in names})
@@ -274,6 +291,7 @@ def header_cards(run: RunLog, data: dict[str, Any], alerts: list[Alert]) -> list
     cards += [(f"tokens/s{med}", _fmt(src.get("tokens_per_s")), False),
               (f"MFU{med}", _fmt(src.get("mfu"), True), False),
               (f"comm share{med}", _fmt(src.get("comm_share"), True), False),
+              (f"comm exposed{med}", _fmt(src.get("comm_exposed_share"), True), False),
               ("MaxVio", _fmt(src.get("max_vio")), False),
               ("dropped", _fmt(src.get("dropped_frac"), True), False),
               ("alerts", str(len(alerts)), bool(alerts))]
@@ -350,8 +368,10 @@ def render_html(run: RunLog, data: dict[str, Any], alerts: list[Alert], now: flo
         panels.append(_panel("Model FLOPs utilisation", "mfu"))
     if "comm_share" in sc:
         panels.append(_panel("Communication share and worst-rank idle", "comm",
-                             "(dispatch + combine + sync) / step time; idle: share of the "
-                             "expert compute the least-loaded EP rank waits"))
+                             "(dispatch + combine + sync) / step time; exposed: time the "
+                             "rank waited on communication / step time, in all and by kind; "
+                             "idle: share of the expert compute the least-loaded EP rank "
+                             "waits"))
     if data["breakdown"]:
         panels.append(_panel("Step-time breakdown", "breakdown",
                              "exclusive time per section, mean over ranks (stacked)"))

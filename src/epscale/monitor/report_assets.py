@@ -339,6 +339,9 @@ JS = r"""
     mfu: function (box) { return lineChart(box, { x: X, series: [S("MFU", T.mfu, 1)], ymin: 0, yfmt: "pct", tipfmt: pct }); },
     comm: function (box) {
       var s = [S("communication share", T.comm_share, 3)];
+      if (T.comm_exposed_share) s.push(S("exposed (waited on)", T.comm_exposed_share, 1));
+      Object.keys(T).filter(function (k) { return k.indexOf("comm_exposed_share.") === 0; })
+        .forEach(function (k, i) { s.push(S("exposed: " + k.slice(19), T[k], 4 + i, { dash: true })); });
       if (T.worst_rank_idle) s.push(S("worst-rank idle", T.worst_rank_idle, 7, { dash: true }));
       return lineChart(box, { x: X, series: s, ymin: 0, yfmt: "pct", tipfmt: pct,
         hlines: D.rules.max_comm_share ? [{ y: D.rules.max_comm_share, label: "alert " + pct(D.rules.max_comm_share) }] : [] });

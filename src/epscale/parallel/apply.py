@@ -29,7 +29,9 @@ import torch
 from torch import nn
 
 from ..config import RunConfig
+from ..dispatch.comm import counters_of
 from ..model import Transformer
+from ..moe.layer import moe_layers
 from ..placement.eplb import Placement
 from ..placement.spill import apply_spill
 from .activation import apply_activation_checkpointing
@@ -51,6 +53,14 @@ class Parallelized:
     stages: list[int] = field(default_factory=list)
     chunks: list[StageChunk] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+
+
+def set_blocking(model: nn.Module) -> None:
+    """``parallel.overlap: none``: every exchange of every MoE layer's dispatcher runs
+    synchronously (whatever the dispatcher asks for)."""
+    for moe in moe_layers(model):
+        for counter in counters_of(moe.dispatcher):
+            counter.blocking = True
 
 
 def parallelize_model(model: Transformer, dims: ParallelDims, cfg: RunConfig,
@@ -82,11 +92,15 @@ def parallelize_model(model: Transformer, dims: ParallelDims, cfg: RunConfig,
                       for s in out.stages]
 
     # 2. expert parallelism: sharding, dispatcher wiring, spill-over
+    overlap = par.overlap != "none"
     if dims.world_size > 1 or par.fsdp:
-        parallelize(model, dims, dispatcher=par.dispatcher, overlap_chunks=par.overlap_chunks,
+        parallelize(model, dims, dispatcher=par.dispatcher,
+                    overlap_chunks=par.overlap_chunks if overlap else 1,
                     payload=par.payload, placement=placement)
         if par.spill_threshold is not None and dims.ep > 1:
             apply_spill(model, dims, par.spill_threshold, par.spill_min_rows)
+        if not overlap:
+            set_blocking(model)
 
     # 3. activation checkpointing
     apply_activation_checkpointing(model, train.activation_checkpointing)
@@ -96,7 +110,8 @@ def parallelize_model(model: Transformer, dims: ParallelDims, cfg: RunConfig,
     # 5. FSDP
     roots: list[nn.Module] | None = out.chunks or None
     if par.fsdp:
-        out.notes = apply_fsdp(model, dims, param_dtype=param_dtype, roots=roots)
+        out.notes = apply_fsdp(model, dims, param_dtype=param_dtype, prefetch=overlap,
+                               roots=roots)
 
     # 6. materialisation, shard by shard
     if on_meta:

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..dispatch.base import Dispatcher, EPDispatcher
-from ..dispatch.comm import GroupInfo, all_to_all_bytes
+from ..dispatch.comm import GroupInfo, all_to_all_bytes, counters_of, timed_blocking
 from ..dispatch.registry import make_dispatcher
 from ..moe.layer import moe_layers
 from ..ops import count_experts
@@ -254,7 +254,10 @@ class SpillDispatcher(Dispatcher):
 
     def _inner(self, num_slots: int) -> Dispatcher:
         if num_slots not in self._inners:
-            self._inners[num_slots] = self.make_inner(num_slots)
+            inner = self._inners[num_slots] = self.make_inner(num_slots)
+            mine = self.info.counter  # the layer's communication switches hold for it too
+            for counter in counters_of(inner):
+                counter.blocking, counter.clock = mine.blocking, mine.clock
         return self._inners[num_slots]
 
     def _gather_counts(self, topk_idx_TK: torch.Tensor) -> np.ndarray:
@@ -264,7 +267,8 @@ class SpillDispatcher(Dispatcher):
         self.info.counter.add(self.info.ranks, self.info.my_rank, [E * 8] * R,
                               self.info.ranks_per_node)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(out, counts_E.contiguous(), group=self.info.group)
+        with timed_blocking(self.info):
+            gather(out, counts_E.contiguous(), group=self.info.group)
         return np.asarray(out.view(R, E).tolist(), dtype=np.int64)  # the extra host sync
 
     def dispatch(self, x_TD, topk_idx_TK, topk_weight_TK):

@@ -13,6 +13,8 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
 from rich.table import Table
 
+from ..plan.overlap import exposed_summary, format_by_kind
+
 
 class TrainConsole:
     """Rank 0's view of the run; every method is a no-op on other ranks."""
@@ -109,6 +111,15 @@ class TrainConsole:
         table.add_row("dropped assignments", f"{100 * out['dropped_frac']:.2f}%")
         table.add_row("step time in dispatch+combine", f"{100 * comm:.1f}%")
         table.add_row("step time in all communication", f"{100 * out['comm_share']:.1f}%")
+        exposed = exposed_summary(steady)
+        if exposed is not None:
+            out["comm_exposed_share"] = exposed["exposed_share"]
+            out["comm_exposed_by_kind"] = exposed["by_kind"]
+            table.add_row("step time waiting on communication (exposed)",
+                          f"{100 * exposed['exposed_share']:.1f}%")
+            table.add_row("  exposed, by kind", format_by_kind(exposed["by_kind"]))
+            table.add_row("communication hidden behind compute",
+                          f"{100 * exposed['hidden_frac']:.1f}%")
         table.add_row("skipped steps / rollbacks", f"{skipped} / {rollbacks}")
         self.print(table)
         return out

@@ -28,12 +28,14 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.pipelining.schedules as pp_schedules
 
 from ..config import ConfigError, RunConfig, dump_yaml, to_dict
 from ..kernels.cpu import describe_chunks, describe_elementwise
 from ..launch.preflight import run_preflight
 from ..launch.watchdog import Watchdog
 from ..metrics import MetricsWriter, StepStatsCollector, StepTimers, peak_flops
+from ..metrics.commclock import CommClock, attach_comm_clock
 from ..appendfile import AppendFile, disk_error, warn_stderr
 from ..model import build_meta_model, build_model, next_token_loss
 from ..moe.balance import step_loads, update_expert_biases
@@ -65,6 +67,7 @@ class ReportedByRankZero(ConfigError):
 
 REBALANCER_FILE = "rebalancer.pt"  # the re-placement load window, beside a checkpoint's shards
 STOP_FILE = "STOP"  # touch RUN_DIR/STOP to stop gracefully (what `--nproc` forwards signals as)
+_NULL = contextlib.nullcontext()
 
 
 @dataclass
@@ -211,6 +214,12 @@ class Trainer:
         self.moe_layers = self.model.moe_layers()
         self.timers = StepTimers(self.device)
         self.model.set_timer(self.timers.section)
+        # comm_s / comm_exposed_s of every step: the dispatchers' exchanges and FSDP's
+        # gathers and reductions directly; the gradient all-reduce and the pipeline's p2p
+        # where the step runs them (train_step)
+        self.comm_clock = CommClock(self.device, enabled=cfg.metrics.comm_timing)
+        for part in [self.model, *parts.chunks] if cfg.metrics.comm_timing else []:
+            attach_comm_clock(part, self.comm_clock)
         self.stepper = self._step_strategy(parts.chunks)
         return placement, placement_note
 
@@ -532,13 +541,16 @@ class Trainer:
         if self.watchdog is not None:
             self.watchdog.set_step(step)
         T.reset()
+        clock = self.comm_clock
+        clock.reset()
         t0 = time.perf_counter()
         self.model.train()
         self.opt.zero_grad(set_to_none=True)
         for moe in self.moe_layers:
             moe.reset_token_counts()
         accum = cfg.train.grad_accum
-        loss_sum, has_loss = self.stepper.train(self.loader, accum)
+        with clock.intercept("pp", pp_schedules, ("_batch_p2p",)) if self.pp > 1 else _NULL:
+            loss_sum, has_loss = self.stepper.train(self.loader, accum)
         self.loader.end_step()
         if self.loader.bad_data:  # flagged as non-finite: no rank updates; run() stops them
             loss_sum = torch.full_like(loss_sum, float("nan"))
@@ -547,7 +559,8 @@ class Trainer:
                 if self.fsdp:
                     finish_gradients(self.model, self.dims)  # FSDP reduce-scattered in backward
                 else:
-                    sync_gradients(self.model, self.dims)
+                    with clock.intercept("dp", dist, ("all_reduce",)):
+                        sync_gradients(self.model, self.dims)
         with T.section("optimizer"):  # the norm and clipping are compute, not communication
             grad_norm, stop, skip = grad_norm_and_flags(
                 self.model, self.dims, cfg.train.grad_clip, self._stop_requested(), loss_sum)
@@ -560,6 +573,7 @@ class Trainer:
                 self.opt.step()
         step_time = time.perf_counter() - t0
         breakdown = T.breakdown()  # before validation, whose forwards use the same sections
+        comm = clock.totals()
         self.step = step
         loads_LE = self._balance_loads(skip)  # before validation's forwards count theirs
         extra: dict[str, Any] = {}
@@ -571,7 +585,8 @@ class Trainer:
         rec = self.collector.record(step, step_time_s=step_time,
                                     num_tokens=accum * cfg.train.micro_batch_size * cfg.model.seq_len,
                                     loss=loss_sum if has_loss else None, lr=lr, grad_norm=grad_norm,
-                                    breakdown=breakdown, skipped=skip, extra=extra)
+                                    breakdown=breakdown, skipped=skip, extra=extra,
+                                    comm=comm)
         if loads_LE is not None and cfg.moe.bias_update_speed > 0:
             update_expert_biases(self.model, self.dims, cfg.moe.bias_update_speed, loads_LE)
         if loads_LE is not None and self.rebalancer is not None:

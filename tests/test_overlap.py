@@ -1,0 +1,167 @@
+"""parallel.overlap and the communication clock: the same training with overlap 'auto' and
+'none' (the plain blocking path) for every dispatcher at ep=2 and with FSDP, step records
+that carry comm_s / comm_exposed_s by kind, and the clock itself on real gloo collectives.
+
+One spawn of two processes runs every case."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import CaseRunner, assert_no_failures, run_distributed, run_trainer
+from epscale.config import ConfigError, load_config
+from epscale.metrics.commclock import CommClock, _union
+from epscale.plan.overlap import COMM_KINDS
+from test_train import assert_losses_close, tiny_overrides
+
+BASE = {"train.steps": 2, "train.eval_every": 0, "train.ckpt_every": 0,
+        "train.micro_batch_size": 2, "train.collective_timeout_s": 0, "train.preflight": False,
+        "model.dim": 32, "moe.hidden_dim": 32, "model.dense_hidden_dim": 64,
+        "model.seq_len": 32, "model.num_heads": 2, "moe.aux_loss_scope": "global"}
+# name -> overrides; each runs with parallel.overlap auto and none
+CASES = {
+    "alltoall": {"parallel.ep": 2, "parallel.dispatcher": "alltoall"},
+    "dedup chunks2": {"parallel.ep": 2, "parallel.dispatcher": "dedup",
+                      "parallel.overlap_chunks": 2, "moe.num_shared_experts": 1},
+    "hierarchical chunks2": {"parallel.ep": 2, "parallel.dispatcher": "hierarchical",
+                             "parallel.ranks_per_node": 1, "parallel.overlap_chunks": 2},
+    "allgather": {"parallel.ep": 2, "parallel.dispatcher": "allgather"},
+    "fsdp ep2 dedup": {"parallel.fsdp": True, "parallel.ep": 2, "parallel.overlap_chunks": 2},
+}
+
+
+def _records(corpus_dir: Path, run_dir: Path, over: dict) -> list[dict]:
+    cfg = load_config(None, tiny_overrides(corpus_dir, **{**BASE, **over}))
+    return run_trainer(cfg, run_dir, 2)
+
+
+def _check_record(rec: dict, over: dict) -> None:
+    """The communication fields of one step record, by what the layout sends."""
+    kinds = rec["comm_by_kind"]
+    assert set(kinds) == set(COMM_KINDS)
+    for k in COMM_KINDS:
+        assert 0.0 <= kinds[k]["exposed_s"] <= kinds[k]["s"] + 1e-12, (k, kinds[k])
+    assert 0.0 <= rec["comm_exposed_s"] <= rec["comm_s"] + 1e-12
+    assert 0.0 <= rec["comm_exposed_share"] <= 1.0
+    assert kinds["dispatch"]["s"] > 0
+    assert (kinds["fsdp"]["s"] > 0) == bool(over.get("parallel.fsdp"))
+    assert (kinds["dp"]["s"] > 0) != bool(over.get("parallel.fsdp"))  # FSDP reduces itself
+    assert kinds["pp"]["s"] == 0
+    if over.get("parallel.overlap") == "none":  # every exchange blocking: all of it exposed
+        assert kinds["dispatch"]["exposed_s"] == kinds["dispatch"]["s"]
+
+
+def _clock_cases(runner: CaseRunner, corpus_dir: Path, tmp: Path) -> None:
+    """The clock on real collectives: blocking calls are wholly exposed, a tracked work's
+    wait is the exposed part of its flight, intercepted functions are restored."""
+    with runner.case("clock"):
+        clock = CommClock()
+        x = torch.ones(64)
+        with clock.blocking("dp"):
+            dist.all_reduce(x)
+        work = clock.track("dispatch", dist.all_reduce(x, async_op=True), (x,))
+        assert isinstance(work, dist.Work)
+        work.wait()
+        original = dist.all_reduce
+        with clock.intercept("fsdp", dist, ("all_reduce",)):
+            assert dist.all_reduce is not original
+            dist.all_reduce(x, async_op=True).wait()
+            dist.all_reduce(x)
+        assert dist.all_reduce is original
+        assert x[0].item() == 2.0 ** 4  # every call reduced, once each
+        t = clock.totals()
+        assert t["dp"]["s"] > 0 and t["dp"]["exposed_s"] == t["dp"]["s"]
+        assert 0 < t["dispatch"]["exposed_s"] <= t["dispatch"]["s"]
+        assert 0 < t["fsdp"]["exposed_s"] <= t["fsdp"]["s"]
+        assert t["pp"] == {"s": 0.0, "n": 0.0, "exposed_s": 0.0}
+        assert [t[k]["n"] for k in ("dp", "dispatch", "fsdp")] == [1, 1, 2]
+        assert t["exposed_s"] <= t["s"] <= sum(t[k]["s"] for k in COMM_KINDS) + 1e-12
+        clock.reset()
+        assert clock.totals()["s"] == 0.0
+    with runner.case("pipeline p2p"):
+        # two stages: the schedule's sends and receives are timed as 'pp', nothing else
+        recs = _records(corpus_dir, tmp / "pp", {"parallel.pp": 2, "train.grad_accum": 2,
+                                                 "model.tie_embeddings": False})
+        for rec in recs:
+            assert rec["comm_by_kind"]["pp"]["s"] > 0
+            assert rec["comm_by_kind"]["pp"]["exposed_s"] <= rec["comm_by_kind"]["pp"]["s"]
+            assert rec["comm_by_kind"]["dispatch"]["s"] == 0
+
+
+def _worker(rank, world, corpus_dir, tmp, cases):
+    corpus_dir, tmp = Path(corpus_dir), Path(tmp)
+    runner = CaseRunner(rank)
+    _clock_cases(runner, corpus_dir, tmp)
+    out = {}
+    for name, over in cases.items():
+        for mode in ("auto", "none"):
+            with runner.case(f"{name} {mode}"):
+                o = {**over, "parallel.overlap": mode}
+                recs = _records(corpus_dir, tmp / f"{name}-{mode}".replace(" ", "_"), o)
+                for rec in recs:
+                    _check_record(rec, o)
+                out[(name, mode)] = {r["step"]: (r["loss"], r["grad_norm"]) for r in recs}
+    return runner.failures, out
+
+
+def test_overlap_auto_and_none_train_the_same(tmp_path):
+    from test_train import corpus
+
+    corpus(tmp_path)
+    results = run_distributed(_worker, 2, args=(str(tmp_path), str(tmp_path / "runs"), CASES))
+    assert_no_failures([failures for failures, _out in results])
+    got = results[0][1]
+    for name in CASES:
+        auto, none = got[(name, "auto")], got[(name, "none")]
+        assert sorted(auto) == [1, 2], name
+        # step 1 starts from the same weights: summation order only
+        for i in (0, 1):
+            assert_losses_close({s: v[i] for s, v in none.items()},
+                                {s: v[i] for s, v in auto.items()}, same_weights=(1,))
+
+
+def test_overlap_key_is_checked(tmp_path):
+    with pytest.raises(ConfigError, match="parallel.overlap"):
+        load_config(None, tiny_overrides(tmp_path, **{"parallel.overlap": "always"}))
+
+
+def test_union_of_intervals():
+    assert _union([]) == 0.0
+    assert _union([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0), (3.5, 3.6), (5.0, 5.0)]) == 3.0
+
+
+def _synthetic(step: int, exposed: float, dispatch_s: float) -> dict:
+    kinds = {k: {"s": 0.0, "exposed_s": 0.0, "exposed_share": 0.0, "collectives": 0.0}
+             for k in COMM_KINDS}
+    kinds["dispatch"] = {"s": dispatch_s, "exposed_s": exposed, "exposed_share": exposed,
+                         "collectives": 8.0}
+    return {"step": step, "step_time_s": 1.0, "comm_s": dispatch_s, "comm_exposed_s": exposed,
+            "comm_exposed_share": exposed, "comm_by_kind": kinds}
+
+
+def test_exposed_share_in_summary_report_and_check():
+    from epscale.commands.monitor import exposed_line
+    from epscale.monitor.report import exposed_columns
+    from epscale.plan.overlap import exposed_summary
+
+    recs = [_synthetic(s, e, 0.5) for s, e in ((1, 0.4), (2, 0.1), (3, 0.2), (4, 0.3))]
+    ex = exposed_summary(recs)
+    assert ex["exposed_share"] == pytest.approx(0.25)
+    assert ex["by_kind"] == {"dispatch": pytest.approx(0.25)}  # only kinds that sent
+    assert ex["hidden_frac"] == pytest.approx(0.5)             # 1 - exposed / in flight
+    # monitor --check: the steps after the first fifth (a warm-up step 0 left out)
+    warm = [_synthetic(0, 0.9, 1.0)] + recs
+    assert exposed_line(warm) == ("communication: exposed 25.0% of the step (dispatch "
+                                  "25.0%); 50.0% of its time in flight hidden behind compute")
+    cols = exposed_columns(recs)
+    assert cols["comm_exposed_share"] == [0.4, 0.1, 0.2, 0.3]
+    assert cols["comm_exposed_share.dispatch"] == [0.4, 0.1, 0.2, 0.3]
+    assert set(cols) == {"comm_exposed_share", "comm_exposed_share.dispatch"}
+    # runs from before these fields, and runs without communication, show nothing
+    assert exposed_summary([{"step": 1}]) is None and exposed_line([{"step": 1}]) is None
+    assert exposed_line([_synthetic(1, 0.0, 0.0)]) is None
+    assert exposed_columns([_synthetic(1, 0.0, 0.0)]) == {}
