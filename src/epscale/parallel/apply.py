@@ -17,6 +17,9 @@ The order, and why:
 5. FSDP: experts on the expert mesh, blocks and roots on the dense mesh.
 6. materialisation: a meta-built model gets its weights, each rank its shards only, with
    the values a one-process build holds there.
+7. the replicated layout (no FSDP, no pipeline): gradients reduced during backward in
+   DDP's buckets (``parallel.grads.reduce_in_backward``; ``parallel.overlap: none`` keeps
+   the reduction after the whole backward).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from ..placement.spill import apply_spill
 from .activation import apply_activation_checkpointing
 from .dims import ParallelDims
 from .fsdp import apply_fsdp
+from .grads import reduce_in_backward
 from .materialize import materialize
 from .pipeline import StageChunk, keep_stages, stage_layers, stage_placement
 from .shard import parallelize
@@ -57,10 +61,17 @@ class Parallelized:
 
 def set_blocking(model: nn.Module) -> None:
     """``parallel.overlap: none``: every exchange of every MoE layer's dispatcher runs
-    synchronously (whatever the dispatcher asks for)."""
+    synchronously (whatever the dispatcher asks for), and the EP backends (also those a
+    placement or spill-over wrapper holds) run their plain path: one chunk, no shared
+    experts behind the combine, gradients exchanged blocking in backward."""
     for moe in moe_layers(model):
         for counter in counters_of(moe.dispatcher):
             counter.blocking = True
+        backend = moe.dispatcher
+        while backend is not None:
+            if hasattr(backend, "overlap"):
+                backend.overlap = False
+            backend = getattr(backend, "inner", None) or getattr(backend, "plain", None)
 
 
 def parallelize_model(model: Transformer, dims: ParallelDims, cfg: RunConfig,
@@ -116,4 +127,9 @@ def parallelize_model(model: Transformer, dims: ParallelDims, cfg: RunConfig,
     # 6. materialisation, shard by shard
     if on_meta:
         materialize(model, device, train.seed, dims, roots=roots)
+
+    # 7. the replicated layout's gradients: reduced during backward in DDP's buckets
+    # (FSDP reduces its own; under a pipeline or with overlap off: sync_gradients after)
+    if not par.fsdp:
+        reduce_in_backward(model, dims, overlap)
     return out

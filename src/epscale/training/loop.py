@@ -228,7 +228,8 @@ class Trainer:
         cfg = self.cfg
         if not chunks:
             return AccumulationStep(self.model, self.device, self.timers, self._autocast,
-                                    self.rank, self.world)
+                                    self.rank, self.world,
+                                    overlap=cfg.parallel.overlap != "none")
         for chunk in chunks:
             chunk.timer = self.timers.section
         # activations between stages: bf16 when FSDP casts the weights, else fp32
