@@ -35,18 +35,21 @@ Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs x_BS, targets y_BS), on the
 
 class AccumulationStep:
     """``accum`` micro-batches forward and backward one after another through the whole
-    model; every rank reads its own data."""
+    model; every rank reads its own data. ``before_backward(last)``: called before each
+    micro-batch's backward (``last``: the step's last), e.g. FSDP's ZeRO-1/2 switches
+    (:func:`epscale.parallel.fsdp.micro_batch_sync`)."""
 
     def __init__(self, model: nn.Module, device: torch.device, timers: StepTimers,
                  autocast: Callable[[], contextlib.AbstractContextManager], rank: int,
-                 world: int):
+                 world: int, before_backward: Callable[[bool], None] | None = None):
         self.model, self.device, self.timers, self.autocast = model, device, timers, autocast
         self.data_rank, self.data_world = rank, world
+        self.before_backward = before_backward
 
     def train(self, loader: DataLoader, accum: int) -> tuple[torch.Tensor, bool]:
         T = self.timers
         loss_sum = torch.zeros((), device=self.device)
-        for _ in range(accum):
+        for i in range(accum):
             with T.section("data"):
                 x_BS, y_BS = loader.next_micro_batch()
                 x_BS, y_BS = (x_BS.to(self.device, non_blocking=True),
@@ -56,6 +59,8 @@ class AccumulationStep:
                     loss = self.model.loss(x_BS, y_BS)
                     total = (loss + self.model.aux_loss()) / accum
             with T.section("backward"):
+                if self.before_backward is not None:
+                    self.before_backward(i == accum - 1)
                 total.backward()
             loss_sum += loss.detach().float() / accum
         return loss_sum, True
