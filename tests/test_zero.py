@@ -1,11 +1,12 @@
 """ZeRO-1/2 (``parallel.zero``) in the real trainer on real gloo process groups: ZeRO-1
-under a pipeline (pp=2 x FSDP dp_shard=2, 1F1B) and ZeRO-1 and ZeRO-2 without one (FSDP
-dp_shard=4 x ep=2, two micro-batches per step) train the tiny model with the losses and
-gradient norms of one process at the same global batch; a ZeRO-1 pp=2 checkpoint resumes
-bit for bit and continues at pp=1 (ZeRO-3, dp_shard=4 x ep=2); the memory model's weight,
-gradient, AdamW and gathered-weight bytes are what FSDP holds on every rank, exactly (at
-the step's last forward, after earlier micro-batches' backwards), under ZeRO-1/2 and
-under ZeRO-3 in a pipeline (bf16 compute there: gathered bf16, fp32 gradients).
+under a pipeline (pp=2 x FSDP dp_shard=2 under 1F1B, and DeepSeek-V3's shape: DualPipeV
+with ep=2 inside each stage) and ZeRO-1 and ZeRO-2 without one (FSDP dp_shard=4 x ep=2,
+two micro-batches per step) train the tiny model with the losses and gradient norms of
+one process at the same global batch; a ZeRO-1 pp=2 checkpoint resumes bit for bit and
+continues at pp=1 (ZeRO-3, dp_shard=4 x ep=2); the memory model's weight, gradient,
+AdamW and gathered-weight bytes are what FSDP holds on every rank, exactly (at the step's
+last forward, after earlier micro-batches' backwards), under ZeRO-1/2 and under ZeRO-3
+in a pipeline (bf16 compute there: gathered bf16, fp32 gradients).
 
 One spawn of 4 ranks runs every case; the one-process references run here."""
 
@@ -33,6 +34,9 @@ NO_PP = {"parallel.fsdp": True, "parallel.ep": 2, "train.micro_batch_size": 1,
 # name -> overrides on BASE; every micro-batch holds one sequence (REFERENCES[1])
 CASES = {
     "zero1 pp2 fsdp2 1f1b": {**PP_ZERO1, "train.steps": STEPS, "train.ckpt_every": 2},
+    # DeepSeek-V3's shape: DualPipeV, experts over ep inside each stage (efsdp = 1)
+    "zero1 pp2 fsdp2 ep2 dualpipev": {**PP_ZERO1, "parallel.ep": 2,
+                                      "parallel.pp_schedule": "dualpipev", "train.steps": STEPS},
     "zero1 fsdp4 ep2": {**NO_PP, "parallel.zero": 1},
     "zero2 fsdp4 ep2": {**NO_PP, "parallel.zero": 2},
 }
