@@ -191,3 +191,34 @@ def test_zero_config_rules_name_the_key(tmp_path):
     # a replicated layout of a ZeRO-1 recipe (describe --no-fsdp, --fit) is plain
     assert Layout.from_config(load_config(None, ["parallel.fsdp=true", "parallel.zero=1"]), 4,
                               fsdp=False).zero == 3
+
+
+def test_memory_model_orders_the_levels_and_fit_keeps_the_level():
+    """Without a pipeline ZeRO-2 adds the gathered weights to ZeRO-3, ZeRO-1 the unsharded
+    gradients to that; under one every level holds the stage's gathered weights and
+    unsharded gradients. --fit's FSDP layouts keep the recipe's level (1 for 2 under a
+    pipeline, which refuses it) and reproduce it by their overrides."""
+    from epscale.plan.cluster import ClusterSpec
+    from epscale.plan.fit import FitResult, candidates
+    from epscale.plan.memory import memory_per_rank
+
+    base = ["model.num_layers=4", "model.tie_embeddings=false", "parallel.fsdp=true",
+            "parallel.dp=1", "parallel.ep=2"]
+    mem = {z: memory_per_rank(load_config(None, base + [f"parallel.zero={z}"]), world=4)
+           for z in (1, 2, 3)}
+    assert mem[3].unsharded == 0 < mem[2].unsharded == mem[1].unsharded
+    assert mem[3].grads == mem[2].grads == mem[3].params < mem[1].grads
+    assert mem[1].params == mem[3].params and mem[1].optimizer == mem[3].optimizer
+    piped = {z: memory_per_rank(load_config(None, base + ["parallel.pp=2", "train.grad_accum=2",
+                                                          f"parallel.zero={z}"]), world=8)
+             for z in (1, 3)}
+    assert piped[1] == piped[3] and piped[1].unsharded > 0
+    cfg = load_config(None, base + ["parallel.zero=2", "train.grad_accum=4"])
+    tried = candidates(cfg, ClusterSpec(nodes=1, gpus_per_node=4))
+    assert {(c.parallel.fsdp, c.parallel.pp > 1, c.parallel.zero) for c in tried} == {
+        (False, False, 3), (False, True, 3), (True, False, 2), (True, True, 1)}
+    firsts = {(c.parallel.fsdp, c.parallel.pp): c for c in reversed(tried)}
+    for c in firsts.values():
+        over = FitResult(c, mem[1], 1.0, 1.0, recipe_pp=1).overrides()
+        again = load_config(None, base + ["parallel.zero=2", "train.grad_accum=4", *over])
+        assert (again.parallel.zero, again.parallel.fsdp) == (c.parallel.zero, c.parallel.fsdp)
