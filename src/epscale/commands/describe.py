@@ -131,7 +131,8 @@ def describe(config: str, overrides: list[str] | None = None, **layout) -> dict:
                      "micro_batch_size": lay.micro_batch_size, "compute_dtype": acts.compute_dtype,
                      "description": lay.label(pipeline=True)}
     if lay.fsdp:
-        out["layout"].update(dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, efsdp=lay.efsdp)
+        out["layout"].update(dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, efsdp=lay.efsdp,
+                             zero=lay.zero)
     else:
         out["layout"]["dp"] = lay.dp   # of one stage under a pipeline
     if lay.ep > 1:
@@ -280,7 +281,8 @@ def _print_pipeline(info: dict, console) -> None:
         style = "bold red" if r["rank"] == pipe["largest_rank"] else None
         t.add_row(str(r["rank"]), ", ".join(map(str, r["stages"])), layers,
                   _fmt_count(mem["params_per_rank"]),
-                  _fmt_bytes(mem["params"] + mem["grads"] + mem["optimizer"]),
+                  _fmt_bytes(mem["params"] + mem["grads"] + mem["optimizer"]
+                             + mem.get("unsharded", 0)),
                   f"{_fmt_bytes(mem['activations'])} ({r['in_flight']})",
                   _fmt_bytes(mem.get("p2p_buffers", 0)), _fmt_bytes(mem["gathered"]),
                   _fmt_bytes(mem["total"]), style=style)
@@ -333,11 +335,13 @@ def run(args) -> int:
     m.add_column("bytes", justify="right")
     m.add_row("parameters held", _fmt_count(mem["params_per_rank"]))
     labels = {"params": "weights (fp32)", "grads": "gradients (fp32)",
-              "optimizer": "AdamW moments (fp32)", "activations": "saved activations",
+              "optimizer": "AdamW moments (fp32)",
+              "unsharded": "weights kept gathered (ZeRO-1/2, pipeline)",
+              "activations": "saved activations",
               "gathered": "FSDP gathered block", "comm": "dispatch rows",
               "p2p_buffers": "p2p receive buffers", "total": "total"}
     for key, label in labels.items():
-        if key in ("gathered", "comm", "p2p_buffers") and not mem.get(key):
+        if key in ("gathered", "comm", "p2p_buffers", "unsharded") and not mem.get(key):
             continue
         m.add_row(label, _fmt_bytes(mem[key]))
     console.print(m)

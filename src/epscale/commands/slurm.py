@@ -160,7 +160,8 @@ def check_memory(cfg: RunConfig, lay: Layout, gpu_mem: str) -> None:
     if mem.total <= limit:
         return
     parts = ", ".join(f"{k} {_gib(getattr(mem, k))}"
-                      for k in ("params", "grads", "optimizer", "activations", "gathered", "comm")
+                      for k in ("params", "grads", "optimizer", "unsharded", "activations",
+                                "gathered", "comm")
                       if getattr(mem, k))
     par, train = cfg.parallel, cfg.train
     layout = lay.label() + ("; the largest pipeline rank" if lay.pp > 1 else "")

@@ -355,6 +355,14 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"
     pp_virtual_stages: int = 1
     pp_layers_per_stage: list[int] | None = None
+    # What FSDP shards over each stage's data-parallel ranks (parallel.fsdp: true), by
+    # ZeRO stage: 3 (the default) weights, gradients and AdamW state, the weights
+    # regathered for every micro-batch; 2 gradients and AdamW state, the weights gathered
+    # once per step and kept through all micro-batches (no pipeline only); 1 AdamW state
+    # (and fp32 master weights), the weights kept gathered and the gradients accumulated
+    # unsharded over the micro-batches, reduce-scattered once per step (DeepSeek-V3's
+    # ZeRO-1 under pipelines). See epscale.parallel.fsdp.
+    zero: int = 3
 
     def __post_init__(self) -> None:
         choice("parallel.payload", self.payload, ("auto", "bf16", "fp8"))
@@ -421,7 +429,9 @@ class ParallelConfig:
                 fail(f"parallel.{key}", getattr(self, key),
                      "shards with FSDP: set parallel.fsdp: true (or leave it out; the "
                      "replicated layout is world = parallel.dp x parallel.ep)")
+            check_zero(self.zero, self.fsdp, self.pp)
             return
+        check_zero(self.zero, self.fsdp, self.pp)
         if self.dp != 1:
             fail("parallel.dp", self.dp, "is the replicated layout's key (world = dp x ep); "
                  "with parallel.fsdp: true the world is parallel.dp_replicate x "
@@ -440,6 +450,25 @@ class ParallelConfig:
                  "cannot be combined with parallel.fsdp: true yet (spill-over ships an "
                  "expert's whole weights to a helper rank, and FSDP holds only shards of "
                  "them outside the experts' forward); set it to null, or parallel.fsdp: false")
+
+
+ZERO_LEVELS = (1, 2, 3)   # parallel.zero
+
+
+def check_zero(zero, fsdp: bool, pp: int) -> None:
+    """The rules of ``parallel.zero`` (the recipe's and a Layout's, one wording)."""
+    if zero not in ZERO_LEVELS or isinstance(zero, bool):
+        fail("parallel.zero", zero, "must be 1 (AdamW state sharded, weights kept gathered, "
+             "gradients reduced once per step), 2 (also the gradients sharded) or 3 (also "
+             "the weights: FSDP regathering them for every micro-batch, the default)")
+    if zero != 3 and not fsdp:
+        fail("parallel.zero", zero, "shards over the data-parallel ranks with FSDP2: set "
+             "parallel.fsdp: true (the replicated layout keeps everything on every rank), or "
+             "leave parallel.zero out")
+    if zero == 2 and pp > 1:
+        fail("parallel.zero", zero, "cannot be combined with parallel.pp > 1: torch's "
+             "pipeline stage accumulates a stage's gradients unsharded over the micro-batches "
+             "and reduce-scatters them once per step, which is ZeRO-1; use parallel.zero: 1")
 
 
 # parallel.pp_schedule -> how its stages sit on the ranks: "single" (one stage per rank),

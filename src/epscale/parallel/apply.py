@@ -14,7 +14,8 @@ The order, and why:
 3. activation checkpointing: the blocks run their forward recomputed in backward.
 4. compile: (no compilation yet; ``train.compile`` goes here: after the blocks' forward is
    final, before FSDP wraps them.)
-5. FSDP: experts on the expert mesh, blocks and roots on the dense mesh.
+5. FSDP: experts on the expert mesh, blocks and roots on the dense mesh; at
+   ``parallel.zero`` 1 or 2 the weights stay gathered across micro-batches.
 6. materialisation: a meta-built model gets its weights, each rank its shards only, with
    the values a one-process build holds there.
 7. the replicated layout (no FSDP, no pipeline): gradients reduced during backward in
@@ -122,7 +123,7 @@ def parallelize_model(model: Transformer, dims: ParallelDims, cfg: RunConfig,
     roots: list[nn.Module] | None = out.chunks or None
     if par.fsdp:
         out.notes = apply_fsdp(model, dims, param_dtype=param_dtype, prefetch=overlap,
-                               roots=roots)
+                               roots=roots, reshard_after_forward=par.zero == 3)
 
     # 6. materialisation, shard by shard
     if on_meta:

@@ -23,13 +23,42 @@ backward (``epscale.parallel.grads.set_last_micro_batch``, which the accumulatio
 calls; the reduce-scatters still run every micro-batch and FSDP keeps their sum). Under a
 pipeline, torch.distributed.pipelining's stage already defers every reduction of an
 FSDP-wrapped stage (reduce-scatter and all-reduce) to its last backward of the step.
+
+ZeRO levels (``parallel.zero``). 3, the default: the above, each block's weights gathered
+before its forward, freed after it and gathered again for its backward, for every
+micro-batch; gradients reduce-scattered after every micro-batch's backward. 2 and 1 keep the
+weights gathered once they are (``reshard_after_forward=False``, as torchtitan does under a
+pipeline): gathered in the step's first forward and freed after its last backward, so a
+step gathers each block once instead of twice per micro-batch, for the memory of a whole
+gathered model (a stage's, under a pipeline) in the compute dtype. 2 reduce-scatters the
+gradients after every micro-batch (sharded gradients accumulate); 1 accumulates them
+unsharded (fp32: FSDP upcasts to the reduction dtype) and reduce-scatters once, after the
+last micro-batch: 1/m of the gradient traffic. The fp32 master weights and AdamW state
+stay sharded at every level. That is DeepSeek-V3's PP16 x EP64 x ZeRO-1: its data-parallel
+ranks hold gathered weights and unsharded gradients, and shard the optimizer.
+
+Why FSDP2 and not torch's ``ZeroRedundancyOptimizer``: ZeroRedundancyOptimizer shards only
+the optimizer over a plain replicated model, so every rank would keep the full fp32 master
+weights and the gradients would be all-reduced, not reduce-scattered; it knows nothing of
+expert parameters already split over ep (their data-parallel group is efsdp, the dense
+weights' dp_shard); and its checkpoint is consolidated on one rank, not DTensor shards that
+DCP reshards to any layout. FSDP2 gives levels 1 and 2 from the same sharded parameters
+(per-parameter meshes, mixed precision, DCP checkpoints that load at every layout) with
+two of its own switches: ``reshard_after_forward`` when sharding, and per micro-batch
+``set_requires_gradient_sync`` / ``set_reshard_after_backward`` (:func:`micro_batch_sync`).
+Under a pipeline torch's ``PipelineStage`` sets those itself on every stage (no gradient
+reduction and no resharding until its last backward, then ``post_backward`` by hand): a
+stage's gradients are accumulated unsharded at every level there, which is why level 2
+is refused under a pipeline, and why level 3 under a pipeline holds a stage's unsharded
+gradients and, after each backward, its gathered weights too (the memory model counts
+both).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 # FSDP2's per-parameter mesh (documented in fully_shard's shard_placement_fn; torch >= 2.13)
 from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo, ShardPlacementResult
 from torch.distributed.tensor import DTensor, Shard
@@ -81,15 +110,17 @@ def expert_placements(model: nn.Module, dims: Dims) -> tuple[dict[int, ShardPlac
 
 def apply_fsdp(model: nn.Module, dims: Dims, param_dtype: torch.dtype | None = None,
                reduce_dtype: torch.dtype | None = torch.float32,
-               prefetch: bool = True, roots: list[nn.Module] | None = None) -> list[str]:
+               prefetch: bool = True, roots: list[nn.Module] | None = None,
+               reshard_after_forward: bool = True) -> list[str]:
     """fully_shard ``model`` in place (after ``epscale.parallelize``, before the optimizer
     is built). ``param_dtype``: the compute dtype FSDP casts parameters to (bf16 mixed
     precision; None keeps fp32); gradients are reduced in ``reduce_dtype``; master weights
     and optimizer state stay fp32. ``prefetch``: the explicit block-to-block prefetch.
     ``roots``: the modules that run (and are sharded last) instead of ``model``: a
     pipeline rank's stages (``epscale.parallel.pipeline.StageChunk``), each holding some
-    of the blocks; blocks prefetch within their stage. Returns lines for the start-up
-    header.
+    of the blocks; blocks prefetch within their stage. ``reshard_after_forward``: False
+    keeps gathered weights until the step's last backward (ZeRO-1/2, see the module
+    docstring). Returns lines for the start-up header.
 
     A block's routed experts belong to the block's own FSDP unit, each expert weight on
     the expert mesh (a per-parameter mesh, FSDP2's ``ShardPlacementResult``): one
@@ -103,10 +134,12 @@ def apply_fsdp(model: nn.Module, dims: Dims, param_dtype: torch.dtype | None = N
     def place(param: nn.Parameter) -> ShardPlacementResult | None:
         return placements.get(id(param))  # None: Shard(0) on the dense mesh
 
+    kw = dict(mesh=dims.dense_mesh, mp_policy=mp, shard_placement_fn=place,
+              reshard_after_forward=reshard_after_forward)
     for block in transformer_blocks(model):
-        fully_shard(block, mesh=dims.dense_mesh, mp_policy=mp, shard_placement_fn=place)
+        fully_shard(block, **kw)
     for root in roots or [model]:
-        fully_shard(root, mesh=dims.dense_mesh, mp_policy=mp, shard_placement_fn=place)
+        fully_shard(root, **kw)
         if prefetch:
             _prefetch(list(root.blocks) if roots else transformer_blocks(model))
     for moe in moe_layers(model):  # FSDP registered new parameter objects
@@ -127,6 +160,27 @@ def _prefetch(blocks: list[nn.Module]) -> None:
             block.set_modules_to_forward_prefetch([blocks[i + 1]])
         if i > 0:
             block.set_modules_to_backward_prefetch([blocks[i - 1]])
+
+
+def micro_batch_sync(model: nn.Module, zero: int, last: bool) -> None:
+    """Before a micro-batch's backward without a pipeline (``last``: the step's last):
+    ZeRO-1 accumulates unsharded gradients until the last micro-batch and reduce-scatters
+    them then; ZeRO-1 and 2 keep the weights gathered until the last backward. Level 3
+    (and a model FSDP did not wrap) keeps FSDP's defaults."""
+    if zero == 3 or not isinstance(model, FSDPModule):
+        return
+    model.set_reshard_after_backward(last)
+    if zero == 1:
+        model.set_requires_gradient_sync(last)
+
+
+def reshard(modules: list[nn.Module]) -> None:
+    """Free the gathered weights of every FSDP module in ``modules`` (and below): after a
+    forward-only pass (validation) at ZeRO-1/2, which keeps them gathered."""
+    for root in modules:
+        for module in root.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

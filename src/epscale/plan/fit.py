@@ -61,10 +61,10 @@ class FitResult:
         if par.fsdp:
             out = ["parallel.fsdp=true", "parallel.dp=1", f"parallel.dp_replicate={par.dp_replicate}",
                    f"parallel.dp_shard={par.dp_shard}", "parallel.redundant_experts=0",
-                   "parallel.spill_threshold=null"]
+                   "parallel.spill_threshold=null", f"parallel.zero={par.zero}"]
         else:
             out = ["parallel.fsdp=false", f"parallel.dp={par.dp}", "parallel.dp_replicate=1",
-                   "parallel.dp_shard=null",
+                   "parallel.dp_shard=null", "parallel.zero=3",
                    f"parallel.redundant_experts={par.redundant_experts}"]
         out.append(f"parallel.ep={par.ep}")
         if par.pp > 1 or self.recipe_pp > 1:
@@ -148,6 +148,7 @@ def candidates(cfg: RunConfig, cluster: ClusterSpec) -> list[RunConfig]:
         pipe = dict(pp=pp, pp_schedule=schedule, pp_virtual_stages=v,
                     pp_layers_per_stage=own.pp_layers_per_stage if same else None)
         accum = {} if cfg.train.global_batch_size is not None else {"grad_accum": m}
+        zero = 1 if own.zero == 2 and pp > 1 else own.zero   # a pipeline refuses ZeRO-2
         for ep in (d for d in _divisors(E) if _sim_accepts(d, cluster, E, W)):
             for ac in AC_MODES:
                 train = replace(cfg.train, activation_checkpointing=ac, **accum)
@@ -156,14 +157,14 @@ def candidates(cfg: RunConfig, cluster: ClusterSpec) -> list[RunConfig]:
                 spill = own.spill_threshold if pp == 1 else None   # a pipeline refuses both
                 out.append(replace(cfg, train=train, parallel=replace(
                     own, fsdp=False, dp=W // ep, ep=ep, dp_replicate=1, dp_shard=None,
-                    redundant_experts=red, spill_threshold=spill, **pipe)))
+                    redundant_experts=red, spill_threshold=spill, zero=3, **pipe)))
                 for rep in _divisors(W):
                     if (W // rep) % ep:
                         continue
                     # FSDP refuses redundant experts and spill-over (parallel.fsdp's checks)
                     out.append(replace(cfg, train=train, parallel=replace(
                         own, fsdp=True, dp=1, ep=ep, dp_replicate=rep, dp_shard=W // rep,
-                        redundant_experts=0, spill_threshold=None, **pipe)))
+                        redundant_experts=0, spill_threshold=None, zero=zero, **pipe)))
     return out
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from ..config import ConfigError, RunConfig
-from ..config.schema import PP_SCHEDULES, pp_stages_per_rank
+from ..config.schema import PP_SCHEDULES, check_zero, pp_stages_per_rank
 from ..config.validate import choice, fail
 from .pipeline import layers_per_stage, micro_batch_problem
 
@@ -53,7 +53,8 @@ class Layout:
     pipeline schedules; ``train.grad_accum``); ``global_batch_size``: the recipe's, when
     the micro-batches were derived from it (the micro-batch rule then names that key).
     ``ranks_per_node``: None until known (a launcher's LOCAL_WORLD_SIZE; ParallelDims fills
-    it in). ``note``: what :meth:`from_config` derived that the recipe did not say.
+    it in). ``zero``: what FSDP shards (``parallel.zero``: 3 weights, gradients and AdamW
+    state; 2 gradients and AdamW state; 1 AdamW state). ``note``: what :meth:`from_config` derived that the recipe did not say.
     """
 
     world: int
@@ -70,6 +71,7 @@ class Layout:
     pp_schedule: str = "1f1b"
     pp_virtual_stages: int = 1
     layers_per_stage: tuple[int, ...] | None = None
+    zero: int = 3
     note: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -78,6 +80,7 @@ class Layout:
         self._check_experts()
         self._check_stage()
         self._check_nodes()
+        check_zero(self.zero, self.fsdp, self.pp)
 
     # ------------------------------------------------------------------ the rules
     def _check_positive(self) -> None:
@@ -243,7 +246,8 @@ class Layout:
         if pp > 1:
             pipe["layers_per_stage"] = tuple(layers_per_stage(cfg))
         note = cls._derived_note(par, base)
-        return replace(base, micro_batches=m, global_batch_size=gbs, note=note, **pipe)
+        return replace(base, micro_batches=m, global_batch_size=gbs, note=note,
+                       zero=par.zero if fsdp else 3, **pipe)
 
     @classmethod
     def from_degrees(cls, world: int, *, dp: int = 1, ep: int = 1, pp: int = 1,
@@ -319,13 +323,14 @@ class Layout:
         dp_replicate=2 x dp_shard=2 (ep=2, efsdp=1)', and under a pipeline 'pp=2 x (...)'
         (the layout of each stage inside); ``pipeline`` adds the schedule, its stages per
         rank and the micro-batches."""
+        zero = f", ZeRO-{self.zero}" if self.zero != 3 else ""
         if not self.fsdp:
             inner = f"dp={self.dp} x ep={self.ep}"
         elif self.dp_replicate == 1:
-            inner = f"FSDP dp_shard={self.dp_shard} (ep={self.ep}, efsdp={self.efsdp})"
+            inner = f"FSDP dp_shard={self.dp_shard} (ep={self.ep}, efsdp={self.efsdp}{zero})"
         else:
             inner = (f"HSDP dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} "
-                     f"(ep={self.ep}, efsdp={self.efsdp})")
+                     f"(ep={self.ep}, efsdp={self.efsdp}{zero})")
         if self.pp == 1:
             return inner
         detail = ""

@@ -26,6 +26,17 @@ Held for the whole step (what ``benchmarks/memory.py`` measures):
   ``activations``; ``recompute`` is the rest of one block's set, rebuilt during its
   backward (the largest block's; 0 without recomputation).
 
+ZeRO levels under FSDP (``parallel.zero``, :func:`zero_state_bytes`; measured exactly by
+tests/test_zero.py). Level 3 without a pipeline is the above. Levels 1 and 2 keep every
+weight the rank's blocks use gathered for the whole step (``unsharded``: each weight's
+full padded size over dp_shard, an expert slice's over efsdp, in the compute dtype), and
+level 1 accumulates the unsharded gradients (real shapes, fp32: FSDP upcasts to its
+fp32 reduction dtype) instead of sharded ones until the last micro-batch's reduce-scatter.
+Under a pipeline torch's PipelineStage accumulates unsharded gradients and keeps the
+weights gathered after each backward at every level (3 included: its next forward frees
+them again), so a pipeline rank is counted as level 1 whatever the level; the gathered
+transient is then one block's gradients in the compute dtype.
+
 Transient (not measured by the benchmark; in the total): under FSDP the largest block's
 gathered weights in the compute dtype, twice (this block and the prefetched next one),
 plus its unsharded gradients before the reduce-scatter; the dispatcher's send and receive
@@ -132,17 +143,20 @@ class MemoryEstimate:
     comm: float                 # the dispatcher's row buffers
     params_per_rank: float      # parameter count held by the rank (not bytes)
     p2p_buffers: float = 0      # pipeline: the receive buffers of every micro-batch
+    unsharded: float = 0        # weights kept gathered for the step (ZeRO-1/2, pipelines)
 
     @property
     def total(self) -> float:
         return (self.params + self.grads + self.optimizer + self.activations + self.recompute
-                + self.gathered + self.comm + self.p2p_buffers)
+                + self.gathered + self.comm + self.p2p_buffers + self.unsharded)
 
     def as_dict(self) -> dict[str, float]:
-        """The fields and the total (``p2p_buffers`` only under a pipeline)."""
+        """The fields and the total (``p2p_buffers`` only under a pipeline, ``unsharded``
+        only where weights stay gathered)."""
         out = {**asdict(self), "total": self.total}
-        if not self.p2p_buffers:
-            del out["p2p_buffers"]
+        for key in ("p2p_buffers", "unsharded"):
+            if not out[key]:
+                del out[key]
         return out
 
 
@@ -265,6 +279,31 @@ def local_numel(p: ParamShape, lay: Layout) -> int:
     if not lay.fsdp:
         return p.numel
     return _chunk(p.shape[0], lay.dp_shard) * math.prod(p.shape[1:])
+
+
+def zero_state_bytes(shapes, lay: Layout, compute_bytes: int) -> dict[str, float]:
+    """The state one rank holds for the whole step for the parameters ``shapes`` (those of
+    its blocks) at ``lay``: ``params`` (fp32 master weights, its shares), ``grads``,
+    ``optimizer`` (AdamW's two fp32 moments of its shares), ``unsharded`` (weights kept
+    gathered, ``compute_bytes`` per element) and ``block`` (the gathered size of the
+    largest block, elements), by ``lay.zero`` (see the module docstring)."""
+    held = real = padded = 0
+    blocks: dict[int | str, int] = {}
+    whole = Layout(lay.world, lay.ep)              # an expert slice before FSDP shards it
+    for p in shapes:
+        mine = local_numel(p, lay)
+        held += mine
+        full = p.numel if not p.expert else local_numel(p, whole)
+        real += full
+        padded += mine * (lay.efsdp if p.expert else lay.dp_shard)
+        blocks[block_of(p)] = blocks.get(block_of(p), 0) + full
+    out = {"params": held * 4.0, "grads": held * 4.0, "optimizer": held * 8.0,
+           "unsharded": 0.0, "block": max(blocks.values(), default=0)}
+    if lay.fsdp and (lay.zero < 3 or lay.pp > 1):
+        out["unsharded"] = padded * float(compute_bytes)
+        if lay.zero == 1 or lay.pp > 1:
+            out["grads"] = real * 4.0
+    return out
 
 
 def _dense_saved_per_token(model: ModelConfig, moe: MoEConfig, moe_layer: bool,
@@ -405,7 +444,10 @@ def estimate(cfg: RunConfig, lay: Layout, acts: Activations | None = None) -> Me
     n = sum(local_numel(p, lay) for p in shapes)
     cb = DTYPE_BYTES[acts.compute_dtype]
     gathered = 0.0
-    if lay.fsdp:
+    states = zero_state_bytes(shapes, lay, cb)
+    if lay.fsdp and lay.zero < 3:
+        gathered = states["block"] * cb     # a block's gradients before their reduction
+    elif lay.fsdp:
         by_block: dict[int, int] = {}
         for p in shapes:
             full = p.numel if not p.expert else local_numel(p, Layout(lay.world, lay.ep))
@@ -415,8 +457,9 @@ def estimate(cfg: RunConfig, lay: Layout, acts: Activations | None = None) -> Me
     T = lay.micro_batch_size * cfg.model.seq_len
     comm = 2 * T * cfg.moe.top_k * cfg.model.dim * cb if lay.ep > 1 else 0.0
     kept, rebuilt = activation_bytes(cfg, lay, acts)
-    return MemoryEstimate(params=n * 4, grads=n * 4, optimizer=n * 8, activations=kept,
-                          recompute=rebuilt, gathered=gathered, comm=comm, params_per_rank=n)
+    return MemoryEstimate(params=n * 4, grads=states["grads"], optimizer=n * 8,
+                          activations=kept, recompute=rebuilt, gathered=gathered, comm=comm,
+                          params_per_rank=n, unsharded=states["unsharded"])
 
 
 def pipeline_memory(cfg: RunConfig, lay: Layout, acts: Activations | None = None
@@ -477,15 +520,19 @@ def pipeline_memory(cfg: RunConfig, lay: Layout, acts: Activations | None = None
                                      tuple(sorted(sets.items())))
         layers = [i for s in stages for i in ranges[s]]
         moe_here = any(model.is_moe_layer(i) for i in layers)
+        mine = set(keys)
+        states = zero_state_bytes((p for p in cached_param_shapes(model, cfg.moe)
+                                   if block_of(p) in mine), lay, cb)
         receives = sum((s > 0) + (s < n - 1) for s in stages)
         sends = sum((s < n - 1 and owner[s + 1] != rank) + (s > 0 and owner[s - 1] != rank)
                     for s in stages)
         mem = MemoryEstimate(
-            params=count * 4, grads=count * 4, optimizer=count * 8, activations=peak,
+            params=count * 4, grads=states["grads"], optimizer=count * 8, activations=peak,
             recompute=max((rebuilt[i] for i in layers), default=0.0) if recomputes else 0.0,
-            gathered=max(full[k] for k in keys if k in full) * cb * 3 if lay.fsdp else 0.0,
+            gathered=max(full[k] for k in keys if k in full) * cb if lay.fsdp else 0.0,
             comm=2 * T * cfg.moe.top_k * model.dim * cb if lay.ep > 1 and moe_here else 0.0,
-            params_per_rank=count, p2p_buffers=receives * m * act)
+            params_per_rank=count, p2p_buffers=receives * m * act,
+            unsharded=states["unsharded"])
         out.append(RankMemory(rank, tuple(stages), tuple((r.start, r.stop) for r in
                                                          (ranges[s] for s in stages)),
                               sets_held, tuple(sets[s] for s in stages), sends * m * act, mem))

@@ -40,7 +40,7 @@ from ..appendfile import AppendFile, disk_error, warn_stderr
 from ..model import build_meta_model, build_model, next_token_loss
 from ..moe.balance import step_loads, update_expert_biases
 from ..parallel import parallelize_model, sync_gradients
-from ..parallel.fsdp import finish_gradients
+from ..parallel.fsdp import finish_gradients, micro_batch_sync, reshard
 from ..parallel.pipeline import Pipeline, StageChunk, stage_layers
 from ..placement import plan_placement
 from ..placement.replicas import Rebalancer, get_placement, placement_from_dict, placement_to_dict
@@ -211,6 +211,7 @@ class Trainer:
                                   param_dtype=torch.bfloat16 if self.use_bf16 else None,
                                   autocast=self._autocast)
         self.stages, self.fsdp_notes = parts.stages, parts.notes
+        self.chunks = parts.chunks
         self.moe_layers = self.model.moe_layers()
         self.timers = StepTimers(self.device)
         self.model.set_timer(self.timers.section)
@@ -227,9 +228,12 @@ class Trainer:
         """Plain gradient accumulation, or this rank's pipeline stages run by the schedule."""
         cfg = self.cfg
         if not chunks:
+            zero = cfg.parallel.zero if self.fsdp else 3
             return AccumulationStep(self.model, self.device, self.timers, self._autocast,
                                     self.rank, self.world,
-                                    overlap=cfg.parallel.overlap != "none")
+                                    overlap=cfg.parallel.overlap != "none",
+                                    before_backward=(lambda last: micro_batch_sync(
+                                        self.model, zero, last)) if zero != 3 else None)
         for chunk in chunks:
             chunk.timer = self.timers.section
         # activations between stages: bf16 when FSDP casts the weights, else fp32
@@ -651,6 +655,8 @@ class Trainer:
         """Mean validation loss over the fixed validation batches of every rank."""
         self.model.eval()
         total = self.stepper.validation_loss_sum(self.val_batches)
+        if self.fsdp and self.cfg.parallel.zero != 3:   # forwards kept the weights gathered
+            reshard([self.model, *self.chunks])
         total /= len(self.val_batches)
         if self.world > 1:  # the mean over the data-parallel ranks (the last stage's)
             dist.all_reduce(total)

@@ -41,14 +41,18 @@ class AccumulationStep:
     ``overlap`` (``parallel.overlap``; True unless 'none'): reductions that only need the
     step's sum run in the last micro-batch's backward only (HSDP's replica all-reduce,
     the replicated layout's DDP buckets: :func:`epscale.parallel.grads.set_last_micro_batch`);
-    False reduces after every micro-batch (the plain path)."""
+    False reduces after every micro-batch (the plain path). ``before_backward(last)``:
+    called before each micro-batch's backward (``last``: the step's last), e.g. FSDP's
+    ZeRO-1/2 switches (:func:`epscale.parallel.fsdp.micro_batch_sync`)."""
 
     def __init__(self, model: nn.Module, device: torch.device, timers: StepTimers,
                  autocast: Callable[[], contextlib.AbstractContextManager], rank: int,
-                 world: int, overlap: bool = True):
+                 world: int, overlap: bool = True,
+                 before_backward: Callable[[bool], None] | None = None):
         self.model, self.device, self.timers, self.autocast = model, device, timers, autocast
         self.data_rank, self.data_world = rank, world
         self.overlap = overlap
+        self.before_backward = before_backward
 
     def train(self, loader: DataLoader, accum: int) -> tuple[torch.Tensor, bool]:
         T = self.timers
@@ -64,6 +68,8 @@ class AccumulationStep:
                     loss = self.model.loss(x_BS, y_BS)
                     total = (loss + self.model.aux_loss()) / accum
             with T.section("backward"):
+                if self.before_backward is not None:
+                    self.before_backward(i == accum - 1)
                 total.backward()
             loss_sum += loss.detach().float() / accum
         return loss_sum, True
