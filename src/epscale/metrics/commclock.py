@@ -295,11 +295,16 @@ def attach_comm_clock(model: torch.nn.Module, clock: CommClock | None) -> None:
     (each parameter group's communication objects wrapped: torch's ``set_custom_all_gather``
     does the same for a module of one group, and refuses ours, whose blocks hold a dense
     and an expert-mesh group). Not covered here: HSDP's replica all-reduce, which FSDP2
-    issues inside its reduction without a communication object; 'dp' and 'pp' are timed
-    where the trainer runs them (:meth:`CommClock.intercept`)."""
+    issues inside its reduction without a communication object; 'dp': the replicated
+    layout's DDP bucket all-reduces in backward (in flight only: DDP's reducer waits for
+    them inside torch), else timed where the trainer runs them, as is 'pp'
+    (:meth:`CommClock.intercept`)."""
     for moe in moe_layers(model):
         for counter in counters_of(moe.dispatcher):
             counter.clock = clock
+    hook_state = getattr(model, "_epscale_ddp_hook_state", None)  # parallel.grads.DDP_HOOK_STATE
+    if hook_state is not None:  # the replicated layout's DDP buckets, reduced in backward
+        hook_state.clock = clock
     for group in _fsdp_param_groups(model):
         for name in ("_all_gather_comm", "_reduce_scatter_comm"):
             comm = getattr(group, name)

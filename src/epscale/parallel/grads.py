@@ -20,8 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed._composable.replicate import replicate
@@ -33,6 +36,7 @@ from .shard import expert_param_ids, is_expert_param
 
 BUCKET_BYTES = 32 * 1024 * 1024
 _REDUCED_IN_BACKWARD = "_epscale_reduced_in_backward"  # set on a module by reduce_in_backward
+DDP_HOOK_STATE = "_epscale_ddp_hook_state"  # its communication hook's state (the clock)
 
 
 def sync_gradients(module: nn.Module, dims: Dims, bucket_bytes: int = BUCKET_BYTES) -> None:
@@ -102,6 +106,10 @@ class _HookState:
     world_group: dist.ProcessGroup | None   # dense grads: averaged over the world
     dp_group: dist.ProcessGroup | None      # expert grads: summed over it, divided by W
     world_size: int
+    # the trainer's CommClock (epscale.metrics.commclock.attach_comm_clock sets it): each
+    # bucket's all-reduce is timed as 'dp' in flight (DDP's reducer waits for it inside
+    # torch, so that wait is not timed as exposed)
+    clock: Any = None
 
 
 def reduce_in_backward(module: nn.Module, dims: Dims, overlap: bool = True,
@@ -124,17 +132,22 @@ def reduce_in_backward(module: nn.Module, dims: Dims, overlap: bool = True,
     world = getattr(dims, "stage_group", None) or dist.group.WORLD
     replicate(module, process_group=world, bucket_cap_mb=bucket_bytes / 2 ** 20,
               init_sync=False, gradient_as_bucket_view=True)
-    module.register_comm_hook(_HookState(world, dims.dp_group, W), _reduce_bucket)
+    state = _HookState(world, dims.dp_group, W)
+    module.register_comm_hook(state, _reduce_bucket)
     setattr(module, _REDUCED_IN_BACKWARD, True)
+    setattr(module, DDP_HOOK_STATE, state)
     return True
 
 
-def _all_reduce_future(flat: torch.Tensor, group) -> torch.futures.Future:
+def _all_reduce_future(flat: torch.Tensor, group, clock=None) -> torch.futures.Future:
     if group is None or dist.get_world_size(group) == 1:
         fut = torch.futures.Future()
         fut.set_result([flat])
         return fut
-    return dist.all_reduce(flat, group=group, async_op=True).get_future()
+    work = dist.all_reduce(flat, group=group, async_op=True)
+    if clock is not None:
+        clock.track("dp", work, (flat,))  # its flight; DDP waits on the future below
+    return work.get_future()
 
 
 def _reduce_bucket(state: _HookState, bucket):
@@ -152,10 +165,10 @@ def _reduce_bucket(state: _HookState, bucket):
         start += p.numel()
     if not spans[True] or not spans[False]:
         group = state.dp_group if spans[True] else state.world_group
-        return _all_reduce_future(buf, group).then(lambda fut: buf)
+        return _all_reduce_future(buf, group, state.clock).then(lambda fut: buf)
     parts = {kind: torch.cat([buf[a:b] for a, b in spans[kind]]) for kind in (False, True)}
-    futs = [_all_reduce_future(parts[False], state.world_group),
-            _all_reduce_future(parts[True], state.dp_group)]
+    futs = [_all_reduce_future(parts[False], state.world_group, state.clock),
+            _all_reduce_future(parts[True], state.dp_group, state.clock)]
 
     def copy_back(_fut) -> torch.Tensor:
         for kind in (False, True):
@@ -173,9 +186,23 @@ def set_last_micro_batch(module: nn.Module, is_last: bool) -> None:
     in the last backward: FSDP's (HSDP's) replica all-reduce (reduce-scatters still run
     every micro-batch, their sums kept sharded), and :func:`reduce_in_backward`'s
     all-reduces (DDP's ``no_sync``). Pass True for every micro-batch to reduce after each
-    one (the plain path). A module with neither is left alone."""
+    one (the plain path). A module with neither is left alone. (Without replicas, FSDP
+    is not told to skip its all-reduce: it would then hold each reduce-scatter's output
+    aside instead of adding it to the sharded gradients, for nothing to all-reduce.)"""
     if isinstance(module, FSDPModule):
         module.set_is_last_backward(is_last)
-        module.set_requires_all_reduce(is_last)
+        if _has_replicas(module):
+            module.set_requires_all_reduce(is_last)
     if getattr(module, _REDUCED_IN_BACKWARD, False):
         module.set_requires_gradient_sync(is_last)
+
+
+def _has_replicas(module: nn.Module) -> bool:
+    """Whether an FSDP-wrapped module is replicated (HSDP: some parameter's mesh has a
+    replica dimension of size > 1); remembered on the module."""
+    known = getattr(module, "_epscale_has_replicas", None)
+    if known is None:
+        known = any(isinstance(p, DTensor) and p.device_mesh.ndim > 1
+                    and p.device_mesh.size(0) > 1 for p in module.parameters())
+        setattr(module, "_epscale_has_replicas", known)
+    return known

@@ -23,8 +23,8 @@ from typing import Any, Sequence
 # dp: the replicated layout's gradient all-reduces after backward (epscale.parallel.grads,
 #   with the redundant-expert replica sums): all of them under a pipeline or with
 #   parallel.overlap: none. With overlap (pp = 1) the gradients are reduced during backward
-#   in DDP's buckets, whose all-reduces run inside DDP's reducer and are NOT timed: then
-#   dp holds only the replica sums. None under FSDP.
+#   in DDP's buckets: their all-reduces are timed in flight, but DDP's reducer waits for
+#   them inside torch, so that wait is not counted as exposed. None under FSDP.
 # pp: the pipeline schedule's point-to-point sends and receives (torch's _batch_p2p).
 # In no kind: the step record's and the gradient norm's all-reduces, the balance and
 # aux-loss all-reduces (a few numbers each), checkpoint, validation and re-placement traffic.
