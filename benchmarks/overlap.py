@@ -186,6 +186,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=9)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--recipe", choices=list(RECIPES), default="tiny")
+    ap.add_argument("--json", type=Path, default=None,
+                    help="also write the per-case medians and ratios to this file")
     ap.add_argument("--overhead", action="store_true",
                     help="no training: the clock's cost per collective (bare vs timed) and "
                     "the time of a bare all-to-all of a few sizes (the transfer alone)")
@@ -203,7 +205,7 @@ def main() -> None:
     head = (f"{'case':<18} {'mode':<5} {'exposed':>8} {'in flight':>9} {'tok/s':>7} "
             f"{'step ms':>8}  exposed by kind")
     print(head)
-    rows = []
+    rows, figures = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             nproc, over = CASES[name]
@@ -224,11 +226,15 @@ def main() -> None:
             ratio = s["auto"]["exposed"] / s["none"]["exposed"] if s["none"]["exposed"] > 0 else float("nan")
             speed = s["auto"]["tokens_per_s"] / s["none"]["tokens_per_s"]
             rows.append((name, ratio, speed))
+            figures[name] = {"auto": s["auto"], "none": s["none"], "exposed_ratio": ratio,
+                             "tokens_per_s_ratio": speed}
             print(f"{name:<18} ratio auto/none: exposed {ratio:.2f}x, tokens/s {speed:.2f}x",
                   flush=True)
     print("\nsummary (auto / none)")
     for name, ratio, speed in rows:
         print(f"  {name:<18} exposed {ratio:.2f}x  tokens/s {speed:.2f}x")
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2))
 
 
 if __name__ == "__main__":
