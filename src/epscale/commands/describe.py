@@ -129,6 +129,7 @@ def describe(config: str, overrides: list[str] | None = None, **layout) -> dict:
     out["layout"] = {"world": lay.world, "ep": lay.ep, "fsdp": lay.fsdp,
                      "activation_checkpointing": acts.activation_checkpointing,
                      "micro_batch_size": lay.micro_batch_size, "compute_dtype": acts.compute_dtype,
+                     "optimizer_state_dtype": cfg.train.optimizer_state_dtype,
                      "description": lay.label(pipeline=True)}
     if lay.fsdp:
         out["layout"].update(dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, efsdp=lay.efsdp)
@@ -333,7 +334,8 @@ def run(args) -> int:
     m.add_column("bytes", justify="right")
     m.add_row("parameters held", _fmt_count(mem["params_per_rank"]))
     labels = {"params": "weights (fp32)", "grads": "gradients (fp32)",
-              "optimizer": "AdamW moments (fp32)", "activations": "saved activations",
+              "optimizer": f"AdamW moments ({lay['optimizer_state_dtype']})",
+              "activations": "saved activations",
               "gathered": "FSDP gathered block", "comm": "dispatch rows",
               "p2p_buffers": "p2p receive buffers", "total": "total"}
     for key, label in labels.items():

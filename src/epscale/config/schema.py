@@ -592,6 +592,10 @@ class TrainConfig:
     # transformer block keeps only its input), 'selective' (each block keeps the outputs of
     # its matmuls and the router's top-k, and recomputes the rest).
     activation_checkpointing: str = "none"
+    # AdamW's two moments (exp_avg, exp_avg_sq) stored in 'float32' or 'bfloat16' (half
+    # the optimizer state, as DeepSeek-V3 trained); the weights stay fp32 master copies
+    # and the update is computed in fp32 either way (epscale.training.optim.AdamW).
+    optimizer_state_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if not self.collective_timeout_s >= 0:
@@ -624,6 +628,23 @@ class TrainConfig:
         choice("train.dtype", self.dtype, ("auto", "float32", "bfloat16"))
         choice("train.activation_checkpointing", self.activation_checkpointing,
                ("none", "full", "selective"))
+        self._check_optimizer_state()
+
+    def _check_optimizer_state(self) -> None:
+        choice("train.optimizer_state_dtype", self.optimizer_state_dtype,
+               ("float32", "bfloat16"))
+        if self.optimizer_state_dtype != "bfloat16":
+            return
+        # A bf16 moment m -> beta m + (1 - beta) g keeps 8 significant bits: a change of
+        # (1 - beta) m smaller than half a unit in the last place (2^-9 to 2^-8 of m) rounds
+        # away, and the moment stops decaying. 1 - beta >= 2^-7 keeps every decay step.
+        for name in ("beta1", "beta2"):
+            beta = getattr(self, name)
+            if not 1 - beta >= 2 ** -7:
+                fail(f"train.{name}", beta, "must be <= 0.9921875 (1 - 2^-7) with "
+                     "train.optimizer_state_dtype = bfloat16: a smaller decay step rounds "
+                     "away in bf16 moments; lower it or set train.optimizer_state_dtype: "
+                     "float32")
 
 
 @dataclass

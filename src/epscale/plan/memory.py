@@ -17,7 +17,9 @@ Held for the whole step (what ``benchmarks/memory.py`` measures):
   expert slice's share of efsdp = dp_shard / ep (whole experts, or the hidden dim when
   efsdp does not divide e).
 * gradients: the same shapes, fp32 (FSDP reduces in fp32).
-* optimizer: AdamW's two fp32 moments per parameter.
+* optimizer: AdamW's two moments per parameter, in ``train.optimizer_state_dtype`` (fp32,
+  or bf16: 2 x 2 bytes; the fp32 copies a bf16-state step makes chunk by chunk are
+  transient and come after backward, off the peak) (:func:`optimizer_state_bytes`).
 * activations: the tensors autograd keeps for backward for one micro-batch, counted from
   what each module saves (its inputs and intermediates; see ``_saved_per_token``); norms
   and logits are kept in fp32, the rest in the compute dtype, index tensors in int64.
@@ -366,6 +368,13 @@ def activation_bytes(cfg: RunConfig, lay: Layout, acts: Activations) -> tuple[fl
     return embed + sum(kept) + head, max(b - k for b, k in zip(blocks, kept))
 
 
+def optimizer_state_bytes(numel: float, state_dtype: str = "float32") -> float:
+    """Bytes of AdamW's two moments (exp_avg, exp_avg_sq) for ``numel`` parameters kept
+    in ``state_dtype`` (``train.optimizer_state_dtype``); the step counts (one scalar per
+    tensor) are left out."""
+    return 2 * numel * DTYPE_BYTES[state_dtype]
+
+
 _SHAPES: dict[str, tuple[ParamShape, ...]] = {}
 
 
@@ -415,7 +424,9 @@ def estimate(cfg: RunConfig, lay: Layout, acts: Activations | None = None) -> Me
     T = lay.micro_batch_size * cfg.model.seq_len
     comm = 2 * T * cfg.moe.top_k * cfg.model.dim * cb if lay.ep > 1 else 0.0
     kept, rebuilt = activation_bytes(cfg, lay, acts)
-    return MemoryEstimate(params=n * 4, grads=n * 4, optimizer=n * 8, activations=kept,
+    return MemoryEstimate(params=n * 4, grads=n * 4,
+                          optimizer=optimizer_state_bytes(n, cfg.train.optimizer_state_dtype),
+                          activations=kept,
                           recompute=rebuilt, gathered=gathered, comm=comm, params_per_rank=n)
 
 
@@ -481,7 +492,9 @@ def pipeline_memory(cfg: RunConfig, lay: Layout, acts: Activations | None = None
         sends = sum((s < n - 1 and owner[s + 1] != rank) + (s > 0 and owner[s - 1] != rank)
                     for s in stages)
         mem = MemoryEstimate(
-            params=count * 4, grads=count * 4, optimizer=count * 8, activations=peak,
+            params=count * 4, grads=count * 4,
+            optimizer=optimizer_state_bytes(count, cfg.train.optimizer_state_dtype),
+            activations=peak,
             recompute=max((rebuilt[i] for i in layers), default=0.0) if recomputes else 0.0,
             gathered=max(full[k] for k in keys if k in full) * cb * 3 if lay.fsdp else 0.0,
             comm=2 * T * cfg.moe.top_k * model.dim * cb if lay.ep > 1 and moe_here else 0.0,
