@@ -596,6 +596,11 @@ class TrainConfig:
     # the optimizer state, as DeepSeek-V3 trained); the weights stay fp32 master copies
     # and the update is computed in fp32 either way (epscale.training.optim.AdamW).
     optimizer_state_dtype: str = "float32"
+    # Light recomputation: only these parts of each block recompute in backward
+    # (Megatron-Core's --recompute-modules; epscale.parallel.activation says what each
+    # keeps): norm, router, shared_experts, mlp, moe_act, attention_core, mla_up_proj.
+    # Not with activation_checkpointing full/selective (those recompute whole blocks).
+    recompute_modules: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.collective_timeout_s >= 0:
@@ -629,6 +634,23 @@ class TrainConfig:
         choice("train.activation_checkpointing", self.activation_checkpointing,
                ("none", "full", "selective"))
         self._check_optimizer_state()
+        self._check_recompute_modules()
+
+    def _check_recompute_modules(self) -> None:
+        mods = self.recompute_modules
+        allowed = ("norm", "router", "shared_experts", "mlp", "moe_act", "attention_core",
+                   "mla_up_proj")
+        if not isinstance(mods, list):
+            fail("train.recompute_modules", mods, f"must be a list of: {', '.join(allowed)}")
+        for m in mods:
+            choice("train.recompute_modules", m, allowed)
+        if len(set(mods)) != len(mods):
+            fail("train.recompute_modules", mods, "names a module twice")
+        if mods and self.activation_checkpointing != "none":
+            fail("train.recompute_modules", mods, "cannot be combined with "
+                 f"train.activation_checkpointing = {self.activation_checkpointing!r} (that "
+                 "recomputes whole blocks already): set one of the two (train."
+                 "activation_checkpointing: none, or train.recompute_modules: [])")
 
     def _check_optimizer_state(self) -> None:
         choice("train.optimizer_state_dtype", self.optimizer_state_dtype,
@@ -691,6 +713,10 @@ class RunConfig:
         if self.moe.dim != self.model.dim:
             fail("moe.dim", self.moe.dim, f"must equal model.dim ({self.model.dim})")
         choice("scale", self.scale, ("full", "tiny"))
+        if "mla_up_proj" in self.train.recompute_modules and self.model.attention != "mla":
+            fail("train.recompute_modules", self.train.recompute_modules,
+                 f"'mla_up_proj' needs model.attention = 'mla' (it is "
+                 f"{self.model.attention!r}); use 'attention_core' for this model")
         if self.scale == "full":  # a 'tiny' recipe is checked once it is shrunk
             self._check_pipeline()
 

@@ -67,13 +67,16 @@ class AdamW(torch.optim.AdamW):
         return loss
 
     def _step_chunk(self, group: dict, params: list[torch.Tensor]) -> None:
+        """One chunk's update, on the local tensors (FSDP's DTensor shards: the update is
+        element-wise, and DTensor has no rule for the foreach copies)."""
         states = [self.state[p] for p in params]
-        avgs = [s["exp_avg"] for s in states]
-        sqs = [s["exp_avg_sq"] for s in states]
+        avgs = [_local(s["exp_avg"]) for s in states]
+        sqs = [_local(s["exp_avg_sq"]) for s in states]
         avgs32, sqs32 = [t.float() for t in avgs], [t.float() for t in sqs]
         beta1, beta2 = group["betas"]
         torch_adam(
-            params, [p.grad for p in params], avgs32, sqs32, [], [s["step"] for s in states],
+            [_local(p) for p in params], [_local(p.grad) for p in params], avgs32, sqs32, [],
+            [s["step"] for s in states],
             foreach=group["foreach"], capturable=group["capturable"], differentiable=False,
             fused=group["fused"], decoupled_weight_decay=True, amsgrad=False, beta1=beta1,
             beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
