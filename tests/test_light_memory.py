@@ -85,3 +85,20 @@ def test_bf16_moments_train_like_one_process_and_resume_bitwise(runs):
     assert_same_training(got["bf16 moments"], refs["bf16"], same_weights={1})
     full, resumed = got["bf16 moments"], got["bf16 moments resumed"]
     assert sorted(resumed) == [3, 4] and all(resumed[s] == full[s] for s in resumed)
+
+
+def test_recompute_modules_are_validated_by_key(tmp_path):
+    from epscale.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"train.recompute_modules' = \['norm'\] is invalid: "
+                                          r"cannot be combined with train.activation_checkpointing"
+                                          r" = 'full'"):
+        tiny_cfg(tmp_path, **{"train.recompute_modules": "[norm]",
+                              "train.activation_checkpointing": "full"})
+    with pytest.raises(ConfigError, match=r"train.recompute_modules' = 'moe_ac'.*'moe_act'"):
+        tiny_cfg(tmp_path, **{"train.recompute_modules": "[moe_ac]"})
+    with pytest.raises(ConfigError, match=r"'mla_up_proj' needs model.attention = 'mla'"):
+        tiny_cfg(tmp_path, **{"train.recompute_modules": "[mla_up_proj]"})
+    with pytest.raises(ConfigError, match="names a module twice"):
+        tiny_cfg(tmp_path, **{"train.recompute_modules": "[norm,norm]"})
+    assert tiny_cfg(tmp_path, **{"train.recompute_modules": "[]"}).train.recompute_modules == []
