@@ -72,7 +72,12 @@ class AdamW(torch.optim.AdamW):
         states = [self.state[p] for p in params]
         avgs = [_local(s["exp_avg"]) for s in states]
         sqs = [_local(s["exp_avg_sq"]) for s in states]
-        avgs32, sqs32 = [t.float() for t in avgs], [t.float() for t in sqs]
+        # upcast with one multi-tensor copy each (a per-tensor .float() is a launch per
+        # tensor on CUDA)
+        avgs32 = [torch.empty_like(t, dtype=torch.float32) for t in avgs]
+        sqs32 = [torch.empty_like(t, dtype=torch.float32) for t in sqs]
+        torch._foreach_copy_(avgs32, avgs)
+        torch._foreach_copy_(sqs32, sqs)
         beta1, beta2 = group["betas"]
         torch_adam(
             [_local(p) for p in params], [_local(p.grad) for p in params], avgs32, sqs32, [],
