@@ -130,6 +130,10 @@ def main() -> int:
     ap.add_argument("--device", default="cpu",
                     help="cpu (default), or cuda: activations in bf16 on one GPU (the "
                          "gloo layouts part is skipped)")
+    ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS),
+                    help="the models of part 1 (default: all)")
+    ap.add_argument("--part", choices=("all", "activations", "state"), default="all",
+                    help="run one part only (default: all three)")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO / "src"))
     from rich.console import Console
@@ -150,9 +154,10 @@ def main() -> int:
     for col in ("model", "experts", "recompute", "measured", "estimate", "estimate / measured"):
         t.add_column(col, justify="left" if col in ("model", "experts", "recompute") else "right")
     impls = ("grouped_mm",) if cuda else ("cpu_fused", "grouped_mm")
-    runs = [(m, impl, ac, ()) for m in MODELS for impl in impls
+    models = args.models if args.part in ("all", "activations") else []
+    runs = [(m, impl, ac, ()) for m in models for impl in impls
             for ac in ("none", "selective", "full")]
-    for m in MODELS:
+    for m in models:
         mods = [x for x in MODULES if x != "mla_up_proj" or "mla" in m]
         runs += [(m, impl, "none", tuple(c)) for impl in impls for c in [[x] for x in mods] + [mods]]
     with Progress(console=console, transient=True) as bar:
@@ -166,9 +171,10 @@ def main() -> int:
                                            "recompute_modules": list(mods),
                                            "measured": kept, "estimate": est})
             bar.advance(task)
-    console.print(t)
+    if runs:
+        console.print(t)
 
-    if cuda:
+    if cuda or args.part == "activations":
         if args.json:
             args.json.write_text(json.dumps(figures, indent=2))
         return 0
