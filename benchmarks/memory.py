@@ -2,8 +2,9 @@
 side by side in one run, on this machine's CPU (fp32: the CPU trainer's dtype).
 
 1. Activations: one process builds each model, runs a forward under each recomputation
-   mode, and the profiler's allocation record gives the bytes the forward leaves for
-   backward (``epscale.metrics.held.forward_kept_bytes``); next to it the estimate.
+   mode (and light recomputation, ``train.recompute_modules``: each module alone and
+   all at once), and the profiler's allocation record gives the bytes the forward leaves
+   for backward (``epscale.metrics.held.forward_kept_bytes``); next to it the estimate.
 2. Weights, gradients, AdamW state: the real trainer at replicated and FSDP layouts on
    gloo processes runs a step; the largest rank's storages next to the estimate.
 3. At scale (estimate only): the 1T recipe replicated and sharded.
@@ -41,12 +42,18 @@ LAYOUTS = {  # name -> overrides (the world is --nproc)
     "replicated ep=2": ["parallel.ep=2"],
     "FSDP ep=2": ["parallel.fsdp=true", "parallel.ep=2"],
     "HSDP 2 x 2, ep=2": ["parallel.fsdp=true", "parallel.ep=2", "parallel.dp_replicate=2"],
+    "FSDP ep=2, bf16 AdamW moments": ["parallel.fsdp=true", "parallel.ep=2",
+                                      "train.optimizer_state_dtype=bfloat16"],
 }
+# light recomputation rows of part 1 (train.recompute_modules; MLA's only on the MLA model)
+MODULES = ["norm", "router", "shared_experts", "mlp", "moe_act", "attention_core", "mla_up_proj"]
 
 
-def measure_activations(over: list[str], impl: str, ac: str, device: str = "cpu") -> tuple[int, float]:
+def measure_activations(over: list[str], impl: str, ac: str, device: str = "cpu",
+                        modules: tuple[str, ...] = ()) -> tuple[int, float]:
     """(bytes the forward leaves for backward, the estimate). CPU: fp32, the profiler's
-    record; CUDA: bf16 autocast, ``torch.cuda.memory_allocated`` before and after."""
+    record; CUDA: bf16 autocast, ``torch.cuda.memory_allocated`` before and after.
+    ``modules``: train.recompute_modules (with ``ac`` 'none')."""
     import torch
 
     from epscale.config import load_config
@@ -60,7 +67,7 @@ def measure_activations(over: list[str], impl: str, ac: str, device: str = "cpu"
     cfg = load_config(None, BASE + over + [f"moe.experts_impl={impl}"])
     torch.manual_seed(0)
     net = build_model(cfg, device=device)
-    apply_activation_checkpointing(net, ac)
+    apply_activation_checkpointing(net, ac, modules)
     for moe in moe_layers(net):
         moe.drop_kept_buffers()
     B, S, V = cfg.train.micro_batch_size, cfg.model.seq_len, cfg.model.vocab_size
@@ -84,7 +91,7 @@ def measure_activations(over: list[str], impl: str, ac: str, device: str = "cpu"
     else:
         kept, loss = forward_kept_bytes(forward)
     loss.backward()
-    acts = Activations(ac, "bfloat16" if cuda else "float32", impl)
+    acts = Activations(ac, "bfloat16" if cuda else "float32", impl, modules)
     return kept, estimate(cfg, Layout.from_config(cfg, 1, ep=1), acts).activations
 
 
@@ -123,6 +130,10 @@ def main() -> int:
     ap.add_argument("--device", default="cpu",
                     help="cpu (default), or cuda: activations in bf16 on one GPU (the "
                          "gloo layouts part is skipped)")
+    ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS),
+                    help="the models of part 1 (default: all)")
+    ap.add_argument("--part", choices=("all", "activations", "state"), default="all",
+                    help="run one part only (default: all three)")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO / "src"))
     from rich.console import Console
@@ -143,19 +154,27 @@ def main() -> int:
     for col in ("model", "experts", "recompute", "measured", "estimate", "estimate / measured"):
         t.add_column(col, justify="left" if col in ("model", "experts", "recompute") else "right")
     impls = ("grouped_mm",) if cuda else ("cpu_fused", "grouped_mm")
-    runs = [(m, impl, ac) for m in MODELS for impl in impls for ac in ("none", "selective", "full")]
+    models = args.models if args.part in ("all", "activations") else []
+    runs = [(m, impl, ac, ()) for m in models for impl in impls
+            for ac in ("none", "selective", "full")]
+    for m in models:
+        mods = [x for x in MODULES if x != "mla_up_proj" or "mla" in m]
+        runs += [(m, impl, "none", tuple(c)) for impl in impls for c in [[x] for x in mods] + [mods]]
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("activations", total=len(runs))
-        for m, impl, ac in runs:
-            kept, est = measure_activations(MODELS[m], impl, ac, args.device)
-            t.add_row(m, impl, ac, f"{kept / 2 ** 20:.2f} MiB", f"{est / 2 ** 20:.2f} MiB",
+        for m, impl, ac, mods in runs:
+            kept, est = measure_activations(MODELS[m], impl, ac, args.device, mods)
+            label = ("modules " + ",".join(mods) if len(mods) < 3 else "all modules") if mods else ac
+            t.add_row(m, impl, label, f"{kept / 2 ** 20:.2f} MiB", f"{est / 2 ** 20:.2f} MiB",
                       f"{est / kept:.3f}")
             figures["activations"].append({"model": m, "experts_impl": impl, "ac": ac,
+                                           "recompute_modules": list(mods),
                                            "measured": kept, "estimate": est})
             bar.advance(task)
-    console.print(t)
+    if runs:
+        console.print(t)
 
-    if cuda:
+    if cuda or args.part == "activations":
         if args.json:
             args.json.write_text(json.dumps(figures, indent=2))
         return 0

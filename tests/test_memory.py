@@ -173,3 +173,60 @@ def test_describe_takes_a_layout(capsys):
     assert cli_main(["describe", "ref-1t-64e", "--world", "1000"]) == 2
     assert ("'parallel.ep' = 64 is invalid: must divide dp_shard = 500 (the 1000 processes / "
             "dp_replicate 2)") in capsys.readouterr().err
+
+
+MLA_MEASURE = ["model.attention=mla", "model.q_lora_rank=32", "model.kv_lora_rank=32",
+               "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8", "model.v_head_dim=16"]
+RECOMPUTE = ["norm", "router", "shared_experts", "mlp", "moe_act", "attention_core"]
+
+
+def _kept_and_grads(net, x, y, ac: str, modules: list[str]):
+    """(median bytes of three forwards, the last backward's gradients)."""
+    apply_activation_checkpointing(net, ac, modules)
+    for moe in moe_layers(net):
+        moe.drop_kept_buffers()
+    for _ in range(2):
+        (net.loss(x, y) + net.aux_loss()).backward()
+        net.zero_grad(set_to_none=True)
+    samples = []
+    for _ in range(3):
+        kept, loss = forward_kept_bytes(lambda: net.loss(x, y) + net.aux_loss())
+        net.zero_grad(set_to_none=True)
+        loss.backward()
+        samples.append(kept)
+    return sorted(samples)[1], {n: p.grad.clone() for n, p in net.named_parameters()}
+
+
+@pytest.mark.parametrize("case", ["grouped_mm", "cpu_fused", "mla"])
+def test_recompute_modules_keep_what_the_estimate_says(case):
+    """Each ``train.recompute_modules`` choice (and all at once): the bytes a forward keeps
+    are the estimate's within 5% (the MHA model's drop, none minus the choice, within
+    10%); fewer than without recomputation (the CPU kernel keeps no more than moe_act
+    would already) and more than full recomputation; the gradients are those without
+    recomputation, bit for bit. MLA with equal q/k and v head dims: CPU SDPA then takes
+    its flash kernel, as the GPU's does (otherwise its math path keeps S x S scores)."""
+    impl = "cpu_fused" if case == "cpu_fused" else "grouped_mm"
+    over = MEASURE + ["moe.num_shared_experts=1", f"moe.experts_impl={impl}"]
+    cfg = load_config(None, over + (MLA_MEASURE if case == "mla" else []))
+    torch.manual_seed(0)
+    net = build_model(cfg)
+    B, S = cfg.train.micro_batch_size, cfg.model.seq_len
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, 256, (B, S), generator=g), torch.randint(0, 256, (B, S), generator=g)
+    lay = Layout.from_config(cfg, 1, ep=1)
+    none, ref_grads = _kept_and_grads(net, x, y, "none", [])
+    full, _ = _kept_and_grads(net, x, y, "full", [])
+    est_none = estimate(cfg, lay, Activations("none", "float32", impl)).activations
+    choices = [[m] for m in RECOMPUTE + ["mla_up_proj"] * (case == "mla")]
+    for mods in choices + [[m for c in choices for m in c]]:
+        kept, grads = _kept_and_grads(net, x, y, "none", mods)
+        est = estimate(cfg, lay, Activations("none", "float32", impl, tuple(mods))).activations
+        assert est == pytest.approx(kept, rel=0.05), (mods, kept, est)
+        if case != "mla":
+            assert est_none - est == pytest.approx(none - kept, rel=0.1, abs=4096), (mods, kept)
+        if mods == ["moe_act"] and impl == "cpu_fused":
+            assert est == est_none
+        else:
+            assert full < kept < none, (mods, full, kept, none)
+        for n, grad in grads.items():
+            assert torch.equal(grad, ref_grads[n]), (mods, n)

@@ -115,7 +115,7 @@ def parallelize_model(model: Transformer, dims: ParallelDims, cfg: RunConfig,
             set_blocking(model)
 
     # 3. activation checkpointing
-    apply_activation_checkpointing(model, train.activation_checkpointing)
+    apply_activation_checkpointing(model, train.activation_checkpointing, train.recompute_modules)
 
     # 4. compile: nothing yet (train.compile, issue 31, goes here)
 

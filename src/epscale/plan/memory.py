@@ -17,12 +17,17 @@ Held for the whole step (what ``benchmarks/memory.py`` measures):
   expert slice's share of efsdp = dp_shard / ep (whole experts, or the hidden dim when
   efsdp does not divide e).
 * gradients: the same shapes, fp32 (FSDP reduces in fp32).
-* optimizer: AdamW's two fp32 moments per parameter.
+* optimizer: AdamW's two moments per parameter, in ``train.optimizer_state_dtype`` (fp32,
+  or bf16: 2 x 2 bytes; the fp32 copies a bf16-state step makes chunk by chunk are
+  transient and come after backward, off the peak) (:func:`optimizer_state_bytes`).
 * activations: the tensors autograd keeps for backward for one micro-batch, counted from
   what each module saves (its inputs and intermediates; see ``_saved_per_token``); norms
   and logits are kept in fp32, the rest in the compute dtype, index tensors in int64.
   ``full`` recomputation keeps each block's input; ``selective`` keeps the block input and
-  the outputs of its matrix products and of the router's top-k. What a forward keeps is
+  the outputs of its matrix products and of the router's top-k; ``train.recompute_modules``
+  keeps what no recomputation keeps less what the named parts drop
+  (:func:`recompute_dropped_per_token`; ``recompute`` then counts a block's whole drop,
+  an upper bound: its regions are rebuilt one after another). What a forward keeps is
   ``activations``; ``recompute`` is the rest of one block's set, rebuilt during its
   backward (the largest block's; 0 without recomputation).
 
@@ -95,6 +100,7 @@ class Activations:
     activation_checkpointing: str = "none"
     compute_dtype: str = "float32"
     experts_impl: str = "grouped_mm"
+    recompute_modules: tuple[str, ...] = ()    # train.recompute_modules (with 'none' only)
 
     def __post_init__(self) -> None:
         if self.compute_dtype not in DTYPE_BYTES:
@@ -109,7 +115,9 @@ class Activations:
         train = cfg.train
         dtype = compute_dtype or ("bfloat16" if train.dtype in ("bfloat16", "auto") else "float32")
         impl = experts_impl or ("cpu_fused" if cfg.moe.experts_impl == "cpu_fused" else "grouped_mm")
-        return Activations(activation_checkpointing or train.activation_checkpointing, dtype, impl)
+        ac = activation_checkpointing or train.activation_checkpointing
+        modules = tuple(train.recompute_modules) if ac == "none" else ()
+        return Activations(ac, dtype, impl, modules)
 
 
 def with_pipeline(cfg: RunConfig, pp: int | None = None, schedule: str | None = None,
@@ -284,7 +292,8 @@ def local_numel(p: ParamShape, lay: Layout) -> int:
 def zero_state_bytes(shapes, lay: Layout, compute_bytes: int) -> dict[str, float]:
     """The state one rank holds for the whole step for the parameters ``shapes`` (those of
     its blocks) at ``lay``: ``params`` (fp32 master weights, its shares), ``grads``,
-    ``optimizer`` (AdamW's two fp32 moments of its shares), ``unsharded`` (weights kept
+    ``optimizer`` (AdamW's two fp32 moments of its shares; the estimate counts them by
+    ``train.optimizer_state_dtype``: :func:`optimizer_state_bytes`), ``unsharded`` (weights kept
     gathered, ``compute_bytes`` per element) and ``block`` (the gathered size of the
     largest block, elements), by ``lay.zero`` (see the module docstring)."""
     held = real = padded = 0
@@ -306,13 +315,10 @@ def zero_state_bytes(shapes, lay: Layout, compute_bytes: int) -> dict[str, float
     return out
 
 
-def _dense_saved_per_token(model: ModelConfig, moe: MoEConfig, moe_layer: bool,
-                           impl: str) -> tuple[float, float, float]:
-    """(compute-dtype, fp32, int64) elements one block saves per token (no recomputation)."""
-    D, H, K = model.dim, model.num_heads, moe.top_k
-    m = 3 if moe.activation == "swiglu" else 2
-    acts = 4 if moe.activation == "swiglu" else 2      # per hidden unit: see the dense FFN
-    norms = 2 * (2 * D + 1)                       # RMSNorm keeps its fp32 input and output
+def _attention_saved_per_token(model: ModelConfig) -> tuple[float, float]:
+    """(compute-dtype, fp32) elements one block's attention saves per token (no
+    recomputation), its input included."""
+    D, H = model.dim, model.num_heads
     if model.attention == "mla":
         nope, rope, v = model.qk_nope_head_dim, model.qk_rope_head_dim, model.v_head_dim
         q_lora, kv = model.q_lora_rank, model.kv_lora_rank
@@ -327,6 +333,17 @@ def _dense_saved_per_token(model: ModelConfig, moe: MoEConfig, moe_layer: bool,
         lse = H
         if model.qk_norm:                                  # the q/k norms: fp32 in, out, rstd
             lse += (H + G) * (2 * hd + 1)
+    return attn, lse
+
+
+def _dense_saved_per_token(model: ModelConfig, moe: MoEConfig, moe_layer: bool,
+                           impl: str) -> tuple[float, float, float]:
+    """(compute-dtype, fp32, int64) elements one block saves per token (no recomputation)."""
+    D, K = model.dim, moe.top_k
+    m = 3 if moe.activation == "swiglu" else 2
+    acts = 4 if moe.activation == "swiglu" else 2      # per hidden unit: see the dense FFN
+    norms = 2 * (2 * D + 1)                       # RMSNorm keeps its fp32 input and output
+    attn, lse = _attention_saved_per_token(model)
     fp32 = norms + lse
     if not moe_layer:
         ffn = D + acts * model.dense_hidden_dim           # w1 input; h1, h3, silu(h1), w2 input
@@ -343,6 +360,57 @@ def _dense_saved_per_token(model: ModelConfig, moe: MoEConfig, moe_layer: bool,
         ints += 2 * K
     shared = acts * moe.shared_width if moe.num_shared_experts else 0   # input: the router's
     return D + attn + experts + shared, fp32 + router_fp32, ints
+
+
+def _attention_region_kept(model: ModelConfig, core: bool, up_proj: bool) -> tuple[float, float]:
+    """(compute-dtype, fp32) elements per token the attention keeps as one selective
+    region (``attention_core`` / ``mla_up_proj``): its input, the outputs of its projections
+    but the up projections' (``up_proj``), the attention kernel's output and statistics
+    unless ``core``, and the output projection's output (the region's kept result)."""
+    D, H = model.dim, model.num_heads
+    if model.attention == "mla":
+        nope, rope, v = model.qk_nope_head_dim, model.qk_rope_head_dim, model.v_head_dim
+        q_lora, qk = model.q_lora_rank, nope + rope
+        products = (q_lora if q_lora else H * qk) + model.kv_lora_rank + rope
+        if not up_proj:
+            products += (H * qk if q_lora else 0) + H * (nope + v)
+        out = H * v
+    else:
+        hd, G = model.head_dim or D // H, model.num_kv_heads or H
+        products, out = (H + 2 * G) * hd, H * hd
+    kernel = (out, H) if not core else (0, 0)
+    return D + products + kernel[0] + D, kernel[1]
+
+
+def recompute_dropped_per_token(model: ModelConfig, moe: MoEConfig, moe_layer: bool,
+                                acts: Activations) -> tuple[float, float, float]:
+    """(compute-dtype, fp32, int64) elements per token a block keeps less under
+    ``acts.recompute_modules`` than without recomputation (see
+    :mod:`epscale.parallel.activation`): a norm keeps its input instead of its fp32 input,
+    output and statistics; the router none of its fp32 scores and chosen ids; the shared
+    experts and a dense FFN none of their hidden activations; ``moe_act`` (grouped-GEMM
+    path) not the activation's output and the down projection's input; the attention
+    regions what :func:`_attention_region_kept` leaves out."""
+    mods, D, K = set(acts.recompute_modules), model.dim, moe.top_k
+    hidden = 4 if moe.activation == "swiglu" else 2       # saved per hidden unit (no recompute)
+    ups = 2 if moe.activation == "swiglu" else 1          # the up projections' outputs
+    cd = fp32 = ints = 0.0
+    if "norm" in mods:
+        cd, fp32 = cd - 2 * D, fp32 + 2 * (2 * D + 1)
+    if mods & {"attention_core", "mla_up_proj"}:
+        attn, lse = _attention_saved_per_token(model)
+        kept, kept_fp32 = _attention_region_kept(model, "attention_core" in mods,
+                                                 "mla_up_proj" in mods)
+        cd, fp32 = cd + attn - kept, fp32 + lse - kept_fp32
+    if not moe_layer:
+        return cd + (hidden * model.dense_hidden_dim if "mlp" in mods else 0), fp32, ints
+    if "router" in mods:
+        fp32, ints = fp32 + moe.num_experts + K + 1, ints + K
+    if "shared_experts" in mods and moe.num_shared_experts:
+        cd += hidden * moe.shared_width
+    if "moe_act" in mods and acts.experts_impl != "cpu_fused":
+        cd += K * (hidden - ups) * moe.hidden_dim
+    return cd, fp32, ints
 
 
 def _selective_per_token(model: ModelConfig, moe: MoEConfig, moe_layer: bool,
@@ -389,6 +457,9 @@ def _activation_parts(cfg: RunConfig, lay: Layout, acts: Activations
     elif acts.activation_checkpointing == "selective":
         kept = [nbytes(_selective_per_token(model, moe, model.is_moe_layer(i), acts.experts_impl))
                 for i in range(model.num_layers)]
+    elif acts.recompute_modules:
+        kept = [b - nbytes(recompute_dropped_per_token(model, moe, model.is_moe_layer(i), acts))
+                for i, b in enumerate(blocks)]
     else:
         kept = blocks
     return embed, blocks, kept, head
@@ -400,9 +471,16 @@ def activation_bytes(cfg: RunConfig, lay: Layout, acts: Activations) -> tuple[fl
     block's set beyond what it kept; 0 without recomputation). Without a pipeline: the
     whole model's."""
     embed, blocks, kept, head = _activation_parts(cfg, lay, acts)
-    if acts.activation_checkpointing not in ("full", "selective"):
+    if acts.activation_checkpointing not in ("full", "selective") and not acts.recompute_modules:
         return embed + sum(blocks) + head, 0.0
     return embed + sum(kept) + head, max(b - k for b, k in zip(blocks, kept))
+
+
+def optimizer_state_bytes(numel: float, state_dtype: str = "float32") -> float:
+    """Bytes of AdamW's two moments (exp_avg, exp_avg_sq) for ``numel`` parameters kept
+    in ``state_dtype`` (``train.optimizer_state_dtype``); the step counts (one scalar per
+    tensor) are left out."""
+    return 2 * numel * DTYPE_BYTES[state_dtype]
 
 
 _SHAPES: dict[str, tuple[ParamShape, ...]] = {}
@@ -457,7 +535,8 @@ def estimate(cfg: RunConfig, lay: Layout, acts: Activations | None = None) -> Me
     T = lay.micro_batch_size * cfg.model.seq_len
     comm = 2 * T * cfg.moe.top_k * cfg.model.dim * cb if lay.ep > 1 else 0.0
     kept, rebuilt = activation_bytes(cfg, lay, acts)
-    return MemoryEstimate(params=n * 4, grads=states["grads"], optimizer=n * 8,
+    return MemoryEstimate(params=n * 4, grads=states["grads"],
+                          optimizer=optimizer_state_bytes(n, cfg.train.optimizer_state_dtype),
                           activations=kept, recompute=rebuilt, gathered=gathered, comm=comm,
                           params_per_rank=n, unsharded=states["unsharded"])
 
@@ -497,7 +576,7 @@ def pipeline_memory(cfg: RunConfig, lay: Layout, acts: Activations | None = None
         full[key] = full.get(key, 0) + whole
     embed, blocks, kept, head = _activation_parts(cfg, lay, acts)
     rebuilt = [b - k for b, k in zip(blocks, kept)]
-    recomputes = acts.activation_checkpointing in ("full", "selective")
+    recomputes = acts.activation_checkpointing in ("full", "selective") or bool(acts.recompute_modules)
 
     def stage_set(s: int) -> float:
         r = ranges[s]
@@ -527,7 +606,9 @@ def pipeline_memory(cfg: RunConfig, lay: Layout, acts: Activations | None = None
         sends = sum((s < n - 1 and owner[s + 1] != rank) + (s > 0 and owner[s - 1] != rank)
                     for s in stages)
         mem = MemoryEstimate(
-            params=count * 4, grads=states["grads"], optimizer=count * 8, activations=peak,
+            params=count * 4, grads=states["grads"],
+            optimizer=optimizer_state_bytes(count, cfg.train.optimizer_state_dtype),
+            activations=peak,
             recompute=max((rebuilt[i] for i in layers), default=0.0) if recomputes else 0.0,
             gathered=max(full[k] for k in keys if k in full) * cb if lay.fsdp else 0.0,
             comm=2 * T * cfg.moe.top_k * model.dim * cb if lay.ep > 1 and moe_here else 0.0,

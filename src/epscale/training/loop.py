@@ -377,7 +377,10 @@ class Trainer:
             f"{cfg.parallel.dispatcher if self.dims.ep > 1 else 'local'}, {self.device.type} "
             f"{self._dtype_text()}, {threads} thread(s) per process",
             *([self._pipeline_text()] if self.pp > 1 else []),
-            f"activation checkpointing: {cfg.train.activation_checkpointing}",
+            f"activation checkpointing: {cfg.train.activation_checkpointing}"
+            + (f" (recomputed modules: {', '.join(cfg.train.recompute_modules)})"
+               if cfg.train.recompute_modules else "")
+            + f"; AdamW moments in {cfg.train.optimizer_state_dtype}",
             f"element-wise expert kernels: {describe_elementwise(moe.cpu.elementwise, self.device)}",
             f"expert chunks: {describe_chunks(self.device)}",
             f"batch: {self.loader.samples_per_step} sequences x {m.seq_len} = "
