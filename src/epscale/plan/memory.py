@@ -300,7 +300,8 @@ def _dense_saved_per_token(model: ModelConfig, moe: MoEConfig, moe_layer: bool,
         ints += 4 * K
         fp32 += K
     else:                                                  # autograd over grouped GEMMs
-        experts = K * (D + acts * F + D)
+        experts = K * (D + acts * F)                       # the output rows are weighted in
+        fp32 += K * D                                      # fp32: the product keeps them so
         ints += 2 * K
     shared = acts * moe.shared_width if moe.num_shared_experts else 0   # input: the router's
     return D + attn + experts + shared, fp32 + router_fp32, ints
@@ -327,29 +328,83 @@ def _selective_per_token(model: ModelConfig, moe: MoEConfig, moe_layer: bool,
     return D + attn + shared + experts, H + moe.num_experts + K, K
 
 
+def autocast_rule(lay: Layout, acts: Activations) -> bool:
+    """Whether a bf16 (fp16) compute dtype runs as the trainer's autocast: without FSDP
+    (FSDP casts the parameters themselves: its MixedPrecisionPolicy)."""
+    return DTYPE_BYTES[acts.compute_dtype] < 4 and not lay.fsdp
+
+
+def residual_bytes(lay: Layout, acts: Activations) -> int:
+    """Bytes per element of the residual stream (a block's input and output, a pipeline
+    stage's output and receive buffers): fp32 under autocast (it adds each block's bf16
+    output to fp32), else the compute dtype."""
+    return 4 if autocast_rule(lay, acts) else DTYPE_BYTES[acts.compute_dtype]
+
+
+def _autocast_copies_per_token(model: ModelConfig, moe: MoEConfig, moe_layer: bool) -> int:
+    """Compute-dtype elements per token autocast keeps beyond the FSDP rule's set: each
+    matrix product casts its fp32 input anew, so one input feeding several products is
+    kept once per product (q, k, v: two more; MLA's two down-projections: one more; the
+    dense SwiGLU's w1 and w3: one more). The MoE layer casts its input once itself."""
+    D = model.dim
+    extra = D if model.attention == "mla" else 2 * D
+    if not moe_layer and moe.activation == "swiglu":
+        extra += D
+    return extra
+
+
+def _autocast_weight_copies(cfg: RunConfig, lay: Layout) -> tuple[dict[int, int], int]:
+    """({block: elements}, head elements) of the weights autocast casts to the compute
+    dtype in a forward and autograd keeps for backward: every matrix a product reads (a
+    rank's own experts; not the router, which runs in fp32, nor the norms or the
+    embedding lookup); the head's (the embedding's when tied)."""
+    blocks: dict[int, int] = {}
+    head = 0
+    for p in cached_param_shapes(cfg.model, cfg.moe):
+        if len(p.shape) < 2 or p.name.endswith("router.gate.weight"):
+            continue
+        if p.block >= 0:
+            blocks[p.block] = blocks.get(p.block, 0) + local_numel(p, lay)
+        elif p.name == "output.weight" or (cfg.model.tie_embeddings
+                                           and p.name == "tok_embeddings.weight"):
+            head = p.numel
+    return blocks, head
+
+
 def _activation_parts(cfg: RunConfig, lay: Layout, acts: Activations
                       ) -> tuple[float, list[float], list[float], float]:
     """(embedding, each block's full set, each block's kept set, head): bytes one
     micro-batch saves for backward at ``lay`` and ``acts`` (kept = full without
-    recomputation)."""
+    recomputation). Under autocast (bf16 without FSDP) the block input a recomputed block
+    keeps is fp32, and the sets add autocast's copies (inputs cast once per product, and
+    the cast weights; recomputation rebuilds a block's)."""
     model, moe = cfg.model, cfg.moe
     T = lay.micro_batch_size * model.seq_len
-    cb = DTYPE_BYTES[acts.compute_dtype]
+    cb, rb = DTYPE_BYTES[acts.compute_dtype], residual_bytes(lay, acts)
+    autocast = autocast_rule(lay, acts)
+    copies, head_copy = _autocast_weight_copies(cfg, lay) if autocast else ({}, 0)
 
     def nbytes(parts):
         c, f, i = parts
         return T * (c * cb + f * 4 + i * 8)
 
-    blocks = [nbytes(_dense_saved_per_token(model, moe, model.is_moe_layer(i), acts.experts_impl))
-              for i in range(model.num_layers)]
+    blocks = []
+    for i in range(model.num_layers):
+        full = nbytes(_dense_saved_per_token(model, moe, model.is_moe_layer(i), acts.experts_impl))
+        if autocast:
+            full += (T * _autocast_copies_per_token(model, moe, model.is_moe_layer(i))
+                     + copies.get(i, 0)) * cb
+        blocks.append(full)
     # final norm (fp32 input and output), head input, fp32 logits, the loss's statistics
     head = T * ((2 * model.dim + 1) * 4 + model.dim * cb + model.vocab_size * 4 + 2 * 4 + 1 * 8)
+    head += head_copy * cb
     embed = T * 8
     if acts.activation_checkpointing == "full":
-        kept = [T * model.dim * cb] * model.num_layers
+        kept = [T * model.dim * rb] * model.num_layers
     elif acts.activation_checkpointing == "selective":
+        # the selective set counts the block input in the compute dtype
         kept = [nbytes(_selective_per_token(model, moe, model.is_moe_layer(i), acts.experts_impl))
-                for i in range(model.num_layers)]
+                + T * model.dim * (rb - cb) for i in range(model.num_layers)]
     else:
         kept = blocks
     return embed, blocks, kept, head
@@ -436,7 +491,7 @@ def pipeline_memory(cfg: RunConfig, lay: Layout, acts: Activations | None = None
     owner = {s: r for r, held in enumerate(placement) for s in held}
     cb = DTYPE_BYTES[acts.compute_dtype]
     T = lay.micro_batch_size * model.seq_len
-    act = T * model.dim * cb                       # one micro-batch's activations (or gradients)
+    act = T * model.dim * residual_bytes(lay, acts)  # one micro-batch's stage output (or its gradient)
     m = lay.micro_batches
 
     held: dict[int | str, int] = {}                # parameters this layout leaves a rank, per block
