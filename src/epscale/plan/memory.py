@@ -21,6 +21,12 @@ Held for the whole step (what ``benchmarks/memory.py`` measures):
 * activations: the tensors autograd keeps for backward for one micro-batch, counted from
   what each module saves (its inputs and intermediates; see ``_saved_per_token``); norms
   and logits are kept in fp32, the rest in the compute dtype, index tensors in int64.
+  bf16 follows the trainer's two rules. Under FSDP (its MixedPrecisionPolicy) the
+  parameters and so the residual stream are bf16. Without FSDP bf16 is autocast over fp32
+  weights: the residual stream (a block's input and output) stays fp32, each matrix
+  product casts its input anew (an input feeding q, k and v is kept three times) and its
+  weight, and autograd keeps the cast weights until the backward (a rank's whole
+  model's, or with recomputation the head's, and one block's rebuilt at a time).
   ``full`` recomputation keeps each block's input; ``selective`` keeps the block input and
   the outputs of its matrix products and of the router's top-k. What a forward keeps is
   ``activations``; ``recompute`` is the rest of one block's set, rebuilt during its
@@ -39,7 +45,8 @@ sharded inside the stage as without a pipeline; FSDP's gathered block is its lar
 dispatch rows are there where it holds an MoE block. Activations: the set of stage s for
 one micro-batch (``stage_activations``) is its blocks' (plus the embedding's and head's
 where it has them), plus the stage output the schedule keeps until that micro-batch's
-backward (T x D in the compute dtype; fp32 logits T x V on the last stage); a stage that
+backward (T x D in the residual stream's dtype: the compute dtype under FSDP, fp32 under
+autocast; fp32 logits T x V on the last stage); a stage that
 receives its input keeps no copy of it under full recomputation (the block's saved input
 is the receive buffer). The rank keeps several micro-batches' sets at once: the peak of
 its schedule's order (:func:`epscale.plan.pipeline.schedule_actions`, torch's own order),
@@ -51,12 +58,12 @@ min(m, p - r); GPipe all m; interleaved 1F1B with v stages per rank (m a multipl
 (v - 1) p + 2 (p - 1 - r) + 1 (rank 0: about p + (p - 1) / v micro-batches of all its
 layers, Korthikanti et al.'s figure); interleaved zero-bubble v p; ZB-V 2p on every rank
 (p micro-batches of both its stages, as 1F1B's first rank); DualPipeV 2p + 1. p2p buffers:
-torch's PipelineStage allocates a receive buffer (T x D, compute dtype) for every
+torch's PipelineStage allocates a receive buffer (T x D, the residual stream's dtype) for every
 micro-batch of the step: for the input of each stage past the first and for the output
 gradient of each stage before the last, m x T x D each, held all step (also between the
 two stages a V puts on one rank, which pass tensors locally). The rank that
 needs the most is what ``estimate`` reports; :func:`pipeline_memory` gives every rank.
-p2p traffic per step: m x T x D (compute dtype) forward and as much backward across each
+p2p traffic per step: m x T x D (the residual stream's dtype) forward and as much backward across each
 stage boundary between two ranks, per GPU of the stage.
 """
 
