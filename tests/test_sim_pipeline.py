@@ -155,11 +155,15 @@ def test_stage_parameters_add_up_to_the_model(schedule, v):
 def test_1f1b_ranks_keep_p_to_one_micro_batches():
     p, m = 4, 8
     cfg = _cfg(pp=p, m=m, layers=8, dense=0, pp_layers_per_stage=[2, 2, 2, 2])
-    lay, acts = Layout.from_config(cfg, p), Activations.of(cfg, "full", "bfloat16")
+    # bf16 under FSDP (one rank per stage): a bf16 residual stream, bf16 receive buffers
+    lay, acts = Layout.from_config(cfg, p, fsdp=True), Activations.of(cfg, "full", "bfloat16")
     ranks = pipeline_memory(cfg, lay, acts)
     assert [r.in_flight for r in ranks] == [4, 3, 2, 1]
     T, D, V = 16, 32, 64
     act = T * D * 2
+    # bf16 autocast (no FSDP): the stages pass the fp32 residual stream, twice the bytes
+    autocast = pipeline_memory(cfg, Layout.from_config(cfg, p), acts)
+    assert [r.memory.p2p_buffers for r in autocast] == [2 * r.memory.p2p_buffers for r in ranks]
     # full recomputation: two block inputs; the first stage has the token ids, a stage
     # with a receive buffer keeps no copy of its input, the last adds head and logits
     sets = [r.stage_activations[0] for r in ranks]

@@ -23,6 +23,12 @@ Held for the whole step (what ``benchmarks/memory.py`` measures):
 * activations: the tensors autograd keeps for backward for one micro-batch, counted from
   what each module saves (its inputs and intermediates; see ``_saved_per_token``); norms
   and logits are kept in fp32, the rest in the compute dtype, index tensors in int64.
+  bf16 follows the trainer's two rules. Under FSDP (its MixedPrecisionPolicy) the
+  parameters and so the residual stream are bf16. Without FSDP bf16 is autocast over fp32
+  weights: the residual stream (a block's input and output) stays fp32, each matrix
+  product casts its input anew (an input feeding q, k and v is kept three times) and its
+  weight, and autograd keeps the cast weights until the backward (a rank's whole
+  model's, or with recomputation the head's, and one block's rebuilt at a time).
   ``full`` recomputation keeps each block's input; ``selective`` keeps the block input and
   the outputs of its matrix products and of the router's top-k; ``train.recompute_modules``
   keeps what no recomputation keeps less what the named parts drop
@@ -55,7 +61,8 @@ sharded inside the stage as without a pipeline; FSDP's gathered block is its lar
 dispatch rows are there where it holds an MoE block. Activations: the set of stage s for
 one micro-batch (``stage_activations``) is its blocks' (plus the embedding's and head's
 where it has them), plus the stage output the schedule keeps until that micro-batch's
-backward (T x D in the compute dtype; fp32 logits T x V on the last stage); a stage that
+backward (T x D in the residual stream's dtype: the compute dtype under FSDP, fp32 under
+autocast; fp32 logits T x V on the last stage); a stage that
 receives its input keeps no copy of it under full recomputation (the block's saved input
 is the receive buffer). The rank keeps several micro-batches' sets at once: the peak of
 its schedule's order (:func:`epscale.plan.pipeline.schedule_actions`, torch's own order),
@@ -67,12 +74,12 @@ min(m, p - r); GPipe all m; interleaved 1F1B with v stages per rank (m a multipl
 (v - 1) p + 2 (p - 1 - r) + 1 (rank 0: about p + (p - 1) / v micro-batches of all its
 layers, Korthikanti et al.'s figure); interleaved zero-bubble v p; ZB-V 2p on every rank
 (p micro-batches of both its stages, as 1F1B's first rank); DualPipeV 2p + 1. p2p buffers:
-torch's PipelineStage allocates a receive buffer (T x D, compute dtype) for every
+torch's PipelineStage allocates a receive buffer (T x D, the residual stream's dtype) for every
 micro-batch of the step: for the input of each stage past the first and for the output
 gradient of each stage before the last, m x T x D each, held all step (also between the
 two stages a V puts on one rank, which pass tensors locally). The rank that
 needs the most is what ``estimate`` reports; :func:`pipeline_memory` gives every rank.
-p2p traffic per step: m x T x D (compute dtype) forward and as much backward across each
+p2p traffic per step: m x T x D (the residual stream's dtype) forward and as much backward across each
 stage boundary between two ranks, per GPU of the stage.
 """
 
@@ -356,7 +363,8 @@ def _dense_saved_per_token(model: ModelConfig, moe: MoEConfig, moe_layer: bool,
         ints += 4 * K
         fp32 += K
     else:                                                  # autograd over grouped GEMMs
-        experts = K * (D + acts * F + D)
+        experts = K * (D + acts * F)                       # the output rows are weighted in
+        fp32 += K * D                                      # fp32: the product keeps them so
         ints += 2 * K
     shared = acts * moe.shared_width if moe.num_shared_experts else 0   # input: the router's
     return D + attn + experts + shared, fp32 + router_fp32, ints
@@ -434,29 +442,83 @@ def _selective_per_token(model: ModelConfig, moe: MoEConfig, moe_layer: bool,
     return D + attn + shared + experts, H + moe.num_experts + K, K
 
 
+def autocast_rule(lay: Layout, acts: Activations) -> bool:
+    """Whether a bf16 (fp16) compute dtype runs as the trainer's autocast: without FSDP
+    (FSDP casts the parameters themselves: its MixedPrecisionPolicy)."""
+    return DTYPE_BYTES[acts.compute_dtype] < 4 and not lay.fsdp
+
+
+def residual_bytes(lay: Layout, acts: Activations) -> int:
+    """Bytes per element of the residual stream (a block's input and output, a pipeline
+    stage's output and receive buffers): fp32 under autocast (it adds each block's bf16
+    output to fp32), else the compute dtype."""
+    return 4 if autocast_rule(lay, acts) else DTYPE_BYTES[acts.compute_dtype]
+
+
+def _autocast_copies_per_token(model: ModelConfig, moe: MoEConfig, moe_layer: bool) -> int:
+    """Compute-dtype elements per token autocast keeps beyond the FSDP rule's set: each
+    matrix product casts its fp32 input anew, so one input feeding several products is
+    kept once per product (q, k, v: two more; MLA's two down-projections: one more; the
+    dense SwiGLU's w1 and w3: one more). The MoE layer casts its input once itself."""
+    D = model.dim
+    extra = D if model.attention == "mla" else 2 * D
+    if not moe_layer and moe.activation == "swiglu":
+        extra += D
+    return extra
+
+
+def _autocast_weight_copies(cfg: RunConfig, lay: Layout) -> tuple[dict[int, int], int]:
+    """({block: elements}, head elements) of the weights autocast casts to the compute
+    dtype in a forward and autograd keeps for backward: every matrix a product reads (a
+    rank's own experts; not the router, which runs in fp32, nor the norms or the
+    embedding lookup); the head's (the embedding's when tied)."""
+    blocks: dict[int, int] = {}
+    head = 0
+    for p in cached_param_shapes(cfg.model, cfg.moe):
+        if len(p.shape) < 2 or p.name.endswith("router.gate.weight"):
+            continue
+        if p.block >= 0:
+            blocks[p.block] = blocks.get(p.block, 0) + local_numel(p, lay)
+        elif p.name == "output.weight" or (cfg.model.tie_embeddings
+                                           and p.name == "tok_embeddings.weight"):
+            head = p.numel
+    return blocks, head
+
+
 def _activation_parts(cfg: RunConfig, lay: Layout, acts: Activations
                       ) -> tuple[float, list[float], list[float], float]:
     """(embedding, each block's full set, each block's kept set, head): bytes one
     micro-batch saves for backward at ``lay`` and ``acts`` (kept = full without
-    recomputation)."""
+    recomputation). Under autocast (bf16 without FSDP) the block input a recomputed block
+    keeps is fp32, and the sets add autocast's copies (inputs cast once per product, and
+    the cast weights; recomputation rebuilds a block's)."""
     model, moe = cfg.model, cfg.moe
     T = lay.micro_batch_size * model.seq_len
-    cb = DTYPE_BYTES[acts.compute_dtype]
+    cb, rb = DTYPE_BYTES[acts.compute_dtype], residual_bytes(lay, acts)
+    autocast = autocast_rule(lay, acts)
+    copies, head_copy = _autocast_weight_copies(cfg, lay) if autocast else ({}, 0)
 
     def nbytes(parts):
         c, f, i = parts
         return T * (c * cb + f * 4 + i * 8)
 
-    blocks = [nbytes(_dense_saved_per_token(model, moe, model.is_moe_layer(i), acts.experts_impl))
-              for i in range(model.num_layers)]
+    blocks = []
+    for i in range(model.num_layers):
+        full = nbytes(_dense_saved_per_token(model, moe, model.is_moe_layer(i), acts.experts_impl))
+        if autocast:
+            full += (T * _autocast_copies_per_token(model, moe, model.is_moe_layer(i))
+                     + copies.get(i, 0)) * cb
+        blocks.append(full)
     # final norm (fp32 input and output), head input, fp32 logits, the loss's statistics
     head = T * ((2 * model.dim + 1) * 4 + model.dim * cb + model.vocab_size * 4 + 2 * 4 + 1 * 8)
+    head += head_copy * cb
     embed = T * 8
     if acts.activation_checkpointing == "full":
-        kept = [T * model.dim * cb] * model.num_layers
+        kept = [T * model.dim * rb] * model.num_layers
     elif acts.activation_checkpointing == "selective":
+        # the selective set counts the block input in the compute dtype
         kept = [nbytes(_selective_per_token(model, moe, model.is_moe_layer(i), acts.experts_impl))
-                for i in range(model.num_layers)]
+                + T * model.dim * (rb - cb) for i in range(model.num_layers)]
     elif acts.recompute_modules:
         kept = [b - nbytes(recompute_dropped_per_token(model, moe, model.is_moe_layer(i), acts))
                 for i, b in enumerate(blocks)]
@@ -558,7 +620,7 @@ def pipeline_memory(cfg: RunConfig, lay: Layout, acts: Activations | None = None
     owner = {s: r for r, held in enumerate(placement) for s in held}
     cb = DTYPE_BYTES[acts.compute_dtype]
     T = lay.micro_batch_size * model.seq_len
-    act = T * model.dim * cb                       # one micro-batch's activations (or gradients)
+    act = T * model.dim * residual_bytes(lay, acts)  # one micro-batch's stage output (or its gradient)
     m = lay.micro_batches
 
     held: dict[int | str, int] = {}                # parameters this layout leaves a rank, per block
