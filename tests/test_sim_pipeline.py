@@ -271,10 +271,15 @@ def test_describe_prints_the_split_and_the_largest_rank(capsys):
     largest = max(pipe["ranks"], key=lambda r: r["memory"]["total"])
     assert largest["rank"] == pipe["largest_rank"] and largest["memory"] == info["memory"]
     assert pipe["p2p_bytes_per_boundary"] == 64 * 4096 * 7168 * DTYPE_BYTES["bfloat16"]
-    # the command-line options give the same layout
+    # the command-line options give the same layout as the keys
+    assert cli_main(["describe", "deepseek-v3", "--json", "--pp", "16", "--pp-schedule", "dualpipev",
+                     "--fsdp", "--world", "2048", "--ep", "64", "train.grad_accum=64"]) == 0
+    assert json.loads(capsys.readouterr().out)["memory"] == info["memory"]
+    replicated = describe("deepseek-v3", ["parallel.fsdp=false", "parallel.dp_shard=null",
+                                          "parallel.zero=3", "parallel.dp=2"])
     assert cli_main(["describe", "deepseek-v3", "--json", "--pp", "16", "--pp-schedule", "dualpipev",
                      "--no-fsdp", "--dp", "2", "--ep", "64", "train.grad_accum=64"]) == 0
-    assert json.loads(capsys.readouterr().out)["memory"] == info["memory"]
+    assert json.loads(capsys.readouterr().out)["memory"] == replicated["memory"]
     assert cli_main(["describe", "deepseek-v3", "--pp", "16", "--pp-schedule", "dualpipev",
                      "--no-fsdp", "--dp", "2", "train.grad_accum=16"]) == 2
     assert "needs at least 2 x pp = 32 micro-batches" in capsys.readouterr().err
