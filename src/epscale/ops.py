@@ -40,7 +40,8 @@ def host_shortcuts(device: torch.device) -> bool:
     """True where code may read tensor values on the host for free and take a host-side
     shortcut (CPU tensors); False on accelerators, where each read is a synchronisation,
     and for CPU tensors inside :func:`device_code_path`."""
-    return device.type == "cpu" and _HOST_SHORTCUTS["on"]
+    return (device.type == "cpu" and _HOST_SHORTCUTS["on"]
+            and not torch.compiler.is_compiling())
 
 
 @contextlib.contextmanager

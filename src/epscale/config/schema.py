@@ -592,6 +592,11 @@ class TrainConfig:
     # transformer block keeps only its input), 'selective' (each block keeps the outputs of
     # its matmuls and the router's top-k, and recomputes the rest).
     activation_checkpointing: str = "none"
+    # torch.compile each transformer block (epscale.parallel.compile): one graph per block
+    # (fullgraph) for dense blocks and the local dropless MoE path in bf16; with expert
+    # parallelism, graph breaks at the split sizes' host read and the exchanges. The first
+    # step compiles (seconds to minutes; the console says how long).
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if not self.collective_timeout_s >= 0:
@@ -624,6 +629,15 @@ class TrainConfig:
         choice("train.dtype", self.dtype, ("auto", "float32", "bfloat16"))
         choice("train.activation_checkpointing", self.activation_checkpointing,
                ("none", "full", "selective"))
+        if not isinstance(self.compile, bool):
+            fail("train.compile", self.compile, "must be true or false")
+        if self.compile and self.activation_checkpointing == "selective":
+            fail("train.compile", True, "cannot be combined with train.activation_checkpointing"
+                 " = selective: the selective policy picks the operations to keep one by one, "
+                 "and a compiled block's operations are fused out of its reach (torch.compile "
+                 "traces the policy only around a block without side effects; the MoE layer "
+                 "updates its token counters). Use train.activation_checkpointing = full or "
+                 "none with train.compile = true")
 
 
 @dataclass

@@ -48,6 +48,7 @@ class _Stack(threading.local):
 _ACTIVE = _Stack()
 
 
+@torch.compiler.disable
 def host_ints(t: torch.Tensor) -> list:
     """``t.tolist()`` of a 1-D integer tensor: a read of device values on the host (a
     synchronisation on an accelerator; callers mark it as their layer's one). Inside a

@@ -38,6 +38,7 @@ from ..appendfile import AppendFile, disk_error, warn_stderr
 from ..model import build_meta_model, build_model, next_token_loss
 from ..moe.balance import step_loads, update_expert_biases
 from ..parallel import parallelize_model, sync_gradients
+from ..parallel.compile import compile_note, disable_section_timers
 from ..parallel.fsdp import finish_gradients
 from ..parallel.pipeline import Pipeline, StageChunk, stage_layers
 from ..placement import plan_placement
@@ -210,6 +211,8 @@ class Trainer:
         self.moe_layers = self.model.moe_layers()
         self.timers = StepTimers(self.device)
         self.model.set_timer(self.timers.section)
+        if cfg.train.compile:  # a compiled block holds no clock reads (forward/backward still timed)
+            disable_section_timers(self.model)
         self.stepper = self._step_strategy(parts.chunks)
         return placement, placement_note
 
@@ -765,6 +768,8 @@ class Trainer:
                 last_val = rec.get("val_loss", last_val)
                 self.writer.write(rec)
                 self.console.step(rec)
+                if cfg.train.compile and len(records) == 2:
+                    self.console.note(compile_note(records))
                 self._heartbeat()
                 if self.step % cfg.train.log_every == 0:
                     self._log(f"step {self.step} loss {rec['loss']:.4f} "
