@@ -8,8 +8,12 @@ it. The recomputation modes hand ``torch.utils.checkpoint`` contexts of their ow
 (:mod:`epscale.dispatch.host`'s record of host values, and selective recomputation's
 caching dispatch modes entered together with it): Dynamo traces checkpoint only with no
 context or the bare selective-policy one, so the checkpoint stays eager and runs the
-compiled forward, once in forward and again when backward recomputes it (the same graph:
-its saved tensors match one for one).
+compiled forward, once in forward and again when backward recomputes it (there a graph
+compiled without the token counters' updates, which computes the same values and saves
+the same tensors, as checkpoint checks). Selective recomputation with compile is refused
+by the config (``train.compile``): its policy sees a compiled block's fused kernels as
+one opaque call and would recompute everything, and torch.compile traces the policy itself
+only around code without side effects (the MoE layer updates its counters and losses).
 
 Graphs:
 
@@ -17,15 +21,19 @@ Graphs:
   unset) with torch's fast grouped GEMM (bf16; :func:`epscale.moe.experts.slow_grouped_mm_reason`)
   compile with ``fullgraph=True``: one graph per block, no host sync, nothing left in
   Python (a break would raise at the first step).
-* With expert parallelism (or a dropping router, or the experts' per-group loop) the block
-  compiles with graph breaks, at two documented places: the host read of the split sizes
-  (:func:`epscale.dispatch.host.host_ints`, kept eager so that a recomputation replays the
-  first forward's values and adds no sync) and the exchanges of
-  :mod:`epscale.dispatch.comm` (c10d ``all_to_all_single`` with asynchronous work
-  handles, which Dynamo does not trace). Router, attention, expert GEMMs and the row
-  operations between them are compiled graphs. Capturing the split sizes as symbolic
-  scalars (``capture_scalar_outputs``, torchtitan's way) would need the exchanges on
-  traceable functional collectives; the read itself is already the layer's one sync.
+* With expert parallelism (or a dropping router, or the experts' per-group loop in fp32)
+  the block compiles with one documented graph break: the dispatcher's
+  dispatch -> experts -> combine runs eagerly (``MoE.dispatch_eagerly``), because its
+  exchanges are c10d ``all_to_all_single`` calls with asynchronous work handles (and the
+  collective watchdog's records around them), which Dynamo does not trace, and the split
+  sizes are read on the host there (:func:`epscale.dispatch.host.host_ints`, the layer's
+  one sync, replayed eagerly in recomputation). Everything before it (norms, attention,
+  router) and after it (losses, statistics, residual) is compiled, and so are the
+  experts' grouped GEMMs, on their own with the row count dynamic (it changes every
+  step). The split sizes are therefore not captured scalars (torchtitan's
+  ``capture_scalar_outputs``): that needs the exchanges on traceable functional
+  collectives (``torch.distributed._functional_collectives.all_to_all_single_autograd``)
+  in dispatch/comm.py.
 
 Inside a compiled region the CPU's host shortcuts are off (:func:`epscale.ops.host_shortcuts`):
 a graph cannot branch on tensor values, so a compiled block on CPU runs the accelerator
