@@ -1,15 +1,15 @@
 """``train.compile``: the trainer with every transformer block through ``torch.compile``
 (inductor, which on CPU builds C++ kernels with the system compiler) trains like the eager
 trainer on the same config: one process at ep=1, where each MoE block is one graph
-(``fullgraph=True``: a graph break would raise), with no and with full recomputation, and
-two gloo ranks at ep=2 (the dispatcher's exchanges run eagerly between compiled parts)
-against the eager one process at the same global batch. Selective recomputation is
+(``fullgraph=True``: a graph break would raise), and two gloo ranks at ep=2 (the
+dispatcher's exchanges run eagerly between compiled parts), with no and with full
+recomputation, against the eager one process at the same global batch. Selective recomputation is
 refused before launch, with the reason.
 
 Cost: inductor compiles each distinct graph once per process (both blocks share theirs:
 same structure), so the cases share processes: the one-process runs here (eager, then
-compiled without and with recomputation), the two ranks in one spawn (without and with
-recomputation). Runs stop after 3 of 10 steps (``stop_at``): no final validation, whose
+compiled), the two ranks in one spawn (without and with recomputation: the recomputed
+forward runs graphs compiled for it, which the one-process full case would add again). Runs stop after 3 of 10 steps (``stop_at``): no final validation, whose
 no-grad forward would compile graphs of its own.
 
 Tolerances: bf16 compute (the compiled grouped GEMM takes bf16). Eager rounds every
@@ -82,26 +82,21 @@ def eager(corpus_dir, tmp_path_factory) -> dict:
 def test_one_process_compiles_each_block_as_one_graph(eager, corpus_dir, tmp_path):
     from epscale.parallel.compile import CompiledForward
 
-    blocks = []
+    blocks, notes = [], []
 
     def inspect(t):
         blocks.extend(t.model.layers.values())
+        notes.extend(t.fsdp_notes)
 
     plain = run_trainer(_cfg(corpus_dir, 1, **{"train.compile": True}), tmp_path / "c", 1,
                         stop_at=STOP, inspect=inspect)
     got = _summary(plain)
     assert len(blocks) == 2
+    assert "compile: torch.compile per block: 2 block(s) as one graph (fullgraph)" in notes
     for block in blocks:  # fullgraph: a graph break would have raised at the first step
         assert isinstance(block._forward, CompiledForward) and block._forward.fullgraph
         assert not block.ffn.dispatch_eagerly
     _assert_like_eager(got, eager)
-    full, notes = _run(corpus_dir, tmp_path / "full", 1,
-                       **{"train.compile": True, "train.activation_checkpointing": "full"})
-    assert "compile: torch.compile per block: 2 block(s) as one graph (fullgraph)" in notes
-    # the recomputation reruns the compiled forward: same values, tokens counted once
-    torch.testing.assert_close(full["loss"], got["loss"], rtol=1e-6, atol=0)
-    torch.testing.assert_close(full["grad_norm"], got["grad_norm"], rtol=1e-6, atol=0)
-    _assert_like_eager(full, eager)
     torch._dynamo.reset()
 
 
@@ -128,6 +123,10 @@ def test_two_ranks_ep2_compiled_train_like_one_eager_process(eager, corpus_dir, 
                    and "experts compiled on their own in 2" in n for n in notes), notes
         _assert_like_eager(got, eager)
         assert results[1][2][name][0] == got  # the ranks agree on the step records
+    # the recomputation reruns the compiled forward: same values, tokens counted once
+    plain, full = (results[0][2][n][0] for n in cases)
+    torch.testing.assert_close(full["loss"], plain["loss"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(full["grad_norm"], plain["grad_norm"], rtol=1e-6, atol=0)
 
 
 def test_bad_compile_value_names_the_key(tmp_path):
