@@ -636,6 +636,11 @@ class TrainConfig:
     # keeps): norm, router, shared_experts, mlp, moe_act, attention_core, mla_up_proj.
     # Not with activation_checkpointing full/selective (those recompute whole blocks).
     recompute_modules: list[str] = field(default_factory=list)
+    # torch.compile each transformer block (epscale.parallel.compile): one graph per block
+    # (fullgraph) for dense blocks and the local dropless MoE path in bf16; with expert
+    # parallelism, graph breaks at the split sizes' host read and the exchanges. The first
+    # step compiles (seconds to minutes; the console says how long).
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if not self.collective_timeout_s >= 0:
@@ -670,6 +675,23 @@ class TrainConfig:
                ("none", "full", "selective"))
         self._check_optimizer_state()
         self._check_recompute_modules()
+        self._check_compile()
+
+    def _check_compile(self) -> None:
+        if not isinstance(self.compile, bool):
+            fail("train.compile", self.compile, "must be true or false")
+        if self.compile and self.activation_checkpointing == "selective":
+            fail("train.compile", True, "cannot be combined with train.activation_checkpointing"
+                 " = selective: the selective policy picks the operations to keep one by one, "
+                 "and a compiled block's operations are fused out of its reach (torch.compile "
+                 "traces the policy only around a block without side effects; the MoE layer "
+                 "updates its token counters). Use train.activation_checkpointing = full or "
+                 "none with train.compile = true")
+        if self.compile and self.recompute_modules:
+            fail("train.compile", True, "cannot be combined with train.recompute_modules yet "
+                 "(their checkpointed regions inside a block are not traced through "
+                 "torch.compile and not tested with it): set train.recompute_modules: [] or "
+                 "train.compile: false")
 
     def _check_recompute_modules(self) -> None:
         mods = self.recompute_modules
