@@ -1,14 +1,18 @@
 """The memory estimate (``epscale describe``, ``epscale.plan.memory``) against measurement,
-side by side in one run, on this machine's CPU (fp32: the CPU trainer's dtype).
+side by side in one run, on this machine's CPU.
 
 1. Activations: one process builds each model, runs a forward under each recomputation
-   mode, and the profiler's allocation record gives the bytes the forward leaves for
-   backward (``epscale.metrics.held.forward_kept_bytes``); next to it the estimate.
+   mode, each dtype rule of the trainer (fp32; bf16 autocast over fp32 weights, the
+   rule without FSDP; bf16 parameters, FSDP's MixedPrecisionPolicy, emulated by casting
+   the parameters) and, in fp32, light recomputation (``train.recompute_modules``: each
+   module alone and all at once); the profiler's allocation record gives the bytes the
+   forward leaves for backward (``epscale.metrics.held.forward_kept_bytes``); next to it
+   the estimate.
 2. Weights, gradients, AdamW state: the real trainer at replicated and FSDP layouts on
    gloo processes runs a step; the largest rank's storages next to the estimate.
 3. At scale (estimate only): the 1T recipe replicated and sharded.
 
-    python benchmarks/memory.py [--nproc 4] [--json out.json]
+    python benchmarks/memory.py [--nproc 4] [--json out.json] [--rules fp32,autocast,fsdp]
     python benchmarks/memory.py --device cuda     # part 1 in bf16 on one GPU
 """
 
@@ -41,12 +45,21 @@ LAYOUTS = {  # name -> overrides (the world is --nproc)
     "replicated ep=2": ["parallel.ep=2"],
     "FSDP ep=2": ["parallel.fsdp=true", "parallel.ep=2"],
     "HSDP 2 x 2, ep=2": ["parallel.fsdp=true", "parallel.ep=2", "parallel.dp_replicate=2"],
+    "FSDP ep=2, bf16 AdamW moments": ["parallel.fsdp=true", "parallel.ep=2",
+                                      "train.optimizer_state_dtype=bfloat16"],
 }
+# light recomputation rows of part 1 (train.recompute_modules; MLA's only on the MLA model)
+MODULES = ["norm", "router", "shared_experts", "mlp", "moe_act", "attention_core", "mla_up_proj"]
 
 
-def measure_activations(over: list[str], impl: str, ac: str, device: str = "cpu") -> tuple[int, float]:
-    """(bytes the forward leaves for backward, the estimate). CPU: fp32, the profiler's
-    record; CUDA: bf16 autocast, ``torch.cuda.memory_allocated`` before and after."""
+RULES = {"fp32": "fp32", "autocast": "bf16 autocast", "fsdp": "bf16 FSDP (params cast)"}
+
+
+def measure_activations(over: list[str], impl: str, ac: str, device: str = "cpu",
+                        rule: str = "fp32", modules: tuple[str, ...] = ()) -> tuple[int, float]:
+    """(bytes the forward leaves for backward, the estimate) under ``rule`` (a key of
+    RULES). CPU: the profiler's record; CUDA: ``torch.cuda.memory_allocated`` before and
+    after. ``modules``: train.recompute_modules (with ``ac`` 'none')."""
     import torch
 
     from epscale.config import load_config
@@ -60,16 +73,19 @@ def measure_activations(over: list[str], impl: str, ac: str, device: str = "cpu"
     cfg = load_config(None, BASE + over + [f"moe.experts_impl={impl}"])
     torch.manual_seed(0)
     net = build_model(cfg, device=device)
-    apply_activation_checkpointing(net, ac)
+    if rule == "fsdp":
+        for p in net.parameters():
+            p.data = p.data.to(torch.bfloat16)
+    apply_activation_checkpointing(net, ac, modules)
     for moe in moe_layers(net):
         moe.drop_kept_buffers()
     B, S, V = cfg.train.micro_batch_size, cfg.model.seq_len, cfg.model.vocab_size
     x, y = (torch.randint(0, V, (B, S), device=device) for _ in range(2))
     cuda = device.startswith("cuda")
-    dtype = torch.bfloat16 if cuda else torch.float32
 
     def forward():
-        with torch.autocast(device_type=torch.device(device).type, dtype=dtype, enabled=cuda):
+        with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16,
+                            enabled=rule == "autocast"):
             return net.loss(x, y) + net.aux_loss()
 
     for _ in range(2):
@@ -84,8 +100,9 @@ def measure_activations(over: list[str], impl: str, ac: str, device: str = "cpu"
     else:
         kept, loss = forward_kept_bytes(forward)
     loss.backward()
-    acts = Activations(ac, "bfloat16" if cuda else "float32", impl)
-    return kept, estimate(cfg, Layout.from_config(cfg, 1, ep=1), acts).activations
+    acts = Activations(ac, "float32" if rule == "fp32" else "bfloat16", impl, modules)
+    lay = Layout.from_config(cfg, 1, ep=1, fsdp=rule == "fsdp")
+    return kept, estimate(cfg, lay, acts).activations
 
 
 def _state_worker(rank, world, over, run_dir):
@@ -123,6 +140,12 @@ def main() -> int:
     ap.add_argument("--device", default="cpu",
                     help="cpu (default), or cuda: activations in bf16 on one GPU (the "
                          "gloo layouts part is skipped)")
+    ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS),
+                    help="the models of part 1 (default: all)")
+    ap.add_argument("--part", choices=("all", "activations", "state"), default="all",
+                    help="run one part only (default: all three)")
+    ap.add_argument("--rules", default="fp32,autocast,fsdp",
+                    help="dtype rules of part 1, comma-separated: " + ", ".join(RULES))
     args = ap.parse_args()
     sys.path.insert(0, str(REPO / "src"))
     from rich.console import Console
@@ -138,24 +161,35 @@ def main() -> int:
     console.print(f"machine: {machine()}")
     figures: dict = {"activations": [], "state": [], "scale": []}
     cuda = args.device.startswith("cuda")
-    t = Table(title=f"Saved activations of one micro-batch (2 x 256 tokens, "
-                    f"{'bf16 on ' + args.device if cuda else 'fp32 on the CPU'}): measured vs estimate")
-    for col in ("model", "experts", "recompute", "measured", "estimate", "estimate / measured"):
-        t.add_column(col, justify="left" if col in ("model", "experts", "recompute") else "right")
+    rules = args.rules.split(",")
+    t = Table(title=f"Saved activations of one micro-batch (2 x 256 tokens, on "
+                    f"{args.device}): measured vs estimate")
+    for col in ("model", "experts", "dtype rule", "recompute", "measured", "estimate",
+                "estimate / measured"):
+        t.add_column(col, justify="right" if col.startswith(("measured", "estimate")) else "left")
     impls = ("grouped_mm",) if cuda else ("cpu_fused", "grouped_mm")
-    runs = [(m, impl, ac) for m in MODELS for impl in impls for ac in ("none", "selective", "full")]
+    models = args.models if args.part in ("all", "activations") else []
+    runs = [(m, impl, rule, ac, ()) for m in models for impl in impls for rule in rules
+            for ac in ("none", "selective", "full")]
+    for m in models:  # light recomputation, fp32
+        mods = [x for x in MODULES if x != "mla_up_proj" or "mla" in m]
+        runs += [(m, impl, "fp32", "none", tuple(c)) for impl in impls
+                 for c in [[x] for x in mods] + [mods]]
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("activations", total=len(runs))
-        for m, impl, ac in runs:
-            kept, est = measure_activations(MODELS[m], impl, ac, args.device)
-            t.add_row(m, impl, ac, f"{kept / 2 ** 20:.2f} MiB", f"{est / 2 ** 20:.2f} MiB",
-                      f"{est / kept:.3f}")
-            figures["activations"].append({"model": m, "experts_impl": impl, "ac": ac,
+        for m, impl, rule, ac, mods in runs:
+            kept, est = measure_activations(MODELS[m], impl, ac, args.device, rule, mods)
+            label = ("modules " + ",".join(mods) if len(mods) < 3 else "all modules") if mods else ac
+            t.add_row(m, impl, RULES[rule], label, f"{kept / 2 ** 20:.2f} MiB",
+                      f"{est / 2 ** 20:.2f} MiB", f"{est / kept:.3f}")
+            figures["activations"].append({"model": m, "experts_impl": impl, "rule": rule,
+                                           "ac": ac, "recompute_modules": list(mods),
                                            "measured": kept, "estimate": est})
             bar.advance(task)
-    console.print(t)
+    if runs:
+        console.print(t)
 
-    if cuda:
+    if cuda or args.part == "activations":
         if args.json:
             args.json.write_text(json.dumps(figures, indent=2))
         return 0

@@ -3,6 +3,7 @@ with a dense FFN of equal active parameters, and the share of step time spent in
 dispatch/combine, all measured in one run (side by side, same machine, same moment).
 
     python benchmarks/train.py [--steps 12] [--nproc 2] [--only tiny] [--keep DIR]
+    python benchmarks/train.py --compile [--steps 12]
 
 Every configuration runs through ``epscale train --nproc N`` (torchrun, gloo on CPU, NCCL
 on CUDA) on the stdlib text; tokens/s and the breakdown are medians over the steps after
@@ -12,6 +13,10 @@ parameters per token, up to the router) and runs data-parallel on the same proce
 
 Judged by: MoE tokens/s / dense tokens/s (how close sparse training gets to the dense
 model it costs the same FLOPs as) and the dispatch+combine share of the step.
+
+``--compile``: eager against ``train.compile=true`` (bf16) on the default recipe, one
+process at ep=1 and two at ep=2: steady tokens/s side by side, their ratio, and the first
+(compiling) step's time.
 
 ``--layouts``: the same model at the data-parallel layouts of issue #19 on --nproc
 processes (default 4) at the same global batch: replicated dp x ep, FSDP, HSDP, FSDP with
@@ -71,8 +76,10 @@ def summarize(recs: list[dict]) -> dict:
         "tokens_per_s": med(lambda r: r["tokens_per_s"]),
         "tokens_per_s_per_proc": med(lambda r: r["tokens_per_s_per_proc"]),
         "step_ms": 1e3 * med(lambda r: r["step_time_s"]),
-        "dispatch_combine": med(lambda r: (r["time_breakdown"]["dispatch"]
-                                           + r["time_breakdown"]["combine"]) / r["step_time_s"]),
+        # (0 under train.compile: a compiled block times no sections of its own)
+        "dispatch_combine": med(lambda r: (r["time_breakdown"].get("dispatch", 0.0)
+                                           + r["time_breakdown"].get("combine", 0.0))
+                                / r["step_time_s"]),
         "comm": med(lambda r: r["comm_share"]),
         "mfu": med(lambda r: r["mfu"]),
         "loss": recs[-1]["loss"],
@@ -117,6 +124,41 @@ def run_layouts(args, console) -> dict:
     return figures
 
 
+COMPILE_LAYOUTS = {  # name -> (processes, overrides); bf16: the compiled grouped GEMM takes it
+    "1 process, ep=1": (1, ["parallel.ep=1"]),
+    "2 processes, ep=2": (2, ["parallel.ep=2"]),
+}
+
+
+def run_compile(args, console) -> dict:
+    """Eager against ``train.compile=true`` on the default recipe in bf16, per layout: the
+    steady tokens/s (medians after the first third), their ratio, and the first step's
+    time (the compiled run traces and compiles there)."""
+    base_dir = args.keep or Path(tempfile.mkdtemp(prefix="epscale-bench-compile-"))
+    table = Table(title=f"train.compile, tiny recipe in bf16, {args.steps} steps each "
+                        "(medians after warm-up)")
+    for col in ("layout", "mode", "tokens/s", "ms/step", "first step s", "compiled/eager",
+                "final loss"):
+        table.add_column(col, justify="left" if col in ("layout", "mode") else "right")
+    figures = {}
+    for name, (nproc, over) in COMPILE_LAYOUTS.items():
+        runs = {}
+        for mode in ("eager", "compiled"):
+            o = over + ["train.dtype=bfloat16", f"train.compile={mode == 'compiled'}"]
+            recs = run_one(base_dir / f"{name.split(',')[0].replace(' ', '')}-{mode}", nproc,
+                           args.steps, o)
+            runs[mode] = {**summarize(recs), "first_step_s": recs[0]["step_time_s"]}
+        ratio = runs["compiled"]["tokens_per_s"] / runs["eager"]["tokens_per_s"]
+        figures[name] = {**runs, "compiled_over_eager_tokens_per_s": ratio}
+        for mode, s in runs.items():
+            table.add_row(name, mode, f"{s['tokens_per_s']:,.0f}", f"{s['step_ms']:.0f}",
+                          f"{s['first_step_s']:.1f}", f"{ratio:.2f}" if mode == "compiled" else "",
+                          f"{s['loss']:.4f}")
+    console.print(table)
+    console.print(f"run directories: {base_dir}")
+    return figures
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=12)
@@ -126,8 +168,16 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None, help="write the headline figures here")
     ap.add_argument("--layouts", action="store_true",
                     help="replicated vs FSDP vs HSDP vs FSDP+recompute (default --nproc 4)")
+    ap.add_argument("--compile", action="store_true",
+                    help="eager vs train.compile=true (bf16; 1 process at ep=1 and 2 at ep=2)")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO / "src"))
+    if args.compile:
+        figures = run_compile(args, Console(width=160))
+        if args.json:
+            args.json.write_text(json.dumps({"benchmark": "train --compile", "steps": args.steps,
+                                             "results": figures}, indent=1))
+        return
     if args.layouts:
         args.nproc = args.nproc if "--nproc" in sys.argv else 4
         figures = run_layouts(args, Console(width=160))

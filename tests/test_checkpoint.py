@@ -147,3 +147,25 @@ def test_import_rejects_other_files(tmp_path):
         ckpt.import_full(tmp_path / "x.pt", tmp_path / "run")
     with pytest.raises(ckpt.CheckpointError, match="holds no complete checkpoint"):
         ckpt.export_full(tmp_path, tmp_path / "o.pt")
+
+
+def test_bf16_moments_round_trip_and_load_from_fp32(tmp_path):
+    """train.optimizer_state_dtype = bfloat16: the checkpoint stores the bf16 moments and
+    loads them back exactly (and in bf16); an fp32-moment checkpoint loads into bf16
+    moments rounded, and the weights exactly."""
+    c = cfg("train.optimizer_state_dtype=bfloat16")
+    m1, o1 = trained(c)
+    path = ckpt.save(tmp_path / "bf16", 3, m1, o1, DIMS, {})
+    m2, o2 = trained(c, steps=1, seed=1)
+    ckpt.load(path, m2, o2, DIMS)
+    assert_same(m1, o1, m2, o2)
+    assert all(s["exp_avg"].dtype == torch.bfloat16 for s in o2.state.values())
+    m32, o32 = trained(cfg())
+    path32 = ckpt.save(tmp_path / "fp32", 3, m32, o32, DIMS, {})
+    ckpt.load(path32, m2, o2, DIMS)
+    p32, p2 = dict(m32.named_parameters()), dict(m2.named_parameters())
+    for n in p32:
+        assert torch.equal(p32[n], p2[n]), n
+        for k in ("exp_avg", "exp_avg_sq"):
+            got = o2.state[p2[n]][k]
+            assert got.dtype == torch.bfloat16 and torch.equal(got, o32.state[p32[n]][k].bfloat16())

@@ -365,6 +365,25 @@ def test_recomputation_adds_no_sync(mode, capacity):
     _assert_same_grads(model, plain)
 
 
+@pytest.mark.parametrize("impl", ["auto", "grouped_mm"])
+def test_light_recomputation_adds_no_sync(impl):
+    """train.recompute_modules (every part at once; moe_act acts on the grouped-GEMM
+    path): the forward's syncs are the plain run's, backward has none, and the gradients
+    are the plain run's."""
+    from epscale.parallel.activation import RECOMPUTE_MODULES, apply_activation_checkpointing
+
+    tokens = torch.randint(0, 64, (2, 12))
+    plain = _LossOf(_model("none", experts_impl=impl))
+    want_fwd, _ = count_step(plain, tokens, steps=2)
+    model = _model("none", experts_impl=impl)
+    apply_activation_checkpointing(model, "none", [m for m in RECOMPUTE_MODULES
+                                                   if m != "mla_up_proj"])
+    fwd, bwd = count_step(_LossOf(model), tokens, steps=2)
+    assert len(fwd) == len(want_fwd), (_names(fwd), _names(want_fwd))
+    assert bwd == [], _names(bwd)
+    _assert_same_grads(_LossOf(model), plain)
+
+
 def _assert_same_grads(model, plain):
     """Recomputed with the first forward's host values, the gradients are those of the
     plain run: bit for bit on CPU (the same ops on the same values), within bf16 rounding

@@ -155,11 +155,15 @@ def test_stage_parameters_add_up_to_the_model(schedule, v):
 def test_1f1b_ranks_keep_p_to_one_micro_batches():
     p, m = 4, 8
     cfg = _cfg(pp=p, m=m, layers=8, dense=0, pp_layers_per_stage=[2, 2, 2, 2])
-    lay, acts = Layout.from_config(cfg, p), Activations.of(cfg, "full", "bfloat16")
+    # bf16 under FSDP (one rank per stage): a bf16 residual stream, bf16 receive buffers
+    lay, acts = Layout.from_config(cfg, p, fsdp=True), Activations.of(cfg, "full", "bfloat16")
     ranks = pipeline_memory(cfg, lay, acts)
     assert [r.in_flight for r in ranks] == [4, 3, 2, 1]
     T, D, V = 16, 32, 64
     act = T * D * 2
+    # bf16 autocast (no FSDP): the stages pass the fp32 residual stream, twice the bytes
+    autocast = pipeline_memory(cfg, Layout.from_config(cfg, p), acts)
+    assert [r.memory.p2p_buffers for r in autocast] == [2 * r.memory.p2p_buffers for r in ranks]
     # full recomputation: two block inputs; the first stage has the token ids, a stage
     # with a receive buffer keeps no copy of its input, the last adds head and logits
     sets = [r.stage_activations[0] for r in ranks]
@@ -267,10 +271,15 @@ def test_describe_prints_the_split_and_the_largest_rank(capsys):
     largest = max(pipe["ranks"], key=lambda r: r["memory"]["total"])
     assert largest["rank"] == pipe["largest_rank"] and largest["memory"] == info["memory"]
     assert pipe["p2p_bytes_per_boundary"] == 64 * 4096 * 7168 * DTYPE_BYTES["bfloat16"]
-    # the command-line options give the same layout
+    # the command-line options give the same layout as the keys
+    assert cli_main(["describe", "deepseek-v3", "--json", "--pp", "16", "--pp-schedule", "dualpipev",
+                     "--fsdp", "--world", "2048", "--ep", "64", "train.grad_accum=64"]) == 0
+    assert json.loads(capsys.readouterr().out)["memory"] == info["memory"]
+    replicated = describe("deepseek-v3", ["parallel.fsdp=false", "parallel.dp_shard=null",
+                                          "parallel.zero=3", "parallel.dp=2"])
     assert cli_main(["describe", "deepseek-v3", "--json", "--pp", "16", "--pp-schedule", "dualpipev",
                      "--no-fsdp", "--dp", "2", "--ep", "64", "train.grad_accum=64"]) == 0
-    assert json.loads(capsys.readouterr().out)["memory"] == info["memory"]
+    assert json.loads(capsys.readouterr().out)["memory"] == replicated["memory"]
     assert cli_main(["describe", "deepseek-v3", "--pp", "16", "--pp-schedule", "dualpipev",
                      "--no-fsdp", "--dp", "2", "train.grad_accum=16"]) == 2
     assert "needs at least 2 x pp = 32 micro-batches" in capsys.readouterr().err

@@ -39,8 +39,10 @@ _HOST_SHORTCUTS = {"on": True}
 def host_shortcuts(device: torch.device) -> bool:
     """True where code may read tensor values on the host for free and take a host-side
     shortcut (CPU tensors); False on accelerators, where each read is a synchronisation,
-    and for CPU tensors inside :func:`device_code_path`."""
-    return device.type == "cpu" and _HOST_SHORTCUTS["on"]
+    and for CPU tensors inside :func:`device_code_path` and inside ``torch.compile``'d code
+    (``train.compile``: a graph cannot branch on tensor values)."""
+    return (device.type == "cpu" and _HOST_SHORTCUTS["on"]
+            and not torch.compiler.is_compiling())
 
 
 @contextlib.contextmanager

@@ -102,6 +102,12 @@ def _fmt_count(n: float) -> str:
     return f"{n:.0f}"
 
 
+def _recompute_label(lay: dict) -> str:
+    """'full', 'selective', 'none', or the recomputed modules (train.recompute_modules)."""
+    mods = lay.get("recompute_modules")
+    return "modules " + ", ".join(mods) if mods else lay["activation_checkpointing"]
+
+
 def _fmt_bytes(n: float) -> str:
     for unit, div in (("TiB", 2 ** 40), ("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
         if abs(n) >= div:
@@ -129,6 +135,8 @@ def describe(config: str, overrides: list[str] | None = None, **layout) -> dict:
     out["layout"] = {"world": lay.world, "ep": lay.ep, "fsdp": lay.fsdp,
                      "activation_checkpointing": acts.activation_checkpointing,
                      "micro_batch_size": lay.micro_batch_size, "compute_dtype": acts.compute_dtype,
+                     "optimizer_state_dtype": cfg.train.optimizer_state_dtype,
+                     "recompute_modules": list(acts.recompute_modules),
                      "description": lay.label(pipeline=True)}
     if lay.fsdp:
         out["layout"].update(dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, efsdp=lay.efsdp,
@@ -231,7 +239,7 @@ def _print_fit(info: dict, console) -> None:
         dp = (f"replicated {lay['dp']}" if not lay["fsdp"] else
               f"HSDP {rep} x {stage // rep}" if rep > 1 else f"FSDP {stage}")
         pipe = (f"{pp} {lay['pp_schedule']}, m={lay['micro_batches']}" if pp > 1 else "1")
-        t.add_row(str(i), pipe, str(lay["ep"]), dp, lay["activation_checkpointing"],
+        t.add_row(str(i), pipe, str(lay["ep"]), dp, _recompute_label(lay),
                   _fmt_bytes(r["memory"]["total"]), _fmt_bytes(r["memory"]["activations"]),
                   f"{r['step_time_s']:.2f} s", f"{r['tokens_per_s_per_gpu']:,.0f}")
     console.print(t)
@@ -329,13 +337,13 @@ def run(args) -> int:
     which = (f" (pipeline rank {info['pipeline']['largest_rank']}, the largest)"
              if "pipeline" in info else "")
     m = Table(title=f"memory per rank{which}: {lay['world']} ranks, {lay['description']}{copies}; "
-                    f"recompute {lay['activation_checkpointing']}, micro-batch "
+                    f"recompute {_recompute_label(lay)}, micro-batch "
                     f"{lay['micro_batch_size']}, compute {lay['compute_dtype']}")
     m.add_column("part")
     m.add_column("bytes", justify="right")
     m.add_row("parameters held", _fmt_count(mem["params_per_rank"]))
     labels = {"params": "weights (fp32)", "grads": "gradients (fp32)",
-              "optimizer": "AdamW moments (fp32)",
+              "optimizer": f"AdamW moments ({lay['optimizer_state_dtype']})",
               "unsharded": "weights kept gathered (ZeRO-1/2, pipeline)",
               "activations": "saved activations",
               "gathered": "FSDP gathered block", "comm": "dispatch rows",

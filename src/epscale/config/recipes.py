@@ -233,7 +233,7 @@ def shrink(cfg: RunConfig) -> RunConfig:
         shared_hidden_dim=_round8(e.shared_hidden_dim * s) if e.shared_hidden_dim else None,
         num_groups=groups, topk_groups=kept)
     parallel = dataclasses.replace(cfg.parallel, dp=1, ep=1, ranks_per_node=None, fsdp=False,
-                                   dp_replicate=1, dp_shard=None, pp=1, pp_schedule="1f1b",
+                                   dp_replicate=1, dp_shard=None, zero=3, pp=1, pp_schedule="1f1b",
                                    pp_virtual_stages=1, pp_layers_per_stage=None)
     t = cfg.train
     train = dataclasses.replace(

@@ -627,6 +627,20 @@ class TrainConfig:
     # transformer block keeps only its input), 'selective' (each block keeps the outputs of
     # its matmuls and the router's top-k, and recomputes the rest).
     activation_checkpointing: str = "none"
+    # AdamW's two moments (exp_avg, exp_avg_sq) stored in 'float32' or 'bfloat16' (half
+    # the optimizer state, as DeepSeek-V3 trained); the weights stay fp32 master copies
+    # and the update is computed in fp32 either way (epscale.training.optim.AdamW).
+    optimizer_state_dtype: str = "float32"
+    # Light recomputation: only these parts of each block recompute in backward
+    # (Megatron-Core's --recompute-modules; epscale.parallel.activation says what each
+    # keeps): norm, router, shared_experts, mlp, moe_act, attention_core, mla_up_proj.
+    # Not with activation_checkpointing full/selective (those recompute whole blocks).
+    recompute_modules: list[str] = field(default_factory=list)
+    # torch.compile each transformer block (epscale.parallel.compile): one graph per block
+    # (fullgraph) for dense blocks and the local dropless MoE path in bf16; with expert
+    # parallelism, graph breaks at the split sizes' host read and the exchanges. The first
+    # step compiles (seconds to minutes; the console says how long).
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if not self.collective_timeout_s >= 0:
@@ -659,6 +673,57 @@ class TrainConfig:
         choice("train.dtype", self.dtype, ("auto", "float32", "bfloat16"))
         choice("train.activation_checkpointing", self.activation_checkpointing,
                ("none", "full", "selective"))
+        self._check_optimizer_state()
+        self._check_recompute_modules()
+        self._check_compile()
+
+    def _check_compile(self) -> None:
+        if not isinstance(self.compile, bool):
+            fail("train.compile", self.compile, "must be true or false")
+        if self.compile and self.activation_checkpointing == "selective":
+            fail("train.compile", True, "cannot be combined with train.activation_checkpointing"
+                 " = selective: the selective policy picks the operations to keep one by one, "
+                 "and a compiled block's operations are fused out of its reach (torch.compile "
+                 "traces the policy only around a block without side effects; the MoE layer "
+                 "updates its token counters). Use train.activation_checkpointing = full or "
+                 "none with train.compile = true")
+        if self.compile and self.recompute_modules:
+            fail("train.compile", True, "cannot be combined with train.recompute_modules yet "
+                 "(their checkpointed regions inside a block are not traced through "
+                 "torch.compile and not tested with it): set train.recompute_modules: [] or "
+                 "train.compile: false")
+
+    def _check_recompute_modules(self) -> None:
+        mods = self.recompute_modules
+        allowed = ("norm", "router", "shared_experts", "mlp", "moe_act", "attention_core",
+                   "mla_up_proj")
+        if not isinstance(mods, list):
+            fail("train.recompute_modules", mods, f"must be a list of: {', '.join(allowed)}")
+        for m in mods:
+            choice("train.recompute_modules", m, allowed)
+        if len(set(mods)) != len(mods):
+            fail("train.recompute_modules", mods, "names a module twice")
+        if mods and self.activation_checkpointing != "none":
+            fail("train.recompute_modules", mods, "cannot be combined with "
+                 f"train.activation_checkpointing = {self.activation_checkpointing!r} (that "
+                 "recomputes whole blocks already): set one of the two (train."
+                 "activation_checkpointing: none, or train.recompute_modules: [])")
+
+    def _check_optimizer_state(self) -> None:
+        choice("train.optimizer_state_dtype", self.optimizer_state_dtype,
+               ("float32", "bfloat16"))
+        if self.optimizer_state_dtype != "bfloat16":
+            return
+        # A bf16 moment m -> beta m + (1 - beta) g keeps 8 significant bits: a change of
+        # (1 - beta) m smaller than half a unit in the last place (2^-9 to 2^-8 of m) rounds
+        # away, and the moment stops decaying. 1 - beta >= 2^-7 keeps every decay step.
+        for name in ("beta1", "beta2"):
+            beta = getattr(self, name)
+            if not 1 - beta >= 2 ** -7:
+                fail(f"train.{name}", beta, "must be <= 0.9921875 (1 - 2^-7) with "
+                     "train.optimizer_state_dtype = bfloat16: a smaller decay step rounds "
+                     "away in bf16 moments; lower it or set train.optimizer_state_dtype: "
+                     "float32")
 
 
 @dataclass
@@ -708,6 +773,10 @@ class RunConfig:
         if self.moe.dim != self.model.dim:
             fail("moe.dim", self.moe.dim, f"must equal model.dim ({self.model.dim})")
         choice("scale", self.scale, ("full", "tiny"))
+        if "mla_up_proj" in self.train.recompute_modules and self.model.attention != "mla":
+            fail("train.recompute_modules", self.train.recompute_modules,
+                 f"'mla_up_proj' needs model.attention = 'mla' (it is "
+                 f"{self.model.attention!r}); use 'attention_core' for this model")
         if self.scale == "full":  # a 'tiny' recipe is checked once it is shrunk
             self._check_pipeline()
 

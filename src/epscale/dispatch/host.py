@@ -15,7 +15,9 @@ match). :func:`recompute_contexts` gives ``torch.utils.checkpoint`` a pair of co
 sharing one record: inside the first forward :func:`host_ints` reads and keeps each
 value; inside its recomputation it hands the kept values back in the same order, with
 no read. The record belongs to one checkpointed call, so nothing is keyed on layers or
-micro-batches, and it is freed with that call's autograd graph.
+micro-batches, and it is freed with that call's autograd graph. :func:`host_ints` never
+runs inside a compiled graph (``torch.compiler.disable``): a traced read would bake the
+record's state into the graph instead of keeping and replaying it.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class _Stack(threading.local):
 _ACTIVE = _Stack()
 
 
+@torch.compiler.disable
 def host_ints(t: torch.Tensor) -> list:
     """``t.tolist()`` of a 1-D integer tensor: a read of device values on the host (a
     synchronisation on an accelerator; callers mark it as their layer's one). Inside a

@@ -18,6 +18,7 @@ e local experts, K top-k.
 from __future__ import annotations
 
 import warnings
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -131,6 +132,9 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim)) if activation == "swiglu" else None
         self.reset_parameters()
+        # how the grouped path runs its activation and down projection: plainly, or
+        # recomputed in backward (set by epscale.parallel.activation: moe_act)
+        self.run_activation: Callable[..., torch.Tensor] = run_plainly
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.w1, std=self.dim ** -0.5)
@@ -225,16 +229,27 @@ class GroupedExperts(nn.Module):
                       if isinstance(tokens_per_expert_e, torch.Tensor)
                       else list(tokens_per_expert_e))  # one host sync per layer forward
             offs_e = None
-        h_RF = _grouped_linear(x_RD, w1, offs_e, splits)
-        if w3 is not None:
-            h_RF = F.silu(h_RF) * _grouped_linear(x_RD, w3, offs_e, splits)
-        else:
-            h_RF = F.gelu(h_RF)
-        return _grouped_linear(h_RF, w2, offs_e, splits)
+        h1_RF = _grouped_linear(x_RD, w1, offs_e, splits)
+        h3_RF = _grouped_linear(x_RD, w3, offs_e, splits) if w3 is not None else None
+        return self.run_activation(_activation_down, h1_RF, h3_RF, w2, offs_e, splits)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, dim={self.dim}, hidden={self.hidden_dim}, "
                 f"act={self.activation}, impl={self.impl}, grouped_mm={self.use_grouped_mm}")
+
+
+def _activation_down(h1_RF: torch.Tensor, h3_RF: torch.Tensor | None, w2_eFD: torch.Tensor,
+                     offs_e: torch.Tensor | None, splits: list[int] | None) -> torch.Tensor:
+    """The experts' activation (silu(h1) * h3, or gelu(h1)) and down projection: one
+    region, so that ``train.recompute_modules: [moe_act]`` can recompute the first and
+    keep the second's output (:mod:`epscale.parallel.activation`)."""
+    h_RF = F.silu(h1_RF) * h3_RF if h3_RF is not None else F.gelu(h1_RF)
+    return _grouped_linear(h_RF, w2_eFD, offs_e, splits)
+
+
+def run_plainly(fn, *args) -> torch.Tensor:
+    """``fn(*args)``: the experts' activation region without recomputation."""
+    return fn(*args)
 
 
 class FeedForward(nn.Module):

@@ -28,12 +28,32 @@ from .losses import (global_batch_balance_loss, load_balance_loss, router_entrop
 from .router import TopKRouter
 
 
+_RECOMPUTING = {"on": False}  # what a compiled block's caller saw (see recomputing)
+
+
 def is_recomputing() -> bool:
     """True while a forward runs inside a backward pass, i.e. it is an activation
     recomputation (``torch.utils.checkpoint``, reentrant or not). Counters that must see
-    each routed token once (``MoE.tokens_per_expert``, the step statistics) skip then."""
+    each routed token once (``MoE.tokens_per_expert``, the step statistics) skip then.
+    Inside a compiled region (``train.compile``) the autograd engine cannot be asked: the
+    answer is what the eager caller set with :func:`recomputing`, and the compiled graph is
+    guarded on it (one graph for the first forward, one for the recomputation)."""
+    if torch.compiler.is_compiling():
+        return _RECOMPUTING["on"]
     task_id = getattr(torch._C, "_current_graph_task_id", None)
     return task_id is not None and task_id() != -1
+
+
+@contextlib.contextmanager
+def recomputing(flag: bool):
+    """Tell the compiled forward run inside whether it is a recomputation
+    (:func:`is_recomputing`; epscale.parallel.compile enters it around each call)."""
+    before = _RECOMPUTING["on"]
+    _RECOMPUTING["on"] = flag
+    try:
+        yield
+    finally:
+        _RECOMPUTING["on"] = before
 
 
 def _nonfinite_rows(x_TD: torch.Tensor) -> torch.Tensor:
@@ -45,6 +65,16 @@ def _nonfinite_rows(x_TD: torch.Tensor) -> torch.Tensor:
     in fp32, as its own range would overflow on finite rows."""
     dtype = torch.float32 if x_TD.dtype == torch.float16 else None
     return ~torch.isfinite(torch.sum(x_TD, dim=-1, dtype=dtype))
+
+
+def _run(fn: Callable[..., torch.Tensor], *args, **kwargs) -> torch.Tensor:
+    return fn(*args, **kwargs)
+
+
+@torch.compiler.disable
+def _run_eagerly(fn: Callable[..., torch.Tensor], *args, **kwargs) -> torch.Tensor:
+    """``fn(*args, **kwargs)`` outside any compiled graph (``MoE.dispatch_eagerly``)."""
+    return fn(*args, **kwargs)
 
 
 class MoE(nn.Module):
@@ -84,6 +114,9 @@ class MoE(nn.Module):
         # Step-time breakdown hook: the trainer sets this to its timer's ``section(name)``;
         # sections used here: 'router', 'dispatch', 'experts', 'combine'.
         self.timer: Callable[[str], ContextManager] = lambda name: contextlib.nullcontext()
+        # True: dispatch -> experts -> combine run eagerly inside a compiled block
+        # (epscale.parallel.compile: a graph break around the exchanges and host reads)
+        self.dispatch_eagerly = False
         # the ranks the global-batch balance loss (aux_loss_scope: global) reduces over:
         # None is the default group; epscale.parallelize sets this pipeline stage's ranks
         self.balance_group = None
@@ -122,9 +155,10 @@ class MoE(nn.Module):
         shared = (lambda: self.shared_experts(x_TD)) if self.shared_experts is not None else None
         # dispatch -> experts -> combine; the shared experts run while the combine is in
         # flight where the backend can overlap them, and their output is added to y_TD.
-        y_TD = self.dispatcher.dispatch_compute_combine(
-            x_TD, route.topk_idx_TK, route.topk_weight_TK, self.experts, timer=self.timer,
-            side_work=shared)
+        run = _run_eagerly if self.dispatch_eagerly else _run
+        y_TD = run(self.dispatcher.dispatch_compute_combine,
+                   x_TD, route.topk_idx_TK, route.topk_weight_TK, self.experts, timer=self.timer,
+                   side_work=shared)
         self.aux_loss = self._aux_loss(route, num_sequences)
         self._record_stats(x_TD, route)
         return y_TD.to(x.dtype).view(shape)

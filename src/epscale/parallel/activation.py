@@ -13,6 +13,34 @@ recomputation adds no host sync), and the token counters skip it
 (``epscale.moe.layer.is_recomputing``), so no token is counted twice. The CPU kernel's
 products run into preallocated buffers (``out=`` forms), which cannot be kept this way;
 under ``selective`` they are recomputed like the rest.
+
+Light recomputation by module (``train.recompute_modules``, Megatron-Core's
+``--recompute-modules``; either it or a whole-block mode above, not both): only the named
+parts of each block keep less and recompute in backward, everything else is kept as
+without recomputation.
+
+* ``norm``: the block's two RMSNorms (Megatron's ``layernorm``). Each keeps its input
+  only, not its fp32 copies and statistics.
+* ``router``: the router (gate, scores, top-k); it keeps its input.
+* ``shared_experts`` / ``mlp``: the shared experts' FFN / the dense layers' FFN, recomputed
+  whole from their input.
+* ``moe_act``: the routed experts' activation (grouped-GEMM path): the activation and the
+  down projection run as one region that keeps the down projection's output, so backward
+  recomputes the activation only and the activation's output and the down projection's
+  input are not kept (what Megatron's output-discarding checkpoint saves). The CPU
+  kernel (``moe.experts_impl: cpu_fused``) keeps only its up projections' outputs
+  already: nothing more to drop there.
+* ``attention_core``: the attention (Megatron's ``core_attn``): the attention module
+  keeps its input and its projections' outputs; the attention kernel and the element-wise
+  work between the projections (RoPE, q/k norms) run again in backward.
+* ``mla_up_proj``: MLA's up projections (``wq_b``, ``wkv_b``), their latents' norms and
+  RoPE run again in backward: the module keeps its input, the latents, the attention
+  kernel's output and its output projection's, not the per-head q, k, v.
+
+Norms, router, shared experts and dense FFN are plain non-reentrant checkpoints of their
+module; the other three are selective checkpoints (torch's
+``create_selective_checkpoint_contexts``) of one region whose policy keeps the named
+products' outputs. None of them contains a dispatcher exchange or a host read.
 """
 
 from __future__ import annotations
@@ -26,9 +54,12 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
 from ..dispatch.host import recompute_contexts
+from ..moe.experts import run_plainly
 from ..moe.layer import moe_layers
 
 MODES = ("none", "full", "selective")
+RECOMPUTE_MODULES = ("norm", "router", "shared_experts", "mlp", "moe_act", "attention_core",
+                     "mla_up_proj")
 
 _aten = torch.ops.aten
 KEEP = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
@@ -38,6 +69,12 @@ KEEP = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.
         _aten._scaled_dot_product_flash_attention_for_cpu.default}
 if hasattr(_aten, "_grouped_mm"):
     KEEP.add(_aten._grouped_mm.default)
+
+
+ATTENTION_OPS = {op for op in KEEP if "dot_product" in str(op)}
+if hasattr(_aten, "_scaled_dot_product_cudnn_attention"):
+    ATTENTION_OPS.add(_aten._scaled_dot_product_cudnn_attention.default)
+PRODUCTS = {op for op in KEEP if op not in ATTENTION_OPS and op != _aten.topk.default}
 
 
 def _keep_products(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -82,16 +119,124 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers.values()) if isinstance(layers, torch.nn.ModuleDict) else list(layers)
 
 
-def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> None:
+def apply_activation_checkpointing(model: torch.nn.Module, mode: str,
+                                   modules: tuple[str, ...] | list[str] = ()) -> None:
     """Set every transformer block of ``model`` (``model.layers``) to ``mode`` (after
-    ``epscale.parallelize``). With recomputation, the CPU path's kept buffers are turned
-    off: a recomputed forward must run the same operations as the first one (selective
-    recomputation matches them one by one), and a kept buffer is handed out or not
-    depending on what else still holds it."""
+    ``epscale.parallelize``), or with ``mode`` 'none' recompute only the parts named in
+    ``modules`` (``train.recompute_modules``). With whole-block recomputation, the CPU
+    path's kept buffers are turned off: a recomputed forward must run the same operations
+    as the first one (selective recomputation matches them one by one), and a kept buffer
+    is handed out or not depending on what else still holds it."""
     if mode not in MODES:
         raise ValueError(f"train.activation_checkpointing = {mode!r}; allowed: {', '.join(MODES)}")
+    unknown = sorted(set(modules) - set(RECOMPUTE_MODULES))
+    if unknown:
+        raise ValueError(f"train.recompute_modules: unknown {unknown}; allowed: "
+                         f"{', '.join(RECOMPUTE_MODULES)}")
+    if modules and mode != "none":
+        raise ValueError(f"train.recompute_modules = {list(modules)} cannot be combined with "
+                         f"train.activation_checkpointing = {mode!r}")
     for block in transformer_blocks(model):
         block.run_forward = partial(_run_as, mode)
+        recompute_parts(block, set(modules))
     if mode != "none":
         for moe in moe_layers(model):
             moe.drop_kept_buffers()
+
+
+def recompute_parts(block: torch.nn.Module, modules: set[str]) -> None:
+    """Make the parts of ``block`` named in ``modules`` recompute in backward (and the
+    others run plainly again: applying twice replaces, never stacks)."""
+    _set_forward(block.attention_norm, "norm" in modules)
+    _set_forward(block.ffn_norm, "norm" in modules)
+    moe = block.ffn if getattr(block, "is_moe", False) else None
+    if moe is None:
+        _set_forward(block.ffn, "mlp" in modules)
+    else:
+        _set_forward(moe.router, "router" in modules)
+        if moe.shared_experts is not None:
+            _set_forward(moe.shared_experts, "shared_experts" in modules)
+        moe.experts.run_activation = (_run_act_kept_product if "moe_act" in modules
+                                      else run_plainly)
+    _set_attention(block.attention, "attention_core" in modules, "mla_up_proj" in modules)
+
+
+def _checkpointed(forward: Callable, context_fn: Callable | None, *args, **kwargs):
+    """``forward`` recomputed in backward. No random op runs in these parts (the model has
+    no dropout), so the RNG state is not saved (on the CPU that alone kept 5 KB per
+    region)."""
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    extra = {"context_fn": context_fn} if context_fn is not None else {}
+    return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **extra,
+                      **kwargs)
+
+
+def _set_forward(module: torch.nn.Module, on: bool, context_fn: Callable | None = None) -> None:
+    """``module.forward`` checkpointed (``on``; under ``context_fn``'s policy where given)
+    or its own again."""
+    plain = module.__dict__.pop("_plain_forward", None)
+    if plain is not None:
+        module.forward = plain
+    if on:
+        module._plain_forward = module.forward
+        module.forward = partial(_checkpointed, module.forward, context_fn)
+
+
+def _keep_outputs(policy: Callable[..., bool]):
+    """A selective checkpoint's contexts that keep the outputs of the ops ``policy``
+    names and recompute the rest."""
+    def decide(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if policy(op) else CheckpointPolicy.PREFER_RECOMPUTE
+    return partial(create_selective_checkpoint_contexts, decide)
+
+
+def _run_act_kept_product(fn: Callable[..., torch.Tensor], *args) -> torch.Tensor:
+    """``moe_act``: the activation and the down projection in one region keeping the
+    projection's output (its grouped GEMM, or the loop's matrix products)."""
+    if not torch.is_grad_enabled():
+        return fn(*args)
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False,
+                      context_fn=_KEEP_PRODUCTS)
+
+
+_KEEP_PRODUCTS = _keep_outputs(lambda op: op in PRODUCTS)
+
+
+class _Inside:
+    """How deep the forward is inside the marked modules (forward hooks count; they run
+    again during recomputation, so the policy decides the same both times)."""
+
+    def __init__(self):
+        self.depth = 0
+        self.handles: list = []
+
+    def mark(self, module: torch.nn.Module) -> None:
+        def enter(*_):
+            self.depth += 1
+
+        def leave(*_):
+            self.depth -= 1
+        self.handles += [module.register_forward_pre_hook(enter),
+                         module.register_forward_hook(leave, always_call=True)]
+
+
+def _set_attention(attn: torch.nn.Module, core: bool, up_proj: bool) -> None:
+    """``attention_core`` and/or ``mla_up_proj`` on one attention module: a selective
+    checkpoint of its forward keeping the products' outputs, except the attention
+    kernel's (``core``) and the up projections' (``up_proj``, marked by hooks)."""
+    old = attn.__dict__.pop("_recompute_marks", None)
+    for handle in (old.handles if old is not None else []):
+        handle.remove()
+    inside = _Inside()
+    if up_proj:
+        for name in ("wq_b", "wkv_b"):
+            if hasattr(attn, name):
+                inside.mark(getattr(attn, name))
+        attn._recompute_marks = inside
+
+    def keep(op) -> bool:
+        if inside.depth:
+            return False
+        return op in PRODUCTS or (op in ATTENTION_OPS and not core)
+    _set_forward(attn, core or up_proj, _keep_outputs(keep))

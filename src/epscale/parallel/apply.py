@@ -12,8 +12,9 @@ The order, and why:
    redundant-expert placement) and a dispatcher that moves tokens to them; spill-over
    wraps that dispatcher.
 3. activation checkpointing: the blocks run their forward recomputed in backward.
-4. compile: (no compilation yet; ``train.compile`` goes here: after the blocks' forward is
-   final, before FSDP wraps them.)
+4. compile (``train.compile``): each block's forward through ``torch.compile``
+   (:mod:`epscale.parallel.compile`), after its forward is final (experts sharded,
+   recomputation set), before FSDP wraps the blocks.
 5. FSDP: experts on the expert mesh, blocks and roots on the dense mesh; at
    ``parallel.zero`` 1 or 2 the weights stay gathered across micro-batches.
 6. materialisation: a meta-built model gets its weights, each rank its shards only, with
@@ -39,6 +40,7 @@ from ..moe.layer import moe_layers
 from ..placement.eplb import Placement
 from ..placement.spill import apply_spill
 from .activation import apply_activation_checkpointing
+from .compile import compile_blocks
 from .dims import ParallelDims
 from .fsdp import apply_fsdp
 from .grads import reduce_in_backward
@@ -88,7 +90,8 @@ def parallelize_model(model: Transformer, dims: ParallelDims, cfg: RunConfig,
     model: built by ``epscale.model.build_model`` (on ``device``) or ``build_meta_model``
     (then materialised here, from ``train.seed``). layers_per_stage: blocks per pipeline
     stage (parallel.pp > 1). placement: a redundant-expert placement for the EP ranks.
-    param_dtype: FSDP's compute dtype (bf16 mixed precision; None keeps fp32).
+    param_dtype: the compute dtype: FSDP's (bf16 mixed precision), or autocast's without
+    FSDP (None: fp32); compiled blocks take it into account.
     autocast: the context the pipeline stages run their forward under."""
     par, train = cfg.parallel, cfg.train
     on_meta = any(p.is_meta for p in model.parameters())
@@ -115,15 +118,17 @@ def parallelize_model(model: Transformer, dims: ParallelDims, cfg: RunConfig,
             set_blocking(model)
 
     # 3. activation checkpointing
-    apply_activation_checkpointing(model, train.activation_checkpointing)
+    apply_activation_checkpointing(model, train.activation_checkpointing, train.recompute_modules)
 
-    # 4. compile: nothing yet (train.compile, issue 31, goes here)
+    # 4. compile, per transformer block
+    if train.compile:
+        out.notes += compile_blocks(model, dims.ep, param_dtype or torch.float32, device)
 
     # 5. FSDP
     roots: list[nn.Module] | None = out.chunks or None
     if par.fsdp:
-        out.notes = apply_fsdp(model, dims, param_dtype=param_dtype, prefetch=overlap,
-                               roots=roots, reshard_after_forward=par.zero == 3)
+        out.notes += apply_fsdp(model, dims, param_dtype=param_dtype, prefetch=overlap,
+                                roots=roots, reshard_after_forward=par.zero == 3)
 
     # 6. materialisation, shard by shard
     if on_meta:

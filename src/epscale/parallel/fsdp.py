@@ -86,11 +86,17 @@ def expert_shard_dims(num_local_experts: int, hidden_dim: int, efsdp: int) -> st
                       "parallel.ep or parallel.dp_shard whose efsdp divides one of them")
 
 
-def expert_placements(model: nn.Module, dims: Dims) -> tuple[dict[int, ShardPlacementResult], list[str]]:
+def expert_placements(model: nn.Module, dims: Dims
+                      ) -> tuple[dict[int, Shard | ShardPlacementResult], list[str]]:
     """Where FSDP shards each routed-expert weight: ``id(param) -> ShardPlacementResult``
     on the expert mesh (dp_replicate, efsdp), whole experts (dim 0) or each expert's hidden
     dim (see :func:`expert_shard_dims`). Returns (the table, lines for the header)."""
     mesh_info = HSDPMeshInfo(dims.expert_dp_mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+    dense = HSDPMeshInfo(dims.dense_mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+    # FSDP on one rank: both meshes are that rank's group, and FSDP refuses two mesh
+    # infos over one group; the unit's own (dense) mesh shards the experts the same way
+    same_groups = (mesh_info.shard_process_group is dense.shard_process_group
+                   and mesh_info.replicate_process_group is dense.replicate_process_group)
     table, notes = {}, []
     for moe in moe_layers(model):
         experts = moe.experts
@@ -102,8 +108,7 @@ def expert_placements(model: nn.Module, dims: Dims) -> tuple[dict[int, ShardPlac
             param = getattr(experts, name, None)
             if param is not None:
                 dim = 0 if how == "experts" else HIDDEN_DIM[name]
-                # one rank: both meshes are one group, which FSDP2 describes once (its own)
-                table[id(param)] = (Shard(dim) if dims.world_size == 1
+                table[id(param)] = (Shard(dim) if same_groups
                                     else ShardPlacementResult(Shard(dim), mesh_info))
     return table, notes
 
@@ -131,7 +136,7 @@ def apply_fsdp(model: nn.Module, dims: Dims, param_dtype: torch.dtype | None = N
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     placements, notes = expert_placements(model, dims)
 
-    def place(param: nn.Parameter) -> ShardPlacementResult | None:
+    def place(param: nn.Parameter) -> Shard | ShardPlacementResult | None:
         return placements.get(id(param))  # None: Shard(0) on the dense mesh
 
     kw = dict(mesh=dims.dense_mesh, mp_policy=mp, shard_placement_fn=place,

@@ -45,6 +45,8 @@ class FitResult:
     def layout(self) -> dict:
         par, train = self.cfg.parallel, self.cfg.train
         out = {"ep": par.ep, "fsdp": par.fsdp, "activation_checkpointing": train.activation_checkpointing}
+        if train.recompute_modules:
+            out["recompute_modules"] = list(train.recompute_modules)
         if par.fsdp:
             out["dp_replicate"] = par.dp_replicate
         else:
@@ -75,7 +77,8 @@ class FitResult:
                                                        "[" + ",".join(map(str, split)) + "]")]
             if train.global_batch_size is None:
                 out.append(f"train.grad_accum={train.grad_accum}")
-        return out + [f"train.activation_checkpointing={train.activation_checkpointing}"]
+        return out + [f"train.activation_checkpointing={train.activation_checkpointing}",
+                      "train.recompute_modules=[" + ",".join(train.recompute_modules) + "]"]
 
 
 def _divisors(n: int) -> list[int]:
@@ -151,7 +154,11 @@ def candidates(cfg: RunConfig, cluster: ClusterSpec) -> list[RunConfig]:
         zero = 1 if own.zero == 2 and pp > 1 else own.zero   # a pipeline refuses ZeRO-2
         for ep in (d for d in _divisors(E) if _sim_accepts(d, cluster, E, W)):
             for ac in AC_MODES:
-                train = replace(cfg.train, activation_checkpointing=ac, **accum)
+                # the recipe's light recomputation goes with 'none' (whole-block modes
+                # replace it)
+                mods = cfg.train.recompute_modules if ac == "none" else []
+                train = replace(cfg.train, activation_checkpointing=ac, recompute_modules=mods,
+                                **accum)
                 red = own.redundant_experts   # kept where the slots divide over ep
                 red = red if ep > 1 and (E + red) % ep == 0 and pp == 1 else 0
                 spill = own.spill_threshold if pp == 1 else None   # a pipeline refuses both

@@ -17,12 +17,23 @@ Held for the whole step (what ``benchmarks/memory.py`` measures):
   expert slice's share of efsdp = dp_shard / ep (whole experts, or the hidden dim when
   efsdp does not divide e).
 * gradients: the same shapes, fp32 (FSDP reduces in fp32).
-* optimizer: AdamW's two fp32 moments per parameter.
+* optimizer: AdamW's two moments per parameter, in ``train.optimizer_state_dtype`` (fp32,
+  or bf16: 2 x 2 bytes; the fp32 copies a bf16-state step makes chunk by chunk are
+  transient and come after backward, off the peak) (:func:`optimizer_state_bytes`).
 * activations: the tensors autograd keeps for backward for one micro-batch, counted from
   what each module saves (its inputs and intermediates; see ``_saved_per_token``); norms
   and logits are kept in fp32, the rest in the compute dtype, index tensors in int64.
+  bf16 follows the trainer's two rules. Under FSDP (its MixedPrecisionPolicy) the
+  parameters and so the residual stream are bf16. Without FSDP bf16 is autocast over fp32
+  weights: the residual stream (a block's input and output) stays fp32, each matrix
+  product casts its input anew (an input feeding q, k and v is kept three times) and its
+  weight, and autograd keeps the cast weights until the backward (a rank's whole
+  model's, or with recomputation the head's, and one block's rebuilt at a time).
   ``full`` recomputation keeps each block's input; ``selective`` keeps the block input and
-  the outputs of its matrix products and of the router's top-k. What a forward keeps is
+  the outputs of its matrix products and of the router's top-k; ``train.recompute_modules``
+  keeps what no recomputation keeps less what the named parts drop
+  (:func:`recompute_dropped_per_token`; ``recompute`` then counts a block's whole drop,
+  an upper bound: its regions are rebuilt one after another). What a forward keeps is
   ``activations``; ``recompute`` is the rest of one block's set, rebuilt during its
   backward (the largest block's; 0 without recomputation).
 
@@ -50,7 +61,8 @@ sharded inside the stage as without a pipeline; FSDP's gathered block is its lar
 dispatch rows are there where it holds an MoE block. Activations: the set of stage s for
 one micro-batch (``stage_activations``) is its blocks' (plus the embedding's and head's
 where it has them), plus the stage output the schedule keeps until that micro-batch's
-backward (T x D in the compute dtype; fp32 logits T x V on the last stage); a stage that
+backward (T x D in the residual stream's dtype: the compute dtype under FSDP, fp32 under
+autocast; fp32 logits T x V on the last stage); a stage that
 receives its input keeps no copy of it under full recomputation (the block's saved input
 is the receive buffer). The rank keeps several micro-batches' sets at once: the peak of
 its schedule's order (:func:`epscale.plan.pipeline.schedule_actions`, torch's own order),
@@ -62,12 +74,12 @@ min(m, p - r); GPipe all m; interleaved 1F1B with v stages per rank (m a multipl
 (v - 1) p + 2 (p - 1 - r) + 1 (rank 0: about p + (p - 1) / v micro-batches of all its
 layers, Korthikanti et al.'s figure); interleaved zero-bubble v p; ZB-V 2p on every rank
 (p micro-batches of both its stages, as 1F1B's first rank); DualPipeV 2p + 1. p2p buffers:
-torch's PipelineStage allocates a receive buffer (T x D, compute dtype) for every
+torch's PipelineStage allocates a receive buffer (T x D, the residual stream's dtype) for every
 micro-batch of the step: for the input of each stage past the first and for the output
 gradient of each stage before the last, m x T x D each, held all step (also between the
 two stages a V puts on one rank, which pass tensors locally). The rank that
 needs the most is what ``estimate`` reports; :func:`pipeline_memory` gives every rank.
-p2p traffic per step: m x T x D (compute dtype) forward and as much backward across each
+p2p traffic per step: m x T x D (the residual stream's dtype) forward and as much backward across each
 stage boundary between two ranks, per GPU of the stage.
 """
 
@@ -95,6 +107,7 @@ class Activations:
     activation_checkpointing: str = "none"
     compute_dtype: str = "float32"
     experts_impl: str = "grouped_mm"
+    recompute_modules: tuple[str, ...] = ()    # train.recompute_modules (with 'none' only)
 
     def __post_init__(self) -> None:
         if self.compute_dtype not in DTYPE_BYTES:
@@ -109,7 +122,9 @@ class Activations:
         train = cfg.train
         dtype = compute_dtype or ("bfloat16" if train.dtype in ("bfloat16", "auto") else "float32")
         impl = experts_impl or ("cpu_fused" if cfg.moe.experts_impl == "cpu_fused" else "grouped_mm")
-        return Activations(activation_checkpointing or train.activation_checkpointing, dtype, impl)
+        ac = activation_checkpointing or train.activation_checkpointing
+        modules = tuple(train.recompute_modules) if ac == "none" else ()
+        return Activations(ac, dtype, impl, modules)
 
 
 def with_pipeline(cfg: RunConfig, pp: int | None = None, schedule: str | None = None,
@@ -284,7 +299,8 @@ def local_numel(p: ParamShape, lay: Layout) -> int:
 def zero_state_bytes(shapes, lay: Layout, compute_bytes: int) -> dict[str, float]:
     """The state one rank holds for the whole step for the parameters ``shapes`` (those of
     its blocks) at ``lay``: ``params`` (fp32 master weights, its shares), ``grads``,
-    ``optimizer`` (AdamW's two fp32 moments of its shares), ``unsharded`` (weights kept
+    ``optimizer`` (AdamW's two fp32 moments of its shares; the estimate counts them by
+    ``train.optimizer_state_dtype``: :func:`optimizer_state_bytes`), ``unsharded`` (weights kept
     gathered, ``compute_bytes`` per element) and ``block`` (the gathered size of the
     largest block, elements), by ``lay.zero`` (see the module docstring)."""
     held = real = padded = 0
@@ -306,13 +322,10 @@ def zero_state_bytes(shapes, lay: Layout, compute_bytes: int) -> dict[str, float
     return out
 
 
-def _dense_saved_per_token(model: ModelConfig, moe: MoEConfig, moe_layer: bool,
-                           impl: str) -> tuple[float, float, float]:
-    """(compute-dtype, fp32, int64) elements one block saves per token (no recomputation)."""
-    D, H, K = model.dim, model.num_heads, moe.top_k
-    m = 3 if moe.activation == "swiglu" else 2
-    acts = 4 if moe.activation == "swiglu" else 2      # per hidden unit: see the dense FFN
-    norms = 2 * (2 * D + 1)                       # RMSNorm keeps its fp32 input and output
+def _attention_saved_per_token(model: ModelConfig) -> tuple[float, float]:
+    """(compute-dtype, fp32) elements one block's attention saves per token (no
+    recomputation), its input included."""
+    D, H = model.dim, model.num_heads
     if model.attention == "mla":
         nope, rope, v = model.qk_nope_head_dim, model.qk_rope_head_dim, model.v_head_dim
         q_lora, kv = model.q_lora_rank, model.kv_lora_rank
@@ -327,6 +340,17 @@ def _dense_saved_per_token(model: ModelConfig, moe: MoEConfig, moe_layer: bool,
         lse = H
         if model.qk_norm:                                  # the q/k norms: fp32 in, out, rstd
             lse += (H + G) * (2 * hd + 1)
+    return attn, lse
+
+
+def _dense_saved_per_token(model: ModelConfig, moe: MoEConfig, moe_layer: bool,
+                           impl: str) -> tuple[float, float, float]:
+    """(compute-dtype, fp32, int64) elements one block saves per token (no recomputation)."""
+    D, K = model.dim, moe.top_k
+    m = 3 if moe.activation == "swiglu" else 2
+    acts = 4 if moe.activation == "swiglu" else 2      # per hidden unit: see the dense FFN
+    norms = 2 * (2 * D + 1)                       # RMSNorm keeps its fp32 input and output
+    attn, lse = _attention_saved_per_token(model)
     fp32 = norms + lse
     if not moe_layer:
         ffn = D + acts * model.dense_hidden_dim           # w1 input; h1, h3, silu(h1), w2 input
@@ -339,10 +363,62 @@ def _dense_saved_per_token(model: ModelConfig, moe: MoEConfig, moe_layer: bool,
         ints += 4 * K
         fp32 += K
     else:                                                  # autograd over grouped GEMMs
-        experts = K * (D + acts * F + D)
+        experts = K * (D + acts * F)                       # the output rows are weighted in
+        fp32 += K * D                                      # fp32: the product keeps them so
         ints += 2 * K
     shared = acts * moe.shared_width if moe.num_shared_experts else 0   # input: the router's
     return D + attn + experts + shared, fp32 + router_fp32, ints
+
+
+def _attention_region_kept(model: ModelConfig, core: bool, up_proj: bool) -> tuple[float, float]:
+    """(compute-dtype, fp32) elements per token the attention keeps as one selective
+    region (``attention_core`` / ``mla_up_proj``): its input, the outputs of its projections
+    but the up projections' (``up_proj``), the attention kernel's output and statistics
+    unless ``core``, and the output projection's output (the region's kept result)."""
+    D, H = model.dim, model.num_heads
+    if model.attention == "mla":
+        nope, rope, v = model.qk_nope_head_dim, model.qk_rope_head_dim, model.v_head_dim
+        q_lora, qk = model.q_lora_rank, nope + rope
+        products = (q_lora if q_lora else H * qk) + model.kv_lora_rank + rope
+        if not up_proj:
+            products += (H * qk if q_lora else 0) + H * (nope + v)
+        out = H * v
+    else:
+        hd, G = model.head_dim or D // H, model.num_kv_heads or H
+        products, out = (H + 2 * G) * hd, H * hd
+    kernel = (out, H) if not core else (0, 0)
+    return D + products + kernel[0] + D, kernel[1]
+
+
+def recompute_dropped_per_token(model: ModelConfig, moe: MoEConfig, moe_layer: bool,
+                                acts: Activations) -> tuple[float, float, float]:
+    """(compute-dtype, fp32, int64) elements per token a block keeps less under
+    ``acts.recompute_modules`` than without recomputation (see
+    :mod:`epscale.parallel.activation`): a norm keeps its input instead of its fp32 input,
+    output and statistics; the router none of its fp32 scores and chosen ids; the shared
+    experts and a dense FFN none of their hidden activations; ``moe_act`` (grouped-GEMM
+    path) not the activation's output and the down projection's input; the attention
+    regions what :func:`_attention_region_kept` leaves out."""
+    mods, D, K = set(acts.recompute_modules), model.dim, moe.top_k
+    hidden = 4 if moe.activation == "swiglu" else 2       # saved per hidden unit (no recompute)
+    ups = 2 if moe.activation == "swiglu" else 1          # the up projections' outputs
+    cd = fp32 = ints = 0.0
+    if "norm" in mods:
+        cd, fp32 = cd - 2 * D, fp32 + 2 * (2 * D + 1)
+    if mods & {"attention_core", "mla_up_proj"}:
+        attn, lse = _attention_saved_per_token(model)
+        kept, kept_fp32 = _attention_region_kept(model, "attention_core" in mods,
+                                                 "mla_up_proj" in mods)
+        cd, fp32 = cd + attn - kept, fp32 + lse - kept_fp32
+    if not moe_layer:
+        return cd + (hidden * model.dense_hidden_dim if "mlp" in mods else 0), fp32, ints
+    if "router" in mods:
+        fp32, ints = fp32 + moe.num_experts + K + 1, ints + K
+    if "shared_experts" in mods and moe.num_shared_experts:
+        cd += hidden * moe.shared_width
+    if "moe_act" in mods and acts.experts_impl != "cpu_fused":
+        cd += K * (hidden - ups) * moe.hidden_dim
+    return cd, fp32, ints
 
 
 def _selective_per_token(model: ModelConfig, moe: MoEConfig, moe_layer: bool,
@@ -366,29 +442,86 @@ def _selective_per_token(model: ModelConfig, moe: MoEConfig, moe_layer: bool,
     return D + attn + shared + experts, H + moe.num_experts + K, K
 
 
+def autocast_rule(lay: Layout, acts: Activations) -> bool:
+    """Whether a bf16 (fp16) compute dtype runs as the trainer's autocast: without FSDP
+    (FSDP casts the parameters themselves: its MixedPrecisionPolicy)."""
+    return DTYPE_BYTES[acts.compute_dtype] < 4 and not lay.fsdp
+
+
+def residual_bytes(lay: Layout, acts: Activations) -> int:
+    """Bytes per element of the residual stream (a block's input and output, a pipeline
+    stage's output and receive buffers): fp32 under autocast (it adds each block's bf16
+    output to fp32), else the compute dtype."""
+    return 4 if autocast_rule(lay, acts) else DTYPE_BYTES[acts.compute_dtype]
+
+
+def _autocast_copies_per_token(model: ModelConfig, moe: MoEConfig, moe_layer: bool) -> int:
+    """Compute-dtype elements per token autocast keeps beyond the FSDP rule's set: each
+    matrix product casts its fp32 input anew, so one input feeding several products is
+    kept once per product (q, k, v: two more; MLA's two down-projections: one more; the
+    dense SwiGLU's w1 and w3: one more). The MoE layer casts its input once itself."""
+    D = model.dim
+    extra = D if model.attention == "mla" else 2 * D
+    if not moe_layer and moe.activation == "swiglu":
+        extra += D
+    return extra
+
+
+def _autocast_weight_copies(cfg: RunConfig, lay: Layout) -> tuple[dict[int, int], int]:
+    """({block: elements}, head elements) of the weights autocast casts to the compute
+    dtype in a forward and autograd keeps for backward: every matrix a product reads (a
+    rank's own experts; not the router, which runs in fp32, nor the norms or the
+    embedding lookup); the head's (the embedding's when tied)."""
+    blocks: dict[int, int] = {}
+    head = 0
+    for p in cached_param_shapes(cfg.model, cfg.moe):
+        if len(p.shape) < 2 or p.name.endswith("router.gate.weight"):
+            continue
+        if p.block >= 0:
+            blocks[p.block] = blocks.get(p.block, 0) + local_numel(p, lay)
+        elif p.name == "output.weight" or (cfg.model.tie_embeddings
+                                           and p.name == "tok_embeddings.weight"):
+            head = p.numel
+    return blocks, head
+
+
 def _activation_parts(cfg: RunConfig, lay: Layout, acts: Activations
                       ) -> tuple[float, list[float], list[float], float]:
     """(embedding, each block's full set, each block's kept set, head): bytes one
     micro-batch saves for backward at ``lay`` and ``acts`` (kept = full without
-    recomputation)."""
+    recomputation). Under autocast (bf16 without FSDP) the block input a recomputed block
+    keeps is fp32, and the sets add autocast's copies (inputs cast once per product, and
+    the cast weights; recomputation rebuilds a block's)."""
     model, moe = cfg.model, cfg.moe
     T = lay.micro_batch_size * model.seq_len
-    cb = DTYPE_BYTES[acts.compute_dtype]
+    cb, rb = DTYPE_BYTES[acts.compute_dtype], residual_bytes(lay, acts)
+    autocast = autocast_rule(lay, acts)
+    copies, head_copy = _autocast_weight_copies(cfg, lay) if autocast else ({}, 0)
 
     def nbytes(parts):
         c, f, i = parts
         return T * (c * cb + f * 4 + i * 8)
 
-    blocks = [nbytes(_dense_saved_per_token(model, moe, model.is_moe_layer(i), acts.experts_impl))
-              for i in range(model.num_layers)]
+    blocks = []
+    for i in range(model.num_layers):
+        full = nbytes(_dense_saved_per_token(model, moe, model.is_moe_layer(i), acts.experts_impl))
+        if autocast:
+            full += (T * _autocast_copies_per_token(model, moe, model.is_moe_layer(i))
+                     + copies.get(i, 0)) * cb
+        blocks.append(full)
     # final norm (fp32 input and output), head input, fp32 logits, the loss's statistics
     head = T * ((2 * model.dim + 1) * 4 + model.dim * cb + model.vocab_size * 4 + 2 * 4 + 1 * 8)
+    head += head_copy * cb
     embed = T * 8
     if acts.activation_checkpointing == "full":
-        kept = [T * model.dim * cb] * model.num_layers
+        kept = [T * model.dim * rb] * model.num_layers
     elif acts.activation_checkpointing == "selective":
+        # the selective set counts the block input in the compute dtype
         kept = [nbytes(_selective_per_token(model, moe, model.is_moe_layer(i), acts.experts_impl))
-                for i in range(model.num_layers)]
+                + T * model.dim * (rb - cb) for i in range(model.num_layers)]
+    elif acts.recompute_modules:
+        kept = [b - nbytes(recompute_dropped_per_token(model, moe, model.is_moe_layer(i), acts))
+                for i, b in enumerate(blocks)]
     else:
         kept = blocks
     return embed, blocks, kept, head
@@ -400,9 +533,16 @@ def activation_bytes(cfg: RunConfig, lay: Layout, acts: Activations) -> tuple[fl
     block's set beyond what it kept; 0 without recomputation). Without a pipeline: the
     whole model's."""
     embed, blocks, kept, head = _activation_parts(cfg, lay, acts)
-    if acts.activation_checkpointing not in ("full", "selective"):
+    if acts.activation_checkpointing not in ("full", "selective") and not acts.recompute_modules:
         return embed + sum(blocks) + head, 0.0
     return embed + sum(kept) + head, max(b - k for b, k in zip(blocks, kept))
+
+
+def optimizer_state_bytes(numel: float, state_dtype: str = "float32") -> float:
+    """Bytes of AdamW's two moments (exp_avg, exp_avg_sq) for ``numel`` parameters kept
+    in ``state_dtype`` (``train.optimizer_state_dtype``); the step counts (one scalar per
+    tensor) are left out."""
+    return 2 * numel * DTYPE_BYTES[state_dtype]
 
 
 _SHAPES: dict[str, tuple[ParamShape, ...]] = {}
@@ -457,7 +597,8 @@ def estimate(cfg: RunConfig, lay: Layout, acts: Activations | None = None) -> Me
     T = lay.micro_batch_size * cfg.model.seq_len
     comm = 2 * T * cfg.moe.top_k * cfg.model.dim * cb if lay.ep > 1 else 0.0
     kept, rebuilt = activation_bytes(cfg, lay, acts)
-    return MemoryEstimate(params=n * 4, grads=states["grads"], optimizer=n * 8,
+    return MemoryEstimate(params=n * 4, grads=states["grads"],
+                          optimizer=optimizer_state_bytes(n, cfg.train.optimizer_state_dtype),
                           activations=kept, recompute=rebuilt, gathered=gathered, comm=comm,
                           params_per_rank=n, unsharded=states["unsharded"])
 
@@ -479,7 +620,7 @@ def pipeline_memory(cfg: RunConfig, lay: Layout, acts: Activations | None = None
     owner = {s: r for r, held in enumerate(placement) for s in held}
     cb = DTYPE_BYTES[acts.compute_dtype]
     T = lay.micro_batch_size * model.seq_len
-    act = T * model.dim * cb                       # one micro-batch's activations (or gradients)
+    act = T * model.dim * residual_bytes(lay, acts)  # one micro-batch's stage output (or its gradient)
     m = lay.micro_batches
 
     held: dict[int | str, int] = {}                # parameters this layout leaves a rank, per block
@@ -497,7 +638,7 @@ def pipeline_memory(cfg: RunConfig, lay: Layout, acts: Activations | None = None
         full[key] = full.get(key, 0) + whole
     embed, blocks, kept, head = _activation_parts(cfg, lay, acts)
     rebuilt = [b - k for b, k in zip(blocks, kept)]
-    recomputes = acts.activation_checkpointing in ("full", "selective")
+    recomputes = acts.activation_checkpointing in ("full", "selective") or bool(acts.recompute_modules)
 
     def stage_set(s: int) -> float:
         r = ranges[s]
@@ -527,7 +668,9 @@ def pipeline_memory(cfg: RunConfig, lay: Layout, acts: Activations | None = None
         sends = sum((s < n - 1 and owner[s + 1] != rank) + (s > 0 and owner[s - 1] != rank)
                     for s in stages)
         mem = MemoryEstimate(
-            params=count * 4, grads=states["grads"], optimizer=count * 8, activations=peak,
+            params=count * 4, grads=states["grads"],
+            optimizer=optimizer_state_bytes(count, cfg.train.optimizer_state_dtype),
+            activations=peak,
             recompute=max((rebuilt[i] for i in layers), default=0.0) if recomputes else 0.0,
             gathered=max(full[k] for k in keys if k in full) * cb if lay.fsdp else 0.0,
             comm=2 * T * cfg.moe.top_k * model.dim * cb if lay.ep > 1 and moe_here else 0.0,

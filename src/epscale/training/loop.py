@@ -40,6 +40,7 @@ from ..appendfile import AppendFile, disk_error, warn_stderr
 from ..model import build_meta_model, build_model, next_token_loss
 from ..moe.balance import step_loads, update_expert_biases
 from ..parallel import parallelize_model, sync_gradients
+from ..parallel.compile import compile_note, disable_section_timers
 from ..parallel.fsdp import finish_gradients, micro_batch_sync, reshard
 from ..parallel.pipeline import Pipeline, StageChunk, stage_layers
 from ..placement import plan_placement
@@ -221,6 +222,8 @@ class Trainer:
         self.comm_clock = CommClock(self.device, enabled=cfg.metrics.comm_timing)
         for part in [self.model, *parts.chunks] if cfg.metrics.comm_timing else []:
             attach_comm_clock(part, self.comm_clock)
+        if cfg.train.compile:  # a compiled block holds no clock reads (forward/backward still timed)
+            disable_section_timers(self.model)
         self.stepper = self._step_strategy(parts.chunks)
         return placement, placement_note
 
@@ -377,7 +380,10 @@ class Trainer:
             f"{cfg.parallel.dispatcher if self.dims.ep > 1 else 'local'}, {self.device.type} "
             f"{self._dtype_text()}, {threads} thread(s) per process",
             *([self._pipeline_text()] if self.pp > 1 else []),
-            f"activation checkpointing: {cfg.train.activation_checkpointing}",
+            f"activation checkpointing: {cfg.train.activation_checkpointing}"
+            + (f" (recomputed modules: {', '.join(cfg.train.recompute_modules)})"
+               if cfg.train.recompute_modules else "")
+            + f"; AdamW moments in {cfg.train.optimizer_state_dtype}",
             f"element-wise expert kernels: {describe_elementwise(moe.cpu.elementwise, self.device)}",
             f"expert chunks: {describe_chunks(self.device)}",
             f"batch: {self.loader.samples_per_step} sequences x {m.seq_len} = "
@@ -791,6 +797,8 @@ class Trainer:
                 last_val = rec.get("val_loss", last_val)
                 self.writer.write(rec)
                 self.console.step(rec)
+                if cfg.train.compile and len(records) == 2:
+                    self.console.note(compile_note(records))
                 self._heartbeat()
                 if self.step % cfg.train.log_every == 0:
                     self._log(f"step {self.step} loss {rec['loss']:.4f} "
