@@ -29,139 +29,16 @@ cases also run on a GPU (``EPSCALE_TEST_DEVICE=cuda``), where such copies are co
 
 from __future__ import annotations
 
-import traceback
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-import epscale
+# The counter lives in the package (benchmarks/gpu_check.py counts a training step's syncs
+# with it on a GPU); these tests count on the code path CUDA takes, on CPU.
+from epscale.metrics.host_syncs import HostSyncCounter as SyncCounter
 
 from dist_utils import CaseRunner, assert_no_failures, run_distributed
-
-aten = torch.ops.aten
-
-# Ops whose CUDA implementation reads device values on the host to size its output.
-SYNC_OPS = {aten._local_scalar_dense, aten.nonzero, aten.unique_dim, aten._unique,
-            aten._unique2, aten.unique_consecutive, aten.unique_dim_consecutive,
-            aten.masked_select, aten.bincount, aten.equal}
-INDEX_OPS = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
-COPY_OPS = {aten._to_copy, aten.copy_}
-
-
-# The package's own directory: a checkout may itself sit in a folder named epscale, so
-# "/epscale/" in a path would also match the tests.
-PACKAGE_DIR = str(Path(epscale.__file__).resolve().parent) + "/"
-
-
-def _where() -> str:
-    """The innermost frame of the epscale package on the current stack (where a sync comes
-    from), as a path inside the package."""
-    for frame in reversed(traceback.extract_stack()[:-2]):
-        filename = str(Path(frame.filename).resolve())
-        if filename.startswith(PACKAGE_DIR):
-            return f"{filename[len(PACKAGE_DIR):]}:{frame.lineno} {frame.name}"
-    return "outside epscale"
-
-
-def _is_bool_index(indices) -> bool:
-    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
-               for i in (indices or ()))
-
-
-def _counted(counter: "SyncCounter", fn, what):
-    """``fn`` that records a sync when ``what(*args, **kwargs)`` names one; the ops it
-    runs inside are part of that one sync."""
-    def wrapper(*args, **kwargs):
-        name = what(*args, **kwargs)
-        if name is None or counter.inside:
-            return fn(*args, **kwargs)
-        counter.record(name)
-        counter.inside += 1
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            counter.inside -= 1
-    return wrapper
-
-
-def _host_data_to_device(name):
-    def what(data, *args, device=None, **kwargs):
-        if device is not None and not isinstance(data, torch.Tensor):
-            return f"{name}(host data, device=...)"
-        return None
-    return what
-
-
-# (owner, attribute, what it syncs): patched while a counter is active, on every thread
-# (a torch-function mode would miss what backward and recomputation run)
-def _always(name):
-    return lambda *args, **kwargs: name
-
-
-PATCHES = [(torch.Tensor, m, _always(m)) for m in ("tolist", "item", "cpu", "numpy")]
-PATCHES += [(torch, "tensor", _host_data_to_device("tensor")),
-            (torch, "as_tensor", _host_data_to_device("as_tensor")),
-            (torch.Tensor, "new_tensor",
-             lambda self, data, *a, **k: (None if isinstance(data, torch.Tensor)
-                                          else "new_tensor(host data)"))]
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self, counter: "SyncCounter"):
-        super().__init__()
-        self.counter = counter
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        c = self.counter
-        if not c.inside:
-            packet = func.overloadpacket
-            if packet in SYNC_OPS:
-                c.record(str(packet.__name__))
-            elif (packet is aten.repeat_interleave and kwargs.get("output_size") is None
-                  and func is not aten.repeat_interleave.self_int):  # int repeats: sized
-                c.record("repeat_interleave without output_size")
-            elif packet in INDEX_OPS and _is_bool_index(args[1] if len(args) > 1 else None):
-                c.record(f"{packet.__name__} with a bool mask")
-            elif packet in COPY_OPS:  # between host and device: only on a real device
-                src = args[1] if packet is aten.copy_ else args[0]
-                dst = args[0].device if packet is aten.copy_ else kwargs.get("device")
-                dst = torch.device(dst) if dst is not None else src.device
-                if isinstance(src, torch.Tensor) and dst.type != src.device.type:
-                    c.record(f"copy {src.device.type} -> {dst.type}")
-        return func(*args, **kwargs)
-
-
-class SyncCounter:
-    """Records every call that synchronises on CUDA while active (``with counter:``), in
-    forward, backward and recomputation alike; ``events`` lists (what, where). Forward
-    and backward are told apart by the caller (read ``len(events)`` in between)."""
-
-    def __init__(self):
-        self.events: list[tuple[str, str]] = []
-        self.inside = 0
-        self._mode = _Ops(self)
-        self._saved: list = []
-
-    def record(self, what: str) -> None:
-        self.events.append((what, _where()))
-
-    def __enter__(self):
-        for owner, name, what in PATCHES:
-            orig = getattr(owner, name)
-            self._saved.append((owner, name, orig))
-            setattr(owner, name, _counted(self, orig, what))
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._mode.__exit__(*exc)
-        for owner, name, orig in reversed(self._saved):
-            setattr(owner, name, orig)
-        self._saved.clear()
 
 
 def count_step(module: torch.nn.Module, x: torch.Tensor, steps: int = 1
