@@ -169,13 +169,36 @@ def predict(run: Run) -> dict:
             "step_s": r.step_time_s, "compute_s": r.compute_s, "expert_comm_s": r.expert_comm_s,
             "bubble_s": r.bubble_s, "p2p_s": r.p2p_s, "modelled": run.modelled,
             "not_modelled": run.not_modelled, "source": run.source,
-            "precision": run.work.precision, "tp": run.work.tp}
+            "precision": run.work.precision, "tp": run.work.tp, "breakdown": r.breakdown}
+
+
+BREAKDOWN_COLUMNS = [  # (column, parts of SimResult.breakdown it sums)
+    ("GEMM", ("gemm", "compute")), ("attn", ("attention",)), ("mem", ("memory",)),
+    ("recomp", ("recompute", "expert_recompute")), ("TP", ("tp_comm",)),
+    ("eGEMM", ("expert_gemm",)), ("emem", ("expert_memory",)), ("launch", ("launch", "overhead")),
+    ("EPcomm", ("expert_comm",)), ("p2p", ("p2p",)), ("bubble", ("bubble",)),
+    ("FSDP", ("fsdp_comm",)), ("DP", ("dp_comm",)), ("optim", ("optimizer",))]
+
+
+def print_breakdown(rows: list[dict]) -> None:
+    """Each run's predicted step by part, as shares of the step (SimResult.breakdown)."""
+    print(f"{'run':58s} " + " ".join(f"{c:>6s}" for c, _ in BREAKDOWN_COLUMNS) + "  (% of step)")
+    for r in rows:
+        b, step = r["breakdown"], r["step_s"]
+        known = {k for _, keys in BREAKDOWN_COLUMNS for k in keys}
+        assert set(b) <= known, set(b) - known
+        cells = [100 * sum(b.get(k, 0.0) for k in keys) / step for _, keys in BREAKDOWN_COLUMNS]
+        print(f"{r['name']:58s} " + " ".join(f"{c:6.1f}" for c in cells))
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None, help="also write the rows here")
     ap.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also print each run's predicted step by part (GEMMs, attention, "
+                         "memory-bound work, recomputation, expert GEMMs, exposed "
+                         "communication, bubble, optimizer)")
     args = ap.parse_args(argv)
     rows = [predict(run) for run in RUNS]
     if args.markdown:
@@ -192,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['name']:58s} {r['gpus']:5d} {r['published']:10,.0f} {r['predicted']:10,.0f} "
                   f"{r['ratio']:6.2f}  {r['step_s']:7.2f} {r['bubble_s'] / r['step_s']:7.1%} "
                   f"{r['expert_comm_s'] / r['step_s']:7.1%}")
+    if args.breakdown:
+        print()
+        print_breakdown(rows)
     print("\nsources:")
     for r in rows:
         print(f"- {r['name']}: {r['source']}")

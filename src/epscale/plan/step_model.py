@@ -83,8 +83,8 @@ from .memory import cached_param_shapes, block_of
 from .placement import plan_spill
 from .pipeline import (bubble_fraction, layers_per_stage, micro_batches, stage_flops, stage_layers,
                        stage_placement)
-from .shapes import (PRECISIONS, RECOMPUTE_MODULES, Work, compute_cluster, expert_time,
-                     nonexpert_time, optimizer_bytes_per_param)
+from .shapes import (PRECISIONS, RECOMPUTE_MODULES, Work, compute_cluster, expert_parts,
+                     nonexpert_parts, optimizer_bytes_per_param)
 from .routing import (RoutingSpec, fit_weights, inclusion_probs, layer_shares, sample_topk,
                       shares_of)
 
@@ -115,6 +115,9 @@ class SimResult:
     layers: list[dict] = field(default_factory=list)
     bubble_s: float = 0.0         # pipeline: the slowest rank's idle share of the schedule
     p2p_s: float = 0.0            # pipeline: the slowest rank's stage-boundary transfers
+    # seconds of the step by part on the rank that sets the pace (:func:`_breakdown`):
+    # they add up to step_time_s
+    breakdown: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -205,12 +208,14 @@ def simulate(run_cfg: RunConfig, cluster: ClusterSpec, routing: RoutingSpec | No
     ne_flops = T * (size.flops_per_token - expert_flops_tok)   # non-expert, per micro-batch
     ccl = compute_cluster(cluster, work, overlap)
     if cluster.sm_count or work != Work():
-        dense_time = nonexpert_time(run_cfg, ccl, T, work)
+        ne_parts = nonexpert_parts(run_cfg, ccl, T, work)
     else:
-        dense_time = ne_flops / rate
+        ne_parts = {"compute": ne_flops / rate}
+    dense_time = float(sum(ne_parts.values()))
     dense_time_layer = dense_time / model.num_layers
     overhead = 3 * cluster.layer_overhead_us * 1e-6                      # fwd + 2x bwd
     ctx = dict(half_rows=cluster.gemm_half_rows, work=work, rate_ne=ne_flops / dense_time, ccl=ccl,
+               ne_parts=ne_parts,
                tile=cluster.gemm_tile_m if cluster.sm_count else 0)
     row_bytes = model.dim * act_bytes
 
@@ -375,17 +380,47 @@ def _strategy_loads(strat: Strategy, base_w, trace_steps, lay: Layout, moe, para
 
 
 def _expert_compute(sim: dict, run_cfg: RunConfig, cluster: ClusterSpec, ctx: dict, rate: float,
-                    row_flops: float, overhead: float, redo: float) -> np.ndarray:
+                    row_flops: float, overhead: float, redo: float) -> tuple[np.ndarray, dict]:
     """[S, L, R] seconds of each rank's experts per MoE layer and micro-batch, fwd + bwd and
     what is recomputed: by shape (:func:`epscale.plan.shapes.expert_time`) on a cluster
-    with ``sm_count``, else the calibrated ``gemm_half_rows`` extra rows per expert GEMM."""
+    with ``sm_count``, else the calibrated ``gemm_half_rows`` extra rows per expert GEMM;
+    and the mean share of each part (``expert_gemm``, ``expert_memory``,
+    ``expert_recompute``, ``overhead``) for :func:`_breakdown`."""
     rows, gemms, work = sim["rows"], sim["gemms"], ctx["work"]
     again = "moe" in (work.recompute_modules or ())       # the MoE forward runs twice
     if not cluster.sm_count:
-        base = (rows + ctx["half_rows"] * gemms) * row_flops / rate + overhead
-        return base * (1 + redo + again / 3.0)
-    total, fwd = expert_time(run_cfg, ctx["ccl"], rows, rows + sim["pad"], gemms, work)
-    return total * (1 + redo) + fwd * again + overhead
+        gemm = (rows + ctx["half_rows"] * gemms) * row_flops / rate
+        parts = {"expert_gemm": gemm, "expert_recompute": gemm * (redo + again / 3.0),
+                 "overhead": np.broadcast_to(overhead * (1 + redo + again / 3.0), rows.shape)}
+    else:
+        p = expert_parts(run_cfg, ctx["ccl"], rows, rows + sim["pad"], gemms, work)
+        gemm, mem = p["fwd"] + p["bwd"], p["memory"]
+        parts = {"expert_gemm": gemm, "expert_memory": mem,
+                 "expert_recompute": p["recompute"] * (1 + redo) + (gemm + mem) * redo
+                 + p["fwd"] * again,
+                 "overhead": np.broadcast_to(overhead, rows.shape)}
+    comp = sum(np.asarray(v, dtype=np.float64) for v in parts.values())
+    total = float(np.sum(comp))
+    shares = {k: float(np.sum(v)) / total if total > 0 else 0.0 for k, v in parts.items()}
+    return comp, shares
+
+
+def _breakdown(ne_parts: dict, ne_step: float, redo: float, ex_shares: dict, ex_step: float,
+               **rest: float) -> dict:
+    """Seconds of the step by part on the rank that sets the pace: its non-expert work
+    (``ne_step``) split as one micro-batch's ``ne_parts`` (the whole-block recomputation,
+    ``redo`` of it, as ``recompute``), its experts' (``ex_step``) by ``ex_shares``, and the
+    ``rest`` (exposed communication, bubble, optimizer) as given. The parts add up to the
+    step time."""
+    out: dict = {}
+    total = sum(ne_parts.values())
+    for k, v in ne_parts.items():
+        out[k] = out.get(k, 0.0) + (v / total * ne_step / (1 + redo) if total > 0 else 0.0)
+    out["recompute"] = out.get("recompute", 0.0) + ne_step * redo / (1 + redo)
+    for k, v in ex_shares.items():
+        out[k] = out.get(k, 0.0) + v * ex_step
+    out.update(rest)
+    return {k: float(v) for k, v in out.items()}
 
 
 def _optimizer_time(cluster: ClusterSpec, run_cfg: RunConfig, params: float, world: int) -> float:
@@ -425,7 +460,8 @@ def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSp
         transfers = 6 if "moe" in work.recompute_modules else 4
     dense_time = dense_time * (1 + redo)
     dense_time_layer = dense_time_layer * (1 + redo)
-    comp = _expert_compute(sim, run_cfg, cluster, ctx, rate, row_flops, overhead, redo)  # [S, L, R]
+    comp, ex_shares = _expert_compute(sim, run_cfg, cluster, ctx, rate, row_flops, overhead,
+                                      redo)                                    # [S, L, R]
 
     # Rows each source sends to each destination rank (per micro-batch, one transfer).
     per_src_to = rows / R                                                     # alltoall
@@ -478,7 +514,7 @@ def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSp
     if lay.pp > 1:
         return _pipeline_result(
             strat, disp, overlap, lay, cluster, run_cfg, T, ctx["rate_ne"], grad_bytes, row_bytes, redo,
-            accum, ctx["work"], dict(layer_time=layer_time, comp_max=comp_max, idle=idle,
+            accum, ctx["work"], ctx["ne_parts"], ex_shares, dict(layer_time=layer_time, comp_max=comp_max, idle=idle,
                         rows=rows, comm_max=comm_max, comp=comp, out_intra=out_intra,
                         out_inter=out_inter))
 
@@ -514,8 +550,8 @@ def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSp
         dp_exposed = ar
     else:
         dp_exposed = max(0.0, ar - 2.0 / 3.0 * micro)
-    step = (accum * micro + dp_exposed + fsdp_exposed
-            + _optimizer_time(cluster, run_cfg, dense_params + expert_params, lay.world))
+    opt = _optimizer_time(cluster, run_cfg, dense_params + expert_params, lay.world)
+    step = accum * micro + dp_exposed + fsdp_exposed + opt
     idle_rank = accum * (idle.mean(axis=0) * weight_L[:, None]).sum(axis=0)   # [R]
     compute = accum * (dense_time + wsum(comp_max))
     expert_comm = accum * wsum(exposed)
@@ -539,12 +575,15 @@ def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSp
         max_vio=max_vio,
         intra_bytes_per_gpu=factor * float((per_transfer_intra * weight_L).sum()),
         inter_bytes_per_gpu=factor * float((per_transfer_inter * weight_L).sum()),
-        layers=layers)
+        layers=layers, breakdown=_breakdown(
+            ctx["ne_parts"], accum * dense_time, redo, ex_shares, accum * wsum(comp_max),
+            expert_comm=expert_comm, fsdp_comm=fsdp_exposed, dp_comm=dp_exposed, optimizer=opt))
 
 
 def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, run_cfg: RunConfig,
                      T: int, rate: float, grad_bytes: int, row_bytes: float, redo: float,
-                     m: int, work: Work, moe_times: dict) -> SimResult:
+                     m: int, work: Work, ne_parts: dict, ex_shares: dict,
+                     moe_times: dict) -> SimResult:
     """One step under a pipeline (the module docstring's 'Pipeline'). ``moe_times``: the
     per-distribution arrays of :func:`_evaluate` ([S, L] or [S, L, R]) for one MoE layer
     and micro-batch."""
@@ -619,14 +658,15 @@ def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, ru
             ar = (_allreduce_time(d_params * grad_bytes, W // tp, bw, lat)
                   + _allreduce_time(e_params * grad_bytes, lay.dp, dp_bw, dp_lat))
         dp_t = ar if overlap == "none" else max(0.0, ar - 2.0 / 3.0 * (busy + p2p + fsdp_t))
-        ranks.append(dict(time=busy + p2p + fsdp_t, compute=compute, expert_comm=busy - compute,
+        ranks.append(dict(time=busy + p2p + fsdp_t, compute=compute, nonexpert=nonexpert, expert_comm=busy - compute,
                           p2p=p2p, fsdp=fsdp_t, dp=dp_t, weights=weights,
                           opt=_optimizer_time(cluster, run_cfg, d_params + e_params, W)))
     slow = max(ranks, key=lambda x: x["time"])
     bubble = bubble_fraction(par.pp_schedule, lay.pp, m, par.pp_virtual_stages)
     pipe = m * slow["time"] / (1.0 - bubble)
     dp_exposed = max(x["dp"] for x in ranks)
-    step = pipe + dp_exposed + max(x["opt"] for x in ranks)
+    opt = max(x["opt"] for x in ranks)
+    step = pipe + dp_exposed + opt
     w = slow["weights"]
     idle_rank = m * (idle * w[:, None]).sum(axis=0)                   # [R]
     rows = moe_times["rows"]
@@ -656,4 +696,8 @@ def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, ru
         mean_idle_share=float(idle_rank.mean() / step), max_vio=max_vio,
         intra_bytes_per_gpu=4 * m * float((intra * w_mean).sum()),
         inter_bytes_per_gpu=4 * m * float((inter * w_mean).sum()),
-        layers=layers_out, bubble_s=pipe - m * slow["time"], p2p_s=m * slow["p2p"])
+        layers=layers_out, bubble_s=pipe - m * slow["time"], p2p_s=m * slow["p2p"],
+        breakdown=_breakdown(ne_parts, m * slow["nonexpert"], redo, ex_shares,
+                             m * (slow["compute"] - slow["nonexpert"]), expert_comm=expert_comm,
+                             p2p=m * slow["p2p"], fsdp_comm=m * slow["fsdp"],
+                             bubble=pipe - m * slow["time"], dp_comm=dp_exposed, optimizer=opt))
