@@ -124,12 +124,17 @@ RUNS = [
         Work(precision="fp8", p2p_overlap=True), modelled="fp8 GEMMs, interleaved p2p overlap"),
     Run("Qwen3-30B-A3B, 16 H100 (Megatron-Bridge 25.09, token drop)", 10494,
         MB_PERF + ": 25.09 DGX-H100 'Qwen3_30B_a3B (tokendrop) | 16 | GBS 512 | MBS 2 | 4096 | FSDP 0 "
-        "| TP 1 | PP 2 | CP 1 | VP 24 | EP 8 | GA 32 | 10494 | 241'; no precision given (bf16 "
-        "assumed)",
+        "| TP 1 | PP 2 | CP 1 | VP 24 | EP 8 | GA 32 | 10494 | 241'. The 25.09 tables state no "
+        "precision, but they are FP8: their footnote gives the parenthesised figures' FP8 "
+        "quantization granularities 'for H100 system', and the same table's LLAMA3_8B row "
+        "(14,079) matches 25.11's FP8-CS row (14,451), not a bf16 one. Token drop: a fixed "
+        "capacity (factor 1 assumed) needs no host read of the split sizes",
         "qwen3-30b-a3b", _pipe(2, "interleaved_1f1b", 24, 1, 8, 32, 2, 4096) +
-        ["train.activation_checkpointing=none"], "h100-node", 2, "dedup", "none",
-        Work(p2p_overlap=True), modelled="interleaved p2p overlap",
-        not_modelled="token dropping (capacity factor unknown); precision not stated"),
+        ["train.activation_checkpointing=none", "moe.capacity_factor=1.0"], "h100-node", 2,
+        "dedup", "none", Work(precision="fp8", p2p_overlap=True),
+        modelled="fp8 GEMMs, interleaved p2p overlap, no host sync (fixed capacity)",
+        not_modelled="the capacity factor (not published; 1.0 assumed, forced-balanced routing "
+                     "drops almost nothing)"),
     Run("Qwen3-235B-A22B, 256 H100 (Megatron-Bridge 26.02)", 1633,
         MB_PERF + ": 26.02 Qwen3_235B_a22B 'DGX-H100 | 256 | FP8 | GBS 8192 | MBS 1 | 4096 | FSDP 0 "
         "| TP 2 | PP 8 | CP 1 | VP 4 | EP 32 | 1633 | 242'; moe_a2a_overlap=True, alltoall "
@@ -158,7 +163,11 @@ NOT_FOUND = [
 ]
 
 
-def predict(run: Run) -> dict:
+def predict(run: Run, launch_us: float | None = None) -> dict:
+    """The step model's prediction of one run (``launch_us``: the host's time per kernel
+    launch instead of the default, to see how the documented 5-20 us range moves it)."""
+    if launch_us is not None:
+        run = dataclasses.replace(run, work=dataclasses.replace(run.work, launch_us=launch_us))
     cfg = load_recipe(run.recipe, run.overrides)
     cluster = dataclasses.replace(load_cluster(run.cluster), nodes=run.nodes, **run.cluster_set)
     r = simulate(cfg, cluster, RoutingSpec.parse("uniform"), strategies=("none",),
@@ -199,8 +208,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="also print each run's predicted step by part (GEMMs, attention, "
                          "memory-bound work, recomputation, expert GEMMs, exposed "
                          "communication, bubble, optimizer)")
+    ap.add_argument("--launch-us", type=float, default=None,
+                    help="the host's time to issue one kernel, microseconds (default: the "
+                         "step model's, epscale.plan.shapes.HOST_LAUNCH_US)")
     args = ap.parse_args(argv)
-    rows = [predict(run) for run in RUNS]
+    rows = [predict(run, args.launch_us) for run in RUNS]
     if args.markdown:
         print("| run | GPUs | published tok/s/GPU | predicted | predicted / published | "
               "modelled (not in the trainer) | not modelled |")

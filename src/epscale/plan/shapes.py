@@ -42,8 +42,25 @@ from .cluster import ClusterSpec
 from .sizing import _ffn_mats, attention_flops_per_token, head_dim
 
 PRECISIONS = ("bf16", "fp8")
-# Bytes per element of casting one GEMM input to fp8: read 2 bytes, write 1.
-FP8_CAST_BYTES = 3.0
+# Bytes per element of casting one GEMM input to fp8 with a scale computed from the tensor
+# itself (Transformer Engine's current scaling; DeepSeek-V3's 1x128 / 128x128 blocks alike):
+# one pass reads the bf16 tensor for its amax (2 bytes), a second reads it again and writes
+# the fp8 copy (1) and, on Hopper, the transposed fp8 copy the backward GEMMs need (1)
+# (Transformer Engine docs, "FP8 Current Scaling" and "Performance considerations:
+# handling transposes": Hopper's fp8 GEMMs take only TN layouts).
+FP8_CAST_BYTES = 6.0
+# Flash attention's rates on H100 SXM at head dim 128 and sequence 4k, as fractions of the
+# dense bf16 peak (989 TFLOP/s): cuDNN's forward 609 TFLOP/s and backward 499 TFLOP/s,
+# where the backward counts 2.5 times the forward's FLOPs (it recomputes QK^T): Shah et al.,
+# "FlashAttention-3", arXiv 2407.08608, figures "Attention forward/backward speed, head
+# dim 128 (H100 80GB SXM5)". Megatron-Core runs cuDNN's kernels through Transformer Engine.
+ATTN_FWD_EFFICIENCY = 609.0 / 989.0
+ATTN_BWD_EFFICIENCY = 499.0 / 989.0
+ATTN_BWD_FLOPS = 2.5
+# Host time to issue one kernel: "usually, the launch time on the CPU side is between 5-20
+# microseconds" (Meta's Holistic Trace Analysis docs, "CUDA kernel launch statistics"); the
+# low end, the runtime call alone (the framework's Python above it only adds).
+HOST_LAUNCH_US = 5.0
 RECOMPUTE_MODULES = ("layernorm", "mla_up_proj", "moe_act", "core_attn", "mlp", "moe", "router",
                      "shared_experts")
 
@@ -115,13 +132,15 @@ class Work:
     recipe's ``train.activation_checkpointing``), ``comm_sms`` SMs the overlapped dispatch
     kernels hold (:func:`compute_cluster`), ``p2p_overlap``: a looped or V pipeline hides
     its p2p behind compute even where the expert transfers are not overlapped (Megatron's
-    interleaved schedule)."""
+    interleaved schedule), ``launch_us`` the host's time to issue one kernel
+    (:func:`host_bound_time`)."""
 
     precision: str = "bf16"
     tp: int = 1
     recompute_modules: tuple[str, ...] | None = None
     comm_sms: int = 0
     p2p_overlap: bool = False
+    launch_us: float = HOST_LAUNCH_US
 
 
 def compute_cluster(cluster: ClusterSpec, work: Work, overlap: str) -> ClusterSpec:
@@ -230,6 +249,18 @@ def _linears(run_cfg: RunConfig, moe_layer: bool) -> list[tuple[str, int, int, s
     return out
 
 
+def attention_time(cluster: ClusterSpec, fwd_flops: float) -> tuple[float, float]:
+    """(forward, backward) seconds of flash attention's core of ``fwd_flops`` forward
+    FLOPs: at the measured flash-attention rates (:data:`ATTN_FWD_EFFICIENCY`) on a cluster
+    with ``sm_count``, else the calibrated large-GEMM rate (backward twice the forward)."""
+    if not cluster.sm_count:
+        t = fwd_flops / cluster.flops_per_s
+        return t, 2 * t
+    peak = cluster.gemm_tflops * 1e12
+    return (fwd_flops / (peak * ATTN_FWD_EFFICIENCY),
+            ATTN_BWD_FLOPS * fwd_flops / (peak * ATTN_BWD_EFFICIENCY))
+
+
 def _layer_parts(run_cfg: RunConfig, cluster: ClusterSpec, T: float, work: Work,
                  moe_layer: bool) -> dict[str, float]:
     """Seconds of one layer's non-expert work, fwd + bwd (+ the modules recomputed), on a
@@ -249,9 +280,9 @@ def _layer_parts(run_cfg: RunConfig, cluster: ClusterSpec, T: float, work: Work,
             or (module in ("router", "shared") and _recomputed(work, run_cfg, "moe"))
         if again:
             out["recompute"] += float(gemm_time(cluster, M, N, K, prec))
-    attn = T * attention_flops_per_token(run_cfg.model) / (cluster.flops_per_s)
-    out["attention"] = 3 * attn
-    out["recompute"] += attn * _recomputed(work, run_cfg, "core_attn")
+    fwd_attn, bwd_attn = attention_time(cluster, T * attention_flops_per_token(run_cfg.model))
+    out["attention"] = fwd_attn + bwd_attn
+    out["recompute"] += fwd_attn * _recomputed(work, run_cfg, "core_attn")
     if cluster.mem_bw_GBps:
         parts = elementwise_bytes(run_cfg, moe_layer, work.precision == "fp8")
         per_row = ("permute", "moe_act")          # charged with the experts' rows
@@ -345,3 +376,38 @@ def expert_time(run_cfg: RunConfig, cluster: ClusterSpec, rows, padded_rows, gem
     a recomputed MoE forward)."""
     p = expert_parts(run_cfg, cluster, rows, padded_rows, gemms, work)
     return p["fwd"] + p["bwd"] + p["memory"] + p["recompute"], p["fwd"]
+
+
+def kernels_per_layer(run_cfg: RunConfig, moe_layer: bool, local_experts: int,
+                      work: Work) -> tuple[int, int]:
+    """(forward, backward) kernels one layer launches per micro-batch, counted from its
+    structure as an eager framework runs it (Megatron-Core with Transformer Engine, or our
+    trainer): one GEMM per linear layer and per local expert (a grouped GEMM on Hopper is a
+    loop of GEMMs, one per expert), the norms, rope, flash attention, residual adds, the
+    router's scores, top-k and statistics (6), the permute and unpermute (2 each), the
+    exchanges (split sizes, their host copy, dispatch, combine), activations; fp8 adds an
+    amax and a cast kernel per GEMM input. The backward runs two GEMMs per forward GEMM
+    (input and weight gradients), two kernels per element-wise one (the gradient and the
+    reduction of a weight's or a residual's gradient), three for flash attention."""
+    m, moe = run_cfg.model, run_cfg.moe
+    linears = len(_linears(run_cfg, moe_layer)) - moe_layer          # the router: below
+    elem = 2 + 2 + 2 + 2 * (m.attention == "mla")                   # norms, rope, residuals
+    comm = 4 * (work.tp > 1)                                         # sequence parallelism
+    if moe_layer:
+        linears += 1 + 2 * local_experts                             # router, experts
+        elem += 6 + 2 * 2 + (moe.shared_width > 0) + 1               # routing, permutes, acts
+        comm += 4                                                    # sizes, copy, a2a x 2
+    else:
+        elem += 1                                                    # the FFN's activation
+    casts = 2 * linears if work.precision == "fp8" else 0
+    fwd = linears + elem + comm + casts + 1                          # + flash attention
+    bwd = 2 * linears + 2 * elem + comm + casts + 3
+    return fwd, bwd
+
+
+def host_bound_time(n_kernels, gpu_time, launch_us: float = HOST_LAUNCH_US):
+    """Seconds a segment of ``n_kernels`` kernels that starts after a host sync (the host
+    waited for the GPU, so nothing is queued) takes beyond its ``gpu_time`` (arrays
+    broadcast): the host issues them one by one, so the segment lasts at least
+    ``n_kernels x launch_us``."""
+    return np.maximum(0.0, np.asarray(n_kernels, float) * launch_us * 1e-6 - gpu_time)

@@ -84,7 +84,8 @@ from .placement import plan_spill
 from .pipeline import (bubble_fraction, layers_per_stage, micro_batches, stage_flops, stage_layers,
                        stage_placement)
 from .shapes import (PRECISIONS, RECOMPUTE_MODULES, Work, compute_cluster, expert_parts,
-                     nonexpert_parts, optimizer_bytes_per_param)
+                     host_bound_time, kernels_per_layer, nonexpert_parts,
+                     optimizer_bytes_per_param)
 from .routing import (RoutingSpec, fit_weights, inclusion_probs, layer_shares, sample_topk,
                       shares_of)
 
@@ -260,6 +261,9 @@ def _tokens_per_gpu(run_cfg: RunConfig, work: Work) -> int:
         if mod not in RECOMPUTE_MODULES:
             raise ConfigError(f"recompute module '{mod}' is invalid: must be one of "
                               f"{', '.join(RECOMPUTE_MODULES)}")
+    if not work.launch_us >= 0:
+        raise ConfigError(f"launch_us = {work.launch_us} is invalid: must be >= 0 microseconds "
+                          "(the host's time to issue one kernel)")
     tokens = run_cfg.train.micro_batch_size * run_cfg.model.seq_len
     if work.tp < 1 or tokens % work.tp:
         raise ConfigError(f"tp = {work.tp} is invalid: must be a positive integer dividing "
@@ -405,6 +409,24 @@ def _expert_compute(sim: dict, run_cfg: RunConfig, cluster: ClusterSpec, ctx: di
     return comp, shares
 
 
+def _host_bound(run_cfg: RunConfig, lay: Layout, sim: dict, cluster: ClusterSpec, work: Work,
+                compute: np.ndarray, exposed: np.ndarray) -> np.ndarray:
+    """[S, L] seconds each MoE layer and micro-batch waits on the host issuing its kernels
+    (:func:`epscale.plan.shapes.host_bound_time`; GPU presets only). A dropless exchange
+    reads the split sizes on the host once per MoE layer forward (Megatron-Core's
+    all-to-all and DeepEP's normal kernels, and our trainer), so each layer's forward
+    starts with nothing queued: it lasts at least its kernels' issue time. The backward
+    has no sync; the same bound holds layer by layer where the host falls behind. The
+    layer's ``compute`` (experts and its share of the non-expert work) is a third forward,
+    two thirds backward; its ``exposed`` transfers half and half. Token dropping at a
+    fixed capacity (``moe.capacity_factor``) or one EP rank needs no sync: nothing."""
+    if not cluster.sm_count or run_cfg.moe.capacity_factor is not None or lay.ep == 1:
+        return np.zeros_like(compute)
+    n_fwd, n_bwd = kernels_per_layer(run_cfg, True, int(sim["num_slots"]) // lay.ep, work)
+    return (host_bound_time(n_fwd, compute / 3 + exposed / 2, work.launch_us)
+            + host_bound_time(n_bwd, 2 * compute / 3 + exposed / 2, work.launch_us))
+
+
 def _breakdown(ne_parts: dict, ne_step: float, redo: float, ex_shares: dict, ex_step: float,
                **rest: float) -> dict:
     """Seconds of the step by part on the rank that sets the pace: its non-expert work
@@ -506,6 +528,8 @@ def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSp
     else:
         layer_time = comp_max + transfers * comm_max
     exposed = layer_time - comp_max
+    launch = _host_bound(run_cfg, lay, sim, cluster, work, comp_max + dense_time_layer, exposed)
+    layer_time = layer_time + launch
     idle = comp_max[..., None] - comp                                         # [S, L, R]
     # Weighted sum over the MoE layers each distribution stands for, mean over steps.
     wsum = lambda a: float((a.mean(axis=0) * weight_L).sum())  # noqa: E731
@@ -514,7 +538,7 @@ def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSp
     if lay.pp > 1:
         return _pipeline_result(
             strat, disp, overlap, lay, cluster, run_cfg, T, ctx["rate_ne"], grad_bytes, row_bytes, redo,
-            accum, ctx["work"], ctx["ne_parts"], ex_shares, dict(layer_time=layer_time, comp_max=comp_max, idle=idle,
+            accum, ctx["work"], ctx["ne_parts"], ex_shares, dict(layer_time=layer_time, launch=launch, comp_max=comp_max, idle=idle,
                         rows=rows, comm_max=comm_max, comp=comp, out_intra=out_intra,
                         out_inter=out_inter))
 
@@ -577,7 +601,8 @@ def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSp
         inter_bytes_per_gpu=factor * float((per_transfer_inter * weight_L).sum()),
         layers=layers, breakdown=_breakdown(
             ctx["ne_parts"], accum * dense_time, redo, ex_shares, accum * wsum(comp_max),
-            expert_comm=expert_comm, fsdp_comm=fsdp_exposed, dp_comm=dp_exposed, optimizer=opt))
+            expert_comm=expert_comm, launch=accum * wsum(launch), fsdp_comm=fsdp_exposed,
+            dp_comm=dp_exposed, optimizer=opt))
 
 
 def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, run_cfg: RunConfig,
@@ -593,6 +618,7 @@ def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, ru
     placement = stage_placement(par.pp_schedule, lay.pp, par.pp_virtual_stages)
     owner = {s: r for r, held in enumerate(placement) for s in held}
     layer_time = moe_times["layer_time"].mean(axis=0)                  # [L]: per distribution
+    launch_L = moe_times["launch"].mean(axis=0)
     comp_max = moe_times["comp_max"].mean(axis=0)
     idle = moe_times["idle"].mean(axis=0)                              # [L, R]
     n_dist = layer_time.shape[0]
@@ -658,7 +684,9 @@ def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, ru
             ar = (_allreduce_time(d_params * grad_bytes, W // tp, bw, lat)
                   + _allreduce_time(e_params * grad_bytes, lay.dp, dp_bw, dp_lat))
         dp_t = ar if overlap == "none" else max(0.0, ar - 2.0 / 3.0 * (busy + p2p + fsdp_t))
-        ranks.append(dict(time=busy + p2p + fsdp_t, compute=compute, nonexpert=nonexpert, expert_comm=busy - compute,
+        launch = float((launch_L * weights).sum())
+        ranks.append(dict(time=busy + p2p + fsdp_t, compute=compute, nonexpert=nonexpert,
+                          launch=launch, expert_comm=busy - compute - launch,
                           p2p=p2p, fsdp=fsdp_t, dp=dp_t, weights=weights,
                           opt=_optimizer_time(cluster, run_cfg, d_params + e_params, W)))
     slow = max(ranks, key=lambda x: x["time"])
@@ -699,5 +727,6 @@ def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, ru
         layers=layers_out, bubble_s=pipe - m * slow["time"], p2p_s=m * slow["p2p"],
         breakdown=_breakdown(ne_parts, m * slow["nonexpert"], redo, ex_shares,
                              m * (slow["compute"] - slow["nonexpert"]), expert_comm=expert_comm,
+                             launch=m * slow["launch"],
                              p2p=m * slow["p2p"], fsdp_comm=m * slow["fsdp"],
                              bubble=pipe - m * slow["time"], dp_comm=dp_exposed, optimizer=opt))
