@@ -409,6 +409,35 @@ def _expert_compute(sim: dict, run_cfg: RunConfig, cluster: ClusterSpec, ctx: di
     return comp, shares
 
 
+def _fsdp_exposure(zero: int, pp: int, gather: float, rs: float, compute: float,
+                   layers: int) -> tuple[float, float]:
+    """(per micro-batch, per step) exposed seconds of FSDP's collectives at ZeRO level
+    ``zero`` (``parallel.zero``): ``gather`` one all-gather of the rank's weights in the
+    compute dtype, ``rs`` one fp32 reduce-scatter of their gradients, ``compute`` a
+    micro-batch's compute on the rank, ``layers`` its blocks. Level 3 gathers every weight
+    twice per micro-batch (forward, and again for backward) and reduce-scatters once; 2
+    gathers once per step and reduce-scatters per micro-batch; 1 gathers and
+    reduce-scatters once per step. Under a pipeline torch's stage accumulates the gradients
+    unsharded and keeps the weights gathered after each backward (level 3: one gather per
+    micro-batch, its next forward frees them), so it reduce-scatters once per step at
+    every level. A gather runs one block ahead of the compute that needs it (the first
+    block's is exposed), a reduce-scatter behind the backward (two thirds of the compute;
+    the last block's is exposed)."""
+    if pp > 1:
+        per_micro, micro_rs, step_gather, step_rs = (gather if zero == 3 else 0.0), 0.0, gather, rs
+    else:
+        per_micro, micro_rs = {3: (2 * gather, rs), 2: (0.0, rs), 1: (0.0, 0.0)}[zero]
+        step_gather, step_rs = (0.0, 0.0) if zero == 3 else (gather, rs if zero == 1 else 0.0)
+    micro = per_micro + micro_rs
+    micro_exposed = max(0.0, micro - compute) + micro / 3 / layers if micro > 0 else 0.0
+    step_exposed = 0.0
+    if step_gather:
+        step_exposed += max(0.0, step_gather - compute) + step_gather / layers
+    if step_rs:
+        step_exposed += max(0.0, step_rs - 2.0 / 3.0 * compute) + step_rs / layers
+    return micro_exposed, step_exposed
+
+
 def _host_bound(run_cfg: RunConfig, lay: Layout, sim: dict, cluster: ClusterSpec, work: Work,
                 compute: np.ndarray, exposed: np.ndarray) -> np.ndarray:
     """[S, L] seconds each MoE layer and micro-batch waits on the host issuing its kernels
@@ -556,12 +585,12 @@ def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSp
         efsdp = dp_shard // lay.ep
         dense_bw, dense_lat = link(dp_shard)
         exp_bw, exp_lat = link(efsdp, lay.ep)
-        per_micro = 0.0   # two gathers in the compute dtype and one fp32 reduce-scatter
-        for nbytes in (grad_bytes, grad_bytes, 4):
-            per_micro += (_ring_time(dense_params * nbytes, dp_shard, dense_bw, dense_lat)
-                          + _ring_time(expert_params * nbytes, efsdp, exp_bw, exp_lat))
-        first_block = per_micro / 3 / run_cfg.model.num_layers
-        fsdp_exposed = accum * (max(0.0, per_micro - micro) + first_block)
+        gather, rs = (_ring_time(dense_params * nbytes, dp_shard, dense_bw, dense_lat)
+                      + _ring_time(expert_params * nbytes, efsdp, exp_bw, exp_lat)
+                      for nbytes in (grad_bytes, 4))
+        per_micro, per_step = _fsdp_exposure(par.zero, 1, gather, rs, micro,
+                                             run_cfg.model.num_layers)
+        fsdp_exposed = accum * per_micro + per_step
         rep_bw, rep_lat = link(rep, dp_shard)
         ar = (_allreduce_time(dense_params / dp_shard * 4, rep, rep_bw, rep_lat)
               + _allreduce_time(expert_params / efsdp * 4, rep, rep_bw, rep_lat))
@@ -667,14 +696,15 @@ def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, ru
         keys = layers + ["embed"] * (0 in stages) + ["head"] * (n - 1 in stages)
         d_params = sum(dense.get(k, 0) for k in keys) / tp
         e_params = sum(expert.get(k, 0) for k in keys)
-        fsdp_t = 0.0
+        fsdp_t = fsdp_step = 0.0
         if fsdp:
             dense_bw, dense_lat = _link(cluster, dp_shard)
             exp_bw, exp_lat = _link(cluster, efsdp, lay.ep)
-            per_micro = sum(_ring_time(d_params * b, dp_shard, dense_bw, dense_lat)
-                            + _ring_time(e_params * b, efsdp, exp_bw, exp_lat)
-                            for b in (grad_bytes, grad_bytes, 4))
-            fsdp_t = max(0.0, per_micro - busy) + per_micro / 3 / max(1, len(layers))
+            gather, rs = (_ring_time(d_params * b, dp_shard, dense_bw, dense_lat)
+                          + _ring_time(e_params * b, efsdp, exp_bw, exp_lat)
+                          for b in (grad_bytes, 4))
+            fsdp_t, fsdp_step = _fsdp_exposure(par.zero, lay.pp, gather, rs, busy,
+                                               max(1, len(layers)))
             rep_bw, rep_lat = _link(cluster, rep, dp_shard)
             ar = (_allreduce_time(d_params / dp_shard * 4, rep, rep_bw, rep_lat)
                   + _allreduce_time(e_params / efsdp * 4, rep, rep_bw, rep_lat))
@@ -683,16 +713,18 @@ def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, ru
             dp_bw, dp_lat = _link(cluster, lay.dp, lay.ep)
             ar = (_allreduce_time(d_params * grad_bytes, W // tp, bw, lat)
                   + _allreduce_time(e_params * grad_bytes, lay.dp, dp_bw, dp_lat))
-        dp_t = ar if overlap == "none" else max(0.0, ar - 2.0 / 3.0 * (busy + p2p + fsdp_t))
+        dp_t = fsdp_step + (ar if overlap == "none"
+                            else max(0.0, ar - 2.0 / 3.0 * (busy + p2p + fsdp_t)))
         launch = float((launch_L * weights).sum())
         ranks.append(dict(time=busy + p2p + fsdp_t, compute=compute, nonexpert=nonexpert,
                           launch=launch, expert_comm=busy - compute - launch,
-                          p2p=p2p, fsdp=fsdp_t, dp=dp_t, weights=weights,
+                          p2p=p2p, fsdp=fsdp_t, fsdp_step=fsdp_step, dp=dp_t, weights=weights,
                           opt=_optimizer_time(cluster, run_cfg, d_params + e_params, W)))
     slow = max(ranks, key=lambda x: x["time"])
     bubble = bubble_fraction(par.pp_schedule, lay.pp, m, par.pp_virtual_stages)
     pipe = m * slow["time"] / (1.0 - bubble)
-    dp_exposed = max(x["dp"] for x in ranks)
+    dp_rank = max(ranks, key=lambda x: x["dp"])     # its dp includes ZeRO's per-step share
+    dp_exposed = dp_rank["dp"]
     opt = max(x["opt"] for x in ranks)
     step = pipe + dp_exposed + opt
     w = slow["weights"]
@@ -718,7 +750,8 @@ def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, ru
     return SimResult(
         strategy=strat.name, dispatcher=disp, overlap=overlap, step_time_s=step,
         tokens_per_s_per_gpu=m * T / lay.pp / step, compute_s=m * slow["compute"],
-        expert_comm_s=expert_comm, dp_comm_s=dp_exposed, fsdp_comm_s=m * slow["fsdp"],
+        expert_comm_s=expert_comm, dp_comm_s=dp_exposed - dp_rank["fsdp_step"],
+        fsdp_comm_s=m * slow["fsdp"] + dp_rank["fsdp_step"],
         comm_share=expert_comm / step, dp_share=dp_exposed / step,
         worst_idle_share=float(idle_rank.max() / step),
         mean_idle_share=float(idle_rank.mean() / step), max_vio=max_vio,
@@ -728,5 +761,6 @@ def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, ru
         breakdown=_breakdown(ne_parts, m * slow["nonexpert"], redo, ex_shares,
                              m * (slow["compute"] - slow["nonexpert"]), expert_comm=expert_comm,
                              launch=m * slow["launch"],
-                             p2p=m * slow["p2p"], fsdp_comm=m * slow["fsdp"],
-                             bubble=pipe - m * slow["time"], dp_comm=dp_exposed, optimizer=opt))
+                             p2p=m * slow["p2p"], fsdp_comm=m * slow["fsdp"] + dp_rank["fsdp_step"],
+                             bubble=pipe - m * slow["time"],
+                             dp_comm=dp_exposed - dp_rank["fsdp_step"], optimizer=opt))
