@@ -19,9 +19,11 @@ dl-performance-matrix-multiplication: *tile quantization* and *wave quantization
   out-bytes`` at ``mem_bw_GBps``: thin GEMMs (few rows per expert) are memory-bound.
 
 fp8 is a rate option: the linear layers' GEMMs run at ``fp8_tflops`` with 1-byte inputs,
-and every input is cast first (read 2 bytes, write 1: charged as memory-bound work).
-Attention's core (flash attention: QK^T and PV) is charged by its FLOPs at the large-GEMM
-bf16 rate. A cluster without ``sm_count`` (a CPU calibrated by ``epscale calibrate``)
+and every input is cast first (:data:`FP8_CAST_BYTES`: charged as memory-bound work).
+Attention's core (flash attention: QK^T and PV) is charged by its FLOPs at flash
+attention's measured forward and backward rates (:data:`ATTN_FWD_EFFICIENCY`). The kernels
+a layer launches (:func:`kernels_per_layer`) bound how fast a host can feed it after a host
+sync (:func:`host_bound_time`). A cluster without ``sm_count`` (a CPU calibrated by ``epscale calibrate``)
 keeps the calibrated model: one rate, ``gemm_half_rows`` extra rows per expert GEMM.
 
 Memory-bound work is charged by bytes at ``mem_bw_GBps`` (the forward's bytes per token
@@ -129,7 +131,8 @@ class Work:
     layers' GEMMs, ``tp`` tensor-parallel ranks of the non-expert blocks (Megatron's
     sequence parallelism: each holds T / tp tokens outside attention and the dense FFNs,
     experts are not split), ``recompute_modules`` (Megatron's names; ``None``: the
-    recipe's ``train.activation_checkpointing``), ``comm_sms`` SMs the overlapped dispatch
+    recipe's ``train.recompute_modules``, else its ``train.activation_checkpointing``:
+    :func:`recomputed_modules`), ``comm_sms`` SMs the overlapped dispatch
     kernels hold (:func:`compute_cluster`), ``p2p_overlap``: a looped or V pipeline hides
     its p2p behind compute even where the expert transfers are not overlapped (Megatron's
     interleaved schedule), ``launch_us`` the host's time to issue one kernel

@@ -33,13 +33,19 @@ What is modelled (one EP group stands for all ``dp`` replicas; they are statisti
   gradients over the ``dp`` ranks holding the same experts (ring, bus bandwidth of the
   slowest link crossed, log-depth latency); with overlap, hidden behind the last
   micro-batch's backward where it fits.
-* FSDP (``parallel.fsdp``). Per micro-batch, every weight is all-gathered twice (forward,
-  and again for backward: FSDP frees it after the forward) in the compute dtype and its
-  gradient reduce-scattered in fp32: the non-expert weights over ``dp_shard`` ranks, an
-  EP rank's experts over ``dp_shard / ep``. The prefetched gathers run behind the
-  micro-batch's compute; the first block's gather and what exceeds the compute are
-  exposed. Once per step the shards' gradients are all-reduced over ``dp_replicate``
+* FSDP (``parallel.fsdp``), by ZeRO level (``parallel.zero``, :func:`_fsdp_exposure`). At
+  level 3, per micro-batch, every weight is all-gathered twice (forward, and again for
+  backward: FSDP frees it after the forward) in the compute dtype and its gradient
+  reduce-scattered in fp32; level 2 gathers once per step and reduce-scatters per
+  micro-batch; level 1 gathers and reduce-scatters once per step (and so does every level
+  under a pipeline, whose stage accumulates unsharded gradients): the non-expert weights
+  over ``dp_shard`` ranks, an EP rank's experts over ``dp_shard / ep``. The prefetched
+  gathers run behind the compute; the first block's gather and what exceeds the compute
+  are exposed. Once per step the shards' gradients are all-reduced over ``dp_replicate``
   (HSDP), replacing the replicated all-reduce.
+* Host-bound layers (GPU presets). A dropless exchange reads its split sizes on the host
+  once per MoE layer forward, so each layer's forward starts with nothing queued and lasts
+  at least its kernels' issue time (:func:`_host_bound`, ``work.launch_us`` per kernel).
 * Recomputation (``train.activation_checkpointing``). ``full`` runs every block's forward
   again in backward (compute x 4/3); ``selective`` recomputes only element-wise work (not
   charged). Both run each MoE layer's dispatch and combine again (6 transfers, not 4).
@@ -63,6 +69,8 @@ data-parallel reduction of each rank's own weights over its stage's ranks follow
 slowest rank's counted. Tokens per GPU: m x T per step over the p GPUs of a pipeline.
 
 The AdamW step closes every step, memory-bound (by bytes, on clusters with ``mem_bw_GBps``).
+``SimResult.breakdown`` splits the step of the rank that sets the pace by part
+(:func:`_breakdown`): the parts add up to ``step_time_s``.
 """
 
 from __future__ import annotations
