@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from epscale.config import load_recipe
 from epscale.plan import load_cluster, simulate
 from epscale.plan.routing import RoutingSpec
-from epscale.plan.shapes import Work
+from epscale.plan.shapes import Work, expert_gemm_tflops
 
 MB_PERF = ("Megatron-Bridge docs/performance-summary-archive.md (NVIDIA-NeMo/Megatron-Bridge, "
            "commit 0a25f911), https://docs.nvidia.com/nemo/megatron-bridge/latest/"
@@ -153,6 +153,24 @@ RUNS = [
                      "causal attention), attention sinks, biases"),
 ]
 
+# Published grouped-GEMM rates against the step model's (a check of the shape model on the
+# expert GEMMs alone): DeepGEMM's README (deepseek-ai/DeepGEMM, February 2025), table
+# "Grouped GEMMs for MoE models (contiguous layout)", FP8 with 128-wide block scaling on
+# H800: (groups, m per group, n, k, TFLOPS); DeepSeek-V3's own expert shapes.
+DEEPGEMM_GROUPED = [(4, 8192, 4096, 7168, 1297), (4, 8192, 7168, 2048, 1099),
+                    (8, 4096, 4096, 7168, 1288), (8, 4096, 7168, 2048, 1093)]
+
+
+def print_gemm_check() -> None:
+    """The step model's grouped fp8 GEMM rate at DeepGEMM's published shapes."""
+    cluster = load_cluster("h800-2048")
+    print("DeepGEMM grouped fp8 GEMMs on H800 (README table) against the step model:")
+    print(f"{'groups':>6s} {'m/group':>8s} {'n':>6s} {'k':>6s} {'published':>10s} {'model':>7s} {'ratio':>6s}")
+    for g, m, n, k, tflops in DEEPGEMM_GROUPED:
+        model = expert_gemm_tflops(cluster, g, m, n, k, "fp8")
+        print(f"{g:6d} {m:8d} {n:6d} {k:6d} {tflops:10d} {model:7.0f} {model / tflops:6.2f}")
+
+
 NOT_FOUND = [
     "Mixtral 8x22B: Megatron-Core's README gives its layout (128 GPUs, TP4 EP2 PP8 VP7) but no "
     "throughput figure.",
@@ -208,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="also print each run's predicted step by part (GEMMs, attention, "
                          "memory-bound work, recomputation, expert GEMMs, exposed "
                          "communication, bubble, optimizer)")
+    ap.add_argument("--gemm-check", action="store_true",
+                    help="also print the step model's grouped fp8 GEMM rate against "
+                         "DeepGEMM's published H800 figures")
     ap.add_argument("--launch-us", type=float, default=None,
                     help="the host's time to issue one kernel, microseconds (default: the "
                          "step model's, epscale.plan.shapes.HOST_LAUNCH_US)")
@@ -230,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.breakdown:
         print()
         print_breakdown(rows)
+    if args.gemm_check:
+        print()
+        print_gemm_check()
     print("\nsources:")
     for r in rows:
         print(f"- {r['name']}: {r['source']}")

@@ -21,7 +21,8 @@ from epscale.plan import ClusterSpec, load_cluster, simulate
 from epscale.plan.routing import RoutingSpec
 from epscale.plan.shapes import (ATTN_BWD_EFFICIENCY, ATTN_BWD_FLOPS, ATTN_FWD_EFFICIENCY,
                                  FP8_CAST_BYTES, Work, attention_linears, attention_time,
-                                 compute_cluster, elementwise_bytes, expert_time,
+                                 compute_cluster, elementwise_bytes, expert_gemm_tflops,
+                                 expert_time,
                                  gemm_efficiency, gemm_time, host_bound_time, kernels_per_layer,
                                  loss_bytes, nonexpert_parts, nonexpert_time)
 from epscale.plan.step_model import _fsdp_exposure
@@ -204,7 +205,7 @@ def test_published_runs_print_a_ratio_for_every_row(tmp_path, capsys):
     sys.modules["published"] = mod             # its dataclasses look their module up
     spec.loader.exec_module(mod)
     out = tmp_path / "rows.json"
-    assert mod.main(["--json", str(out), "--breakdown"]) == 0
+    assert mod.main(["--json", str(out), "--breakdown", "--gemm-check"]) == 0
     text = capsys.readouterr().out
     rows = json.loads(out.read_text())
     assert [r["name"] for r in rows] == [run.name for run in mod.RUNS] and len(rows) >= 4
@@ -216,6 +217,8 @@ def test_published_runs_print_a_ratio_for_every_row(tmp_path, capsys):
         # the step by part adds up to the step (what --breakdown prints as shares)
         assert sum(r["breakdown"].values()) == pytest.approx(r["step_s"], rel=1e-9)
     assert "EPcomm" in text and "bubble" in text
+    for g, m, n, k, tflops in mod.DEEPGEMM_GROUPED:      # the GEMM check prints every shape
+        assert f"{g:6d} {m:8d} {n:6d} {k:6d} {tflops:10d}" in text
     # Mixtral's 468 TFLOPS in tokens/s by Megatron's own FLOPs formula
     assert rows[0]["published"] == pytest.approx(468e12 / 8.2933e10, rel=1e-3)
 
@@ -240,6 +243,13 @@ def test_the_breakdown_adds_up_to_the_step_with_and_without_a_pipeline():
     # the parts of one micro-batch's non-expert work are its time
     parts = nonexpert_parts(flat, H100, 2048, Work())
     assert sum(parts.values()) == pytest.approx(nonexpert_time(flat, H100, 2048, Work()))
+
+
+def test_grouped_gemm_rate_pays_each_experts_last_tile():
+    N = K = 4096
+    full = expert_gemm_tflops(H100, 4, 128 * 33, N, K)
+    assert expert_gemm_tflops(H100, 4, 128 * 33 + 1, N, K) < full        # one more tile row
+    assert full <= H100.gemm_tflops * H100.gemm_efficiency * (1 + 1e-12)
 
 
 def test_flash_attention_runs_at_its_measured_rates():

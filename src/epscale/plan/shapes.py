@@ -333,6 +333,19 @@ def _grouped(padded_rows, rows, gemms, N: int, K: int, rate: float, sm: int, tm:
     return np.maximum(c, mem)
 
 
+def expert_gemm_tflops(cluster: ClusterSpec, groups: int, rows_per_group: int, N: int, K: int,
+                       precision: str = "bf16") -> float:
+    """Achieved TFLOP/s of one grouped GEMM of ``groups`` experts with ``rows_per_group``
+    rows each, weights K x N, as :func:`expert_parts` charges it (its forward GEMM)."""
+    rate = _peak(cluster, precision) * cluster.gemm_efficiency
+    rows = groups * rows_per_group
+    padded = groups * math.ceil(rows_per_group / cluster.gemm_tile_m) * cluster.gemm_tile_m
+    bw = cluster.mem_bw_GBps * 1e9 if cluster.mem_bw_GBps else np.inf
+    t = _grouped(padded, rows, groups, N, K, rate, cluster.sm_count, cluster.gemm_tile_m,
+                 cluster.gemm_tile_n, 1 if precision == "fp8" else 2, bw)
+    return float(2.0 * rows * N * K / t / 1e12)
+
+
 def expert_parts(run_cfg: RunConfig, cluster: ClusterSpec, rows, padded_rows, gemms,
                  work: Work) -> dict:
     """A rank's grouped expert GEMMs and the memory-bound work of its rows, by part
