@@ -2,7 +2,14 @@
 model, GPU, count, layout and settings (issue 33). The table is the step model's test
 set: nothing in ``epscale.plan`` is fitted to it.
 
-    PYTHONPATH=src python benchmarks/published.py [--json PATH] [--markdown]
+    PYTHONPATH=src python benchmarks/published.py [--json PATH] [--markdown] [--breakdown]
+        [--gemm-check] [--launch-us US]
+
+``--breakdown`` prints each run's predicted step by part (``SimResult.breakdown``: GEMMs,
+attention, memory-bound work, recomputation, expert GEMMs, host-bound waits, exposed
+communication, bubble, ZeRO/DP collectives, optimizer); ``--gemm-check`` the grouped fp8
+GEMM rate against DeepGEMM's published table; ``--launch-us`` another host time per kernel
+launch (the documented range is 5-20 us), to see what it moves.
 
 Every published figure below carries its source and the quoted numbers it comes from.
 Each run is simulated with forced-balanced routing (``uniform``, strategy ``none``: the
