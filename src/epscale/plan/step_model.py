@@ -63,8 +63,9 @@ in the compute dtype, over NVLink when both ranks' GPUs share a node, else the N
 under 1F1B and GPipe and without overlap, else hidden behind the rank's compute under the
 looped and V schedules, which run another stage's micro-batch meanwhile) and its FSDP
 gathers beyond its compute. The slowest rank sets the pace:
-pipeline time = m x (slowest rank's time) / (1 - bubble), the bubble of the schedule at m
-(:func:`epscale.plan.pipeline.bubble_fraction`, equal stages assumed there). The
+pipeline time = m x (slowest rank's time) + the bubble of the schedule at m
+(:func:`epscale.plan.pipeline.bubble_time`: the sources' formulas in one chunk's forward,
+backward and weight-backward times, :func:`_chunk_times` of the slowest rank). The
 data-parallel reduction of each rank's own weights over its stage's ranks follows, the
 slowest rank's counted. Tokens per GPU: m x T per step over the p GPUs of a pipeline.
 
@@ -89,7 +90,7 @@ from .cluster import ClusterSpec
 from .layout import Layout
 from .memory import cached_param_shapes, block_of
 from .placement import plan_spill
-from .pipeline import (bubble_fraction, layers_per_stage, micro_batches, stage_flops, stage_layers,
+from .pipeline import (bubble_time, layers_per_stage, micro_batches, stage_flops, stage_layers,
                        stage_placement)
 from .shapes import (PRECISIONS, RECOMPUTE_MODULES, Work, compute_cluster, expert_parts,
                      host_bound_time, kernels_per_layer, nonexpert_parts,
@@ -642,6 +643,26 @@ def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSp
             dp_comm=dp_exposed, optimizer=opt))
 
 
+def _chunk_times(rank: dict, v: int, redo: float, ne_parts: dict, ex_shares: dict
+                 ) -> tuple[float, float, float]:
+    """(F, B, W) seconds of one chunk (one stage, one micro-batch) of a pipeline rank for
+    :func:`epscale.plan.pipeline.bubble_time`: the rank's time per micro-batch over its
+    ``v`` stages. What is recomputed (the whole-block share ``redo`` and the modules'
+    ``recompute`` parts) runs in the backward; the rest splits as the GEMMs' FLOPs do, a
+    third forward and two thirds backward, transfers included. W, the weight half of the
+    backward, is charged the forward's compute without its transfers (a weight-gradient
+    GEMM has the forward GEMM's FLOPs; attention's score work has no weight half, so W is
+    at most this)."""
+    total = sum(ne_parts.values())
+    ne_share = redo / (1 + redo) + (ne_parts.get("recompute", 0.0) / total / (1 + redo)
+                                    if total > 0 else 0.0)
+    rec = (rank["nonexpert"] * ne_share
+           + (rank["compute"] - rank["nonexpert"]) * ex_shares.get("expert_recompute", 0.0))
+    f = (rank["time"] - rec) / 3.0 / v
+    w = max(0.0, rank["compute"] - rec) / 3.0 / v
+    return f, rank["time"] / v - f, w
+
+
 def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, run_cfg: RunConfig,
                      T: int, rate: float, grad_bytes: int, row_bytes: float, redo: float,
                      m: int, work: Work, ne_parts: dict, ex_shares: dict,
@@ -729,8 +750,8 @@ def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, ru
                           p2p=p2p, fsdp=fsdp_t, fsdp_step=fsdp_step, dp=dp_t, weights=weights,
                           opt=_optimizer_time(cluster, run_cfg, d_params + e_params, W)))
     slow = max(ranks, key=lambda x: x["time"])
-    bubble = bubble_fraction(par.pp_schedule, lay.pp, m, par.pp_virtual_stages)
-    pipe = m * slow["time"] / (1.0 - bubble)
+    f, b, w = _chunk_times(slow, len(placement[0]), redo, ne_parts, ex_shares)
+    pipe = m * slow["time"] + bubble_time(par.pp_schedule, lay.pp, m, f, b, w)
     dp_rank = max(ranks, key=lambda x: x["dp"])     # its dp includes ZeRO's per-step share
     dp_exposed = dp_rank["dp"]
     opt = max(x["opt"] for x in ranks)
