@@ -25,7 +25,7 @@ from epscale.plan.shapes import (ATTN_BWD_EFFICIENCY, ATTN_BWD_FLOPS, ATTN_FWD_E
                                  expert_time,
                                  gemm_efficiency, gemm_time, host_bound_time, kernels_per_layer,
                                  loss_bytes, nonexpert_parts, nonexpert_time)
-from epscale.plan.step_model import _fsdp_exposure
+from epscale.plan.step_model import _fsdp_exposure, payload_row_bytes
 
 H100 = ClusterSpec(sm_count=132, mem_bw_GBps=3350.0, fp8_tflops=1979.0, layer_overhead_us=0.0)
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,6 +154,37 @@ def test_dualpipe_pairing_hides_transfers_behind_the_other_chunk():
     # slow links: at most the compute of the paired chunk is taken off each layer
     hidden = r["none"].expert_comm_s - r["full"].expert_comm_s
     assert 0 < hidden <= r["full"].compute_s * (1 + 1e-9)
+
+
+def test_fp8_payload_shrinks_the_forward_dispatch_only():
+    """``parallel.payload: fp8``: the forward dispatch of dedup and hierarchical sends one
+    byte per channel (4-aligned) and an fp32 scale per 128 channels; combine and the
+    backward stay in the activations' dtype; alltoall cannot send fp8. Without latency a
+    transfer's time is its bytes, so the exposed EP time and the bytes sent scale by
+    (3 + r) / 4, r = fp8 row / bf16 row (by (4 + 2r) / 6 when the recomputed forward
+    dispatches again)."""
+    D = 256
+    r = (D + 4 * 2) / (2 * D)
+    assert payload_row_bytes(dataclasses.replace(_cfg(dim=7168, hidden=256), parallel=ParallelConfig(
+        payload="fp8")), "dedup", 2) == 7168 + 4 * 56
+    cl = ClusterSpec(nodes=2, gpus_per_node=8, inter_bw_GBps=10, intra_bw_GBps=100,
+                     inter_latency_us=0, intra_latency_us=0)
+    for ac, ratio in (("none", (3 + r) / 4), ("full", (4 + 2 * r) / 6)):
+        res = {}
+        for payload in ("bf16", "fp8"):
+            cfg = _cfg(E=16, K=4, ep=16, dim=D, hidden=256, seq=512, vocab=256)
+            cfg = dataclasses.replace(cfg, parallel=ParallelConfig(ep=16, payload=payload),
+                                      train=TrainConfig(micro_batch_size=1, dtype="bfloat16",
+                                                        activation_checkpointing=ac))
+            assert payload_row_bytes(cfg, "alltoall", 2) == 2 * D
+            res[payload] = {x.dispatcher: x for x in simulate(
+                cfg, cl, RoutingSpec.parse("uniform"), strategies=("none",), overlap="none")}
+        for disp, want in (("dedup", ratio), ("hierarchical", ratio), ("alltoall", 1.0)):
+            a, b = res["bf16"][disp], res["fp8"][disp]
+            assert a.expert_comm_s > 0 and b.compute_s == pytest.approx(a.compute_s)
+            assert b.expert_comm_s / a.expert_comm_s == pytest.approx(want)
+            assert b.inter_bytes_per_gpu / a.inter_bytes_per_gpu == pytest.approx(
+                (3 + r) / 4 if want < 1 else 1.0)
 
 
 def test_looped_and_v_schedules_hide_p2p_behind_compute_with_overlap():

@@ -21,6 +21,9 @@ What is modelled (one EP group stands for all ``dp`` replicas; they are statisti
   one row per (token, rank) over NVLink. Each rank's transfer takes the larger of its
   NVLink and NIC times (in or out) plus latency; the collective ends with the slowest rank.
   Four transfers per MoE layer and micro-batch (dispatch and combine, forward and backward).
+  A row is D channels in the activations' dtype, but the forward dispatch's, which
+  ``parallel.payload`` may send as bf16 or fp8 (e4m3 and a scale per 128 channels:
+  :func:`payload_row_bytes`).
 * Synchronisation. A layer's combine waits for the slowest rank's experts: a rank's idle
   time is the sum over layers of (slowest rank's expert time - its own).
 * Overlap. ``none``: transfers and compute in sequence. ``chunks``: dispatch, experts and
@@ -492,37 +495,43 @@ def _optimizer_time(cluster: ClusterSpec, run_cfg: RunConfig, params: float, wor
     return params / shard * optimizer_bytes_per_param(run_cfg) / (cluster.mem_bw_GBps * 1e9)
 
 
-def _paired_exposure(comm: np.ndarray, compute: np.ndarray, transfers: int,
+def _paired_exposure(comm: np.ndarray, disp: np.ndarray, compute: np.ndarray, transfers: int,
                      redo: float) -> np.ndarray:
     """Exposed transfer time of one MoE layer under DualPipe's pairing: a forward chunk of
     one micro-batch runs beside a backward chunk of another, so the forward's dispatch and
     combine hide behind the backward chunk's compute (with a recomputed forward, which
-    dispatches again) and the backward chunk's transfers behind the forward's compute."""
+    dispatches again) and the backward chunk's transfers behind the forward's compute.
+    ``comm`` one combine or backward transfer, ``disp`` one forward dispatch."""
     fwd_compute = compute / (3.0 + 3.0 * redo)
-    fwd_side = np.maximum(0.0, 2 * comm - (compute - fwd_compute))
-    bwd_side = np.maximum(0.0, (transfers - 2) * comm - fwd_compute)
+    fwd_side = np.maximum(0.0, disp + comm - (compute - fwd_compute))
+    again = transfers // 2 - 2                     # a recomputed forward's dispatch, in backward
+    bwd_side = np.maximum(0.0, again * disp + (transfers - 2 - again) * comm - fwd_compute)
     return fwd_side + bwd_side
 
 
-def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSpec, size, run_cfg,
-              T, rate, row_flops, ctx, dense_time, dense_time_layer, overhead, row_bytes,
-              grad_bytes, weight_L) -> SimResult:
-    rows = sim["rows"]                                            # [S, L, R]
+def payload_row_bytes(run_cfg: RunConfig, disp: str, act_bytes: int) -> float:
+    """Bytes of one token row of the forward dispatch under ``parallel.payload``: 'auto'
+    the activations' dtype (``act_bytes`` per channel), 'bf16' two bytes per channel,
+    'fp8' (the dispatchers that send it: ``dedup`` and ``hierarchical``) one byte per
+    channel, 4-byte aligned, and one fp32 scale per 128 channels, as
+    :mod:`epscale.dispatch.comm` packs it (D = 7168: 7,392 bytes against bf16's 14,336).
+    ``alltoall`` cannot send fp8 (the trainer refuses that pair): its rows stay in the
+    activations' dtype. The combine and every backward transfer travel in the
+    activations' dtype whatever the payload."""
+    D, payload = run_cfg.model.dim, run_cfg.parallel.payload
+    if payload == "fp8" and disp in ("dedup", "hierarchical"):
+        return -(-D // 4) * 4 + 4 * -(-D // 128)
+    return D * (2 if payload == "bf16" else act_bytes)
+
+
+def _transfer_times(disp: str, sim: dict, lay: Layout, cluster: ClusterSpec, run_cfg: RunConfig,
+                    rows: np.ndarray, row_bytes: float, grad_bytes: int):
+    """Seconds of one transfer of each MoE layer and micro-batch, the slowest rank's ([S, L]):
+    (a combine or backward transfer, in the activations' dtype; the forward dispatch, at
+    :func:`payload_row_bytes`), and the rows each rank sends over NVLink and the NIC
+    ([S, L, R]) per transfer, with the dispatchers' arithmetic (module docstring)."""
     S, L, R = rows.shape
     g, n = lay.ep_ranks_per_node, lay.ep_num_nodes
-    ac = run_cfg.train.activation_checkpointing
-    work = ctx["work"]
-    redo = 1.0 / 3.0 if ac == "full" and work.recompute_modules is None else 0.0
-    # a second forward as a share of fwd + bwd; recomputation dispatches again
-    if work.recompute_modules is None:
-        transfers = 4 if ac == "none" else 6
-    else:
-        transfers = 6 if "moe" in work.recompute_modules else 4
-    dense_time = dense_time * (1 + redo)
-    dense_time_layer = dense_time_layer * (1 + redo)
-    comp, ex_shares = _expert_compute(sim, run_cfg, cluster, ctx, rate, row_flops, overhead,
-                                      redo)                                    # [S, L, R]
-
     # Rows each source sends to each destination rank (per micro-batch, one transfer).
     per_src_to = rows / R                                                     # alltoall
     node_of = np.arange(R) // g
@@ -544,27 +553,65 @@ def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSp
         in_intra = (g - 1) * per_src_to
         in_inter = (R - g) * per_src_to
         lat = cluster.inter_latency_us if n > 1 else cluster.intra_latency_us
-    intra_t = np.maximum(in_intra, out_intra) * row_bytes / (cluster.intra_bw_GBps * 1e9)
-    inter_t = np.maximum(in_inter, out_inter) * row_bytes / (cluster.inter_bw_GBps * 1e9)
-    comm = np.maximum(intra_t, inter_t) + lat * 1e-6                          # one transfer
-    if R == 1:
-        comm = np.zeros_like(comm)
-    # Spill-over: the helper fetches the expert's weights and returns their gradients.
+    extra = 0.0
     if sim["spills"].any():
+        # Spill-over: the helper fetches the expert's weights and returns their gradients.
         wbytes = expert_params_per_expert(run_cfg.moe) * grad_bytes
         bw = (cluster.inter_bw_GBps if n > 1 else cluster.intra_bw_GBps) * 1e9
-        comm = comm + (sim["spills"] * wbytes / bw).max(axis=2, keepdims=True) / 2  # /2: 2 of 4 transfers
+        extra = (sim["spills"] * wbytes / bw).max(axis=2, keepdims=True) / 2  # /2: 2 of 4 transfers
 
-    comm_max = comm.max(axis=2)                                               # [S, L]
-    comp_max = comp.max(axis=2)
+    def one(nbytes: float) -> np.ndarray:
+        if R == 1:
+            return np.zeros((S, L))
+        intra_t = np.maximum(in_intra, out_intra) * nbytes / (cluster.intra_bw_GBps * 1e9)
+        inter_t = np.maximum(in_inter, out_inter) * nbytes / (cluster.inter_bw_GBps * 1e9)
+        return (np.maximum(intra_t, inter_t) + lat * 1e-6 + extra).max(axis=2)
+
+    act_bytes = row_bytes / run_cfg.model.dim
+    return (one(row_bytes), one(payload_row_bytes(run_cfg, disp, act_bytes)), out_intra,
+            out_inter)
+
+
+def _exposed_transfers(overlap: str, chunks: int, comm: np.ndarray, disp: np.ndarray,
+                       comp: np.ndarray, dense_layer: float, transfers: int,
+                       redo: float) -> np.ndarray:
+    """[S, L] seconds of one MoE layer and micro-batch's transfers left on the critical
+    path: ``comm`` one combine or backward transfer, ``disp`` one forward dispatch (each
+    forward, the recomputed one too, dispatches at the payload), ``comp`` the slowest
+    rank's experts, ``dense_layer`` the layer's share of the non-expert work, under
+    ``overlap`` (module docstring)."""
+    forwards = transfers // 2 - 1                  # the recomputed forward is a second one
     if overlap == "chunks":
-        fwd = _pipeline(comm_max, comp_max / (3 + 3 * redo), comm_max, chunks)
-        bwd = _pipeline(comm_max, 2 * comp_max / (3 + 3 * redo), comm_max, chunks)
-        layer_time = fwd * (transfers // 2 - 1) + bwd   # the recomputed forward is a second fwd
-    elif overlap == "full":
-        layer_time = comp_max + _paired_exposure(comm_max, comp_max + dense_time_layer, transfers, redo)
+        fwd = _pipeline(disp, comp / (3 + 3 * redo), comm, chunks)
+        bwd = _pipeline(comm, 2 * comp / (3 + 3 * redo), comm, chunks)
+        return fwd * forwards + bwd - comp
+    if overlap == "full":
+        return _paired_exposure(comm, disp, comp + dense_layer, transfers, redo)
+    return forwards * disp + (transfers - forwards) * comm
+
+def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSpec, size, run_cfg,
+              T, rate, row_flops, ctx, dense_time, dense_time_layer, overhead, row_bytes,
+              grad_bytes, weight_L) -> SimResult:
+    rows = sim["rows"]                                            # [S, L, R]
+    S, L, R = rows.shape
+    ac = run_cfg.train.activation_checkpointing
+    work = ctx["work"]
+    redo = 1.0 / 3.0 if ac == "full" and work.recompute_modules is None else 0.0
+    # a second forward as a share of fwd + bwd; recomputation dispatches again
+    if work.recompute_modules is None:
+        transfers = 4 if ac == "none" else 6
     else:
-        layer_time = comp_max + transfers * comm_max
+        transfers = 6 if "moe" in work.recompute_modules else 4
+    dense_time = dense_time * (1 + redo)
+    dense_time_layer = dense_time_layer * (1 + redo)
+    comp, ex_shares = _expert_compute(sim, run_cfg, cluster, ctx, rate, row_flops, overhead,
+                                      redo)                                    # [S, L, R]
+
+    comm_max, disp_max, out_intra, out_inter = _transfer_times(
+        disp, sim, lay, cluster, run_cfg, rows, row_bytes, grad_bytes)
+    comp_max = comp.max(axis=2)
+    layer_time = comp_max + _exposed_transfers(overlap, chunks, comm_max, disp_max, comp_max,
+                                               dense_time_layer, transfers, redo)
     exposed = layer_time - comp_max
     launch = _host_bound(run_cfg, lay, sim, cluster, work, comp_max + dense_time_layer, exposed)
     layer_time = layer_time + launch
@@ -573,12 +620,14 @@ def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSp
     wsum = lambda a: float((a.mean(axis=0) * weight_L).sum())  # noqa: E731
     micro = dense_time + wsum(layer_time)
     accum = micro_batches(run_cfg, lay.world)
+    # transfers' bytes per layer and micro-batch, in units of one in the activations' dtype
+    volume = 3 + payload_row_bytes(run_cfg, disp, grad_bytes) / row_bytes
     if lay.pp > 1:
         return _pipeline_result(
             strat, disp, overlap, lay, cluster, run_cfg, T, ctx["rate_ne"], grad_bytes, row_bytes, redo,
             accum, ctx["work"], ctx["ne_parts"], ex_shares, dict(layer_time=layer_time, launch=launch, comp_max=comp_max, idle=idle,
                         rows=rows, comm_max=comm_max, comp=comp, out_intra=out_intra,
-                        out_inter=out_inter))
+                        out_inter=out_inter, volume=volume))
 
     # Data-parallel gradient reduction, once per step.
     def link(span: int, stride: int = 1) -> tuple[float, float]:
@@ -628,7 +677,7 @@ def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSp
                "layer_time_ms": float(layer_time[:, i].mean() * 1e3),
                "intra_bytes_per_gpu": float(per_transfer_intra[i]),
                "inter_bytes_per_gpu": float(per_transfer_inter[i])} for i in range(L)]
-    factor = 4 * accum
+    factor = volume * accum
     return SimResult(
         strategy=strat.name, dispatcher=disp, overlap=overlap, step_time_s=step,
         tokens_per_s_per_gpu=accum * T / step, compute_s=compute, expert_comm_s=expert_comm,
@@ -784,8 +833,8 @@ def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, ru
         comm_share=expert_comm / step, dp_share=dp_exposed / step,
         worst_idle_share=float(idle_rank.max() / step),
         mean_idle_share=float(idle_rank.mean() / step), max_vio=max_vio,
-        intra_bytes_per_gpu=4 * m * float((intra * w_mean).sum()),
-        inter_bytes_per_gpu=4 * m * float((inter * w_mean).sum()),
+        intra_bytes_per_gpu=moe_times["volume"] * m * float((intra * w_mean).sum()),
+        inter_bytes_per_gpu=moe_times["volume"] * m * float((inter * w_mean).sum()),
         layers=layers_out, bubble_s=pipe - m * slow["time"], p2p_s=m * slow["p2p"],
         breakdown=_breakdown(ne_parts, m * slow["nonexpert"], redo, ex_shares,
                              m * (slow["compute"] - slow["nonexpert"]), expert_comm=expert_comm,
