@@ -589,6 +589,47 @@ def _exposed_transfers(overlap: str, chunks: int, comm: np.ndarray, disp: np.nda
         return _paired_exposure(comm, disp, comp + dense_layer, transfers, redo)
     return forwards * disp + (transfers - forwards) * comm
 
+def _data_parallel(run_cfg: RunConfig, lay: Layout, cluster: ClusterSpec, size, sim: dict,
+                   work: Work, overlap: str, grad_bytes: int, micro: float,
+                   accum: int) -> tuple[float, float, float]:
+    """Without a pipeline: the exposed seconds per step of the data-parallel gradient
+    reduction and of FSDP's collectives (module docstring), and the optimizer step's.
+    ``micro`` one micro-batch's time, ``accum`` the micro-batches."""
+    def link(span: int, stride: int = 1) -> tuple[float, float]:
+        return _link(cluster, span, stride)
+
+    dense_params = (size.total_params - size.expert_params) / work.tp
+    expert_params = size.expert_params / lay.ep * sim["num_slots"] / run_cfg.moe.num_experts
+    par = run_cfg.parallel
+    fsdp_exposed = 0.0
+    if par.fsdp:
+        rep = par.dp_replicate
+        dp_shard = lay.world // rep
+        efsdp = dp_shard // lay.ep
+        dense_bw, dense_lat = link(dp_shard)
+        exp_bw, exp_lat = link(efsdp, lay.ep)
+        gather, rs = (_ring_time(dense_params * nbytes, dp_shard, dense_bw, dense_lat)
+                      + _ring_time(expert_params * nbytes, efsdp, exp_bw, exp_lat)
+                      for nbytes in (grad_bytes, 4))
+        per_micro, per_step = _fsdp_exposure(par.zero, 1, gather, rs, micro,
+                                             run_cfg.model.num_layers)
+        fsdp_exposed = accum * per_micro + per_step
+        rep_bw, rep_lat = link(rep, dp_shard)
+        ar = (_allreduce_time(dense_params / dp_shard * 4, rep, rep_bw, rep_lat)
+              + _allreduce_time(expert_params / efsdp * 4, rep, rep_bw, rep_lat))
+    else:
+        bw, lat = link(lay.world)
+        dp_bw, dp_lat = link(lay.dp, lay.ep)
+        ar = (_allreduce_time(dense_params * grad_bytes, lay.world // work.tp, bw, lat)
+              + _allreduce_time(expert_params * grad_bytes, lay.dp, dp_bw, dp_lat))
+    if overlap == "none":
+        dp_exposed = ar
+    else:
+        dp_exposed = max(0.0, ar - 2.0 / 3.0 * micro)
+    opt = _optimizer_time(cluster, run_cfg, dense_params + expert_params, lay.world)
+    return dp_exposed, fsdp_exposed, opt
+
+
 def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSpec, size, run_cfg,
               T, rate, row_flops, ctx, dense_time, dense_time_layer, overhead, row_bytes,
               grad_bytes, weight_L) -> SimResult:
@@ -629,39 +670,8 @@ def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSp
                         rows=rows, comm_max=comm_max, comp=comp, out_intra=out_intra,
                         out_inter=out_inter, volume=volume))
 
-    # Data-parallel gradient reduction, once per step.
-    def link(span: int, stride: int = 1) -> tuple[float, float]:
-        return _link(cluster, span, stride)
-
-    dense_params = (size.total_params - size.expert_params) / ctx["work"].tp
-    expert_params = size.expert_params / lay.ep * sim["num_slots"] / run_cfg.moe.num_experts
-    par = run_cfg.parallel
-    fsdp_exposed = 0.0
-    if par.fsdp:
-        rep = par.dp_replicate
-        dp_shard = lay.world // rep
-        efsdp = dp_shard // lay.ep
-        dense_bw, dense_lat = link(dp_shard)
-        exp_bw, exp_lat = link(efsdp, lay.ep)
-        gather, rs = (_ring_time(dense_params * nbytes, dp_shard, dense_bw, dense_lat)
-                      + _ring_time(expert_params * nbytes, efsdp, exp_bw, exp_lat)
-                      for nbytes in (grad_bytes, 4))
-        per_micro, per_step = _fsdp_exposure(par.zero, 1, gather, rs, micro,
-                                             run_cfg.model.num_layers)
-        fsdp_exposed = accum * per_micro + per_step
-        rep_bw, rep_lat = link(rep, dp_shard)
-        ar = (_allreduce_time(dense_params / dp_shard * 4, rep, rep_bw, rep_lat)
-              + _allreduce_time(expert_params / efsdp * 4, rep, rep_bw, rep_lat))
-    else:
-        bw, lat = link(lay.world)
-        dp_bw, dp_lat = link(lay.dp, lay.ep)
-        ar = (_allreduce_time(dense_params * grad_bytes, lay.world // ctx["work"].tp, bw, lat)
-              + _allreduce_time(expert_params * grad_bytes, lay.dp, dp_bw, dp_lat))
-    if overlap == "none":
-        dp_exposed = ar
-    else:
-        dp_exposed = max(0.0, ar - 2.0 / 3.0 * micro)
-    opt = _optimizer_time(cluster, run_cfg, dense_params + expert_params, lay.world)
+    dp_exposed, fsdp_exposed, opt = _data_parallel(run_cfg, lay, cluster, size, sim, ctx["work"],
+                                                   overlap, grad_bytes, micro, accum)
     step = accum * micro + dp_exposed + fsdp_exposed + opt
     idle_rank = accum * (idle.mean(axis=0) * weight_L[:, None]).sum(axis=0)   # [R]
     compute = accum * (dense_time + wsum(comp_max))
@@ -712,6 +722,64 @@ def _chunk_times(rank: dict, v: int, redo: float, ne_parts: dict, ex_shares: dic
     return f, rank["time"] / v - f, w
 
 
+def _block_params(run_cfg: RunConfig, ep: int) -> tuple[dict, dict]:
+    """Parameters by block (:func:`epscale.plan.memory.block_of`), unsharded: (non-expert,
+    an EP rank's experts)."""
+    dense: dict = {}
+    expert: dict = {}
+    for p in cached_param_shapes(run_cfg.model, run_cfg.moe):
+        key = block_of(p)
+        book = expert if p.expert else dense
+        book[key] = book.get(key, 0) + (p.numel / ep if p.expert else p.numel)
+    return dense, expert
+
+
+def _stage_collectives(cluster: ClusterSpec, lay: Layout, par, d_params: float, e_params: float,
+                       grad_bytes: int, tp: int, busy: float, layers: int
+                       ) -> tuple[float, float, float]:
+    """A pipeline rank's weights' collectives over its stage's W ranks: (FSDP's exposed
+    seconds per micro-batch, per step (:func:`_fsdp_exposure`), and the gradient
+    all-reduce's seconds: over ``dp_replicate`` under FSDP, else over the stage's ranks
+    (non-expert) and the ``dp`` ranks holding the same experts). ``busy`` a micro-batch's
+    time on the rank, ``layers`` its blocks."""
+    W = lay.stage_size
+    if not par.fsdp:
+        bw, lat = _link(cluster, W)
+        dp_bw, dp_lat = _link(cluster, lay.dp, lay.ep)
+        return 0.0, 0.0, (_allreduce_time(d_params * grad_bytes, W // tp, bw, lat)
+                          + _allreduce_time(e_params * grad_bytes, lay.dp, dp_bw, dp_lat))
+    rep = par.dp_replicate
+    dp_shard = W // rep
+    efsdp = dp_shard // lay.ep
+    dense_bw, dense_lat = _link(cluster, dp_shard)
+    exp_bw, exp_lat = _link(cluster, efsdp, lay.ep)
+    gather, rs = (_ring_time(d_params * b, dp_shard, dense_bw, dense_lat)
+                  + _ring_time(e_params * b, efsdp, exp_bw, exp_lat)
+                  for b in (grad_bytes, 4))
+    fsdp_t, fsdp_step = _fsdp_exposure(par.zero, lay.pp, gather, rs, busy, max(1, layers))
+    rep_bw, rep_lat = _link(cluster, rep, dp_shard)
+    return fsdp_t, fsdp_step, (_allreduce_time(d_params / dp_shard * 4, rep, rep_bw, rep_lat)
+                               + _allreduce_time(e_params / efsdp * 4, rep, rep_bw, rep_lat))
+
+
+def _p2p_time(cluster: ClusterSpec, W: int, nbytes: float, owner: dict, stages: list[int],
+              r: int) -> float:
+    """Seconds pipeline rank ``r`` (holding ``stages``) spends receiving per micro-batch:
+    each stage's input from the rank before it and its output gradient from the rank
+    after it, ``nbytes`` each, over NVLink when both ranks' W GPUs share a node, else the
+    NIC; nothing between two stages of the same rank."""
+    gpn = cluster.gpus_per_node
+
+    def hop(a: int) -> float:
+        same_node = W < gpn and (a * W) // gpn == (r * W) // gpn
+        bw = (cluster.intra_bw_GBps if same_node else cluster.inter_bw_GBps) * 1e9
+        lat = cluster.intra_latency_us if same_node else cluster.inter_latency_us
+        return nbytes / bw + lat * 1e-6
+
+    return sum(hop(owner[t]) for s in stages for t in (s - 1, s + 1)
+               if t in owner and owner[t] != r)
+
+
 def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, run_cfg: RunConfig,
                      T: int, rate: float, grad_bytes: int, row_bytes: float, redo: float,
                      m: int, work: Work, ne_parts: dict, ex_shares: dict,
@@ -721,7 +789,7 @@ def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, ru
     and micro-batch."""
     model, moe, par = run_cfg.model, run_cfg.moe, run_cfg.parallel
     ranges = stage_layers(layers_per_stage(run_cfg))
-    n, W, gpn = len(ranges), lay.stage_size, cluster.gpus_per_node
+    n, W = len(ranges), lay.stage_size
     placement = stage_placement(par.pp_schedule, lay.pp, par.pp_virtual_stages)
     owner = {s: r for r, held in enumerate(placement) for s in held}
     layer_time = moe_times["layer_time"].mean(axis=0)                  # [L]: per distribution
@@ -733,17 +801,7 @@ def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, ru
     dist_of = {i: j % n_dist for j, i in enumerate(moe_ids)}           # as weight_L cycles them
     routed_fwd = 2.0 * moe.top_k * expert_params_per_expert(moe)       # per token and MoE layer
     fwd = stage_flops(run_cfg)
-    # each rank's weights (unsharded; an EP rank's experts): non-expert, expert
-    dense: dict = {}
-    expert: dict = {}
-    for p in cached_param_shapes(model, moe):
-        key = block_of(p)
-        book = expert if p.expert else dense
-        book[key] = book.get(key, 0) + (p.numel / lay.ep if p.expert else p.numel)
-    fsdp = par.fsdp
-    rep = par.dp_replicate if fsdp else 1
-    dp_shard = W // rep
-    efsdp = dp_shard // lay.ep
+    dense, expert = _block_params(run_cfg, lay.ep)
     hop_bytes = T * model.dim * grad_bytes                             # one activation, or its gradient
     # With overlap (or ``work.p2p_overlap``) the looped and V schedules run another stage's
     # micro-batch while a boundary's activation or gradient travels (Megatron's interleaved
@@ -751,13 +809,6 @@ def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, ru
     # exceeds the compute.
     hides_p2p = PP_SCHEDULES[par.pp_schedule] != "single" and (overlap != "none" or work.p2p_overlap)
     tp = work.tp
-
-    def hop(a: int, b: int) -> float:
-        same_node = W < gpn and (a * W) // gpn == (b * W) // gpn
-        bw = (cluster.intra_bw_GBps if same_node else cluster.inter_bw_GBps) * 1e9
-        lat = cluster.intra_latency_us if same_node else cluster.inter_latency_us
-        return hop_bytes / bw + lat * 1e-6
-
     ranks = []
     for r, stages in enumerate(placement):
         layers = [i for s in stages for i in ranges[s]]
@@ -767,30 +818,14 @@ def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, ru
                         for s in stages) / rate * (1 + redo)
         compute = nonexpert + float((comp_max * weights).sum())
         busy = nonexpert + float((layer_time * weights).sum())
-        p2p = sum(hop(owner[s - 1], r) for s in stages if s > 0 and owner[s - 1] != r) \
-            + sum(hop(owner[s + 1], r) for s in stages if s < n - 1 and owner[s + 1] != r)
+        p2p = _p2p_time(cluster, W, hop_bytes, owner, stages, r)
         if hides_p2p:
             p2p = max(0.0, p2p - compute)
         keys = layers + ["embed"] * (0 in stages) + ["head"] * (n - 1 in stages)
         d_params = sum(dense.get(k, 0) for k in keys) / tp
         e_params = sum(expert.get(k, 0) for k in keys)
-        fsdp_t = fsdp_step = 0.0
-        if fsdp:
-            dense_bw, dense_lat = _link(cluster, dp_shard)
-            exp_bw, exp_lat = _link(cluster, efsdp, lay.ep)
-            gather, rs = (_ring_time(d_params * b, dp_shard, dense_bw, dense_lat)
-                          + _ring_time(e_params * b, efsdp, exp_bw, exp_lat)
-                          for b in (grad_bytes, 4))
-            fsdp_t, fsdp_step = _fsdp_exposure(par.zero, lay.pp, gather, rs, busy,
-                                               max(1, len(layers)))
-            rep_bw, rep_lat = _link(cluster, rep, dp_shard)
-            ar = (_allreduce_time(d_params / dp_shard * 4, rep, rep_bw, rep_lat)
-                  + _allreduce_time(e_params / efsdp * 4, rep, rep_bw, rep_lat))
-        else:
-            bw, lat = _link(cluster, W)
-            dp_bw, dp_lat = _link(cluster, lay.dp, lay.ep)
-            ar = (_allreduce_time(d_params * grad_bytes, W // tp, bw, lat)
-                  + _allreduce_time(e_params * grad_bytes, lay.dp, dp_bw, dp_lat))
+        fsdp_t, fsdp_step, ar = _stage_collectives(cluster, lay, par, d_params, e_params,
+                                                   grad_bytes, tp, busy, len(layers))
         dp_t = fsdp_step + (ar if overlap == "none"
                             else max(0.0, ar - 2.0 / 3.0 * (busy + p2p + fsdp_t)))
         launch = float((launch_L * weights).sum())
@@ -799,8 +834,8 @@ def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, ru
                           p2p=p2p, fsdp=fsdp_t, fsdp_step=fsdp_step, dp=dp_t, weights=weights,
                           opt=_optimizer_time(cluster, run_cfg, d_params + e_params, W)))
     slow = max(ranks, key=lambda x: x["time"])
-    f, b, w = _chunk_times(slow, len(placement[0]), redo, ne_parts, ex_shares)
-    pipe = m * slow["time"] + bubble_time(par.pp_schedule, lay.pp, m, f, b, w)
+    f_c, b_c, w_c = _chunk_times(slow, len(placement[0]), redo, ne_parts, ex_shares)
+    pipe = m * slow["time"] + bubble_time(par.pp_schedule, lay.pp, m, f_c, b_c, w_c)
     dp_rank = max(ranks, key=lambda x: x["dp"])     # its dp includes ZeRO's per-step share
     dp_exposed = dp_rank["dp"]
     opt = max(x["opt"] for x in ranks)
