@@ -97,15 +97,20 @@ RUNS = [
         "'2664K' H800 GPU hours (Table 1); 2,048 H800; '16-way Pipeline Parallelism (PP), 64-way "
         "Expert Parallelism (EP) spanning 8 nodes, and ZeRO-1 Data Parallelism', no TP; DualPipe; "
         "'recompute all RMSNorm operations and MLA up-projections'; FP8 GEMMs; 'only 20 SMs are "
-        "sufficient to fully utilize the bandwidths of IB and NVLink'; batch 15360 "
+        "sufficient to fully utilize the bandwidths of IB and NVLink'; FP8 dispatch (its 'Low-Precision "
+        "Storage and Communication': the activations before the MoE up-projections are "
+        "quantized to FP8 before dispatch, the combine stays in BF16); batch 15360 "
         "sequences of 4K (after the ramp). Wall-clock GPU hours: restarts, evaluation and the batch "
         "ramp included",
-        "deepseek-v3", _pipe(16, "dualpipev", 2, 2, 64, 120, 1, 4096), "h800-2048", 256,
+        "deepseek-v3", _pipe(16, "dualpipev", 2, 2, 64, 120, 1, 4096) + ["parallel.payload=fp8"],
+        "h800-2048", 256,
         "hierarchical", "full",
         Work(precision="fp8", recompute_modules=("layernorm", "mla_up_proj"), comm_sms=20),
         modelled="fp8 GEMMs, light recompute, ZeRO-1 (as replicated DP: same traffic), DualPipe "
                  "overlap with 20 SMs for communication",
-        not_modelled="MTP module (1 extra layer + head, ~+4% FLOPs); torch's DualPipeV stands for DualPipe"),
+        not_modelled="MTP module (1 extra layer + head, ~+4% FLOPs); torch's DualPipeV stands for "
+                     "DualPipe; the backward's FP8 dispatch of the activation gradients (our "
+                     "parallel.payload covers the forward dispatch)"),
     Run("DeepSeek-V3, 1,024 H100 (Megatron-Bridge 25.09)", 1297,
         MB_PERF + ": 25.09 DGX-H100 'DeepSeekV3 (dropless) | 1024 | GBS 8192 | MBS 1 | 4096 | FSDP 0 "
         "| TP 2 | PP 8 | CP 1 | VP 4 | EP 64 | GA 128 | 1297 | 338 (330)'; the footnote reads the "
