@@ -134,8 +134,9 @@ def bubble_time(schedule: str, pp: int, micro_batches: int, f: float, b: float,
       rank's whole share (Narayanan et al. 2021, section 2.2.2).
     * zero_bubble: (p - 1)(F + B - 2W) per chunk (ZB-H1, Qi et al. 2023, arXiv 2401.10241;
       the DualPipe README's ZB1P row), the warm-up and cool-down filled with weight halves.
-    * zbv: none once m >= 2p (sail-sg's ZB-V table, which assumes F = B - W = W; ZB-V's
-      schedule has no closed form otherwise).
+    * zbv: none once m >= 2p (the comparison table of sail-sg/zero-bubble-pipeline-
+      parallelism, which assumes equal forward, input-backward and weight-backward times,
+      here F = B - W = W; no closed form is published otherwise).
     * dualpipev: (PP/2 - 1)(F&B + B - 3W) with PP = 2p stages on p ranks: (p - 1)(F&B + B
       - 3W), F&B the time of a forward and a backward chunk run overlapped, which the step
       model already charges as f + b with what their transfers leave exposed (DualPipe
