@@ -2,7 +2,14 @@
 model, GPU, count, layout and settings (issue 33). The table is the step model's test
 set: nothing in ``epscale.plan`` is fitted to it.
 
-    PYTHONPATH=src python benchmarks/published.py [--json PATH] [--markdown]
+    PYTHONPATH=src python benchmarks/published.py [--json PATH] [--markdown] [--breakdown]
+        [--gemm-check] [--launch-us US]
+
+``--breakdown`` prints each run's predicted step by part (``SimResult.breakdown``: GEMMs,
+attention, memory-bound work, recomputation, expert GEMMs, host-bound waits, exposed
+communication, bubble, ZeRO/DP collectives, optimizer); ``--gemm-check`` the grouped fp8
+GEMM rate against DeepGEMM's published table; ``--launch-us`` another host time per kernel
+launch (the documented range is 5-20 us), to see what it moves.
 
 Every published figure below carries its source and the quoted numbers it comes from.
 Each run is simulated with forced-balanced routing (``uniform``, strategy ``none``: the
@@ -23,7 +30,7 @@ from dataclasses import dataclass, field
 from epscale.config import load_recipe
 from epscale.plan import load_cluster, simulate
 from epscale.plan.routing import RoutingSpec
-from epscale.plan.shapes import Work
+from epscale.plan.shapes import Work, expert_gemm_tflops
 
 MB_PERF = ("Megatron-Bridge docs/performance-summary-archive.md (NVIDIA-NeMo/Megatron-Bridge, "
            "commit 0a25f911), https://docs.nvidia.com/nemo/megatron-bridge/latest/"
@@ -90,15 +97,20 @@ RUNS = [
         "'2664K' H800 GPU hours (Table 1); 2,048 H800; '16-way Pipeline Parallelism (PP), 64-way "
         "Expert Parallelism (EP) spanning 8 nodes, and ZeRO-1 Data Parallelism', no TP; DualPipe; "
         "'recompute all RMSNorm operations and MLA up-projections'; FP8 GEMMs; 'only 20 SMs are "
-        "sufficient to fully utilize the bandwidths of IB and NVLink'; batch 15360 "
+        "sufficient to fully utilize the bandwidths of IB and NVLink'; FP8 dispatch (its 'Low-Precision "
+        "Storage and Communication': the activations before the MoE up-projections are "
+        "quantized to FP8 before dispatch, the combine stays in BF16); batch 15360 "
         "sequences of 4K (after the ramp). Wall-clock GPU hours: restarts, evaluation and the batch "
         "ramp included",
-        "deepseek-v3", _pipe(16, "dualpipev", 2, 2, 64, 120, 1, 4096), "h800-2048", 256,
+        "deepseek-v3", _pipe(16, "dualpipev", 2, 2, 64, 120, 1, 4096) + ["parallel.payload=fp8"],
+        "h800-2048", 256,
         "hierarchical", "full",
         Work(precision="fp8", recompute_modules=("layernorm", "mla_up_proj"), comm_sms=20),
         modelled="fp8 GEMMs, light recompute, ZeRO-1 (as replicated DP: same traffic), DualPipe "
                  "overlap with 20 SMs for communication",
-        not_modelled="MTP module (1 extra layer + head, ~+4% FLOPs); torch's DualPipeV stands for DualPipe"),
+        not_modelled="MTP module (1 extra layer + head, ~+4% FLOPs); torch's DualPipeV stands for "
+                     "DualPipe; the backward's FP8 dispatch of the activation gradients (our "
+                     "parallel.payload covers the forward dispatch)"),
     Run("DeepSeek-V3, 1,024 H100 (Megatron-Bridge 25.09)", 1297,
         MB_PERF + ": 25.09 DGX-H100 'DeepSeekV3 (dropless) | 1024 | GBS 8192 | MBS 1 | 4096 | FSDP 0 "
         "| TP 2 | PP 8 | CP 1 | VP 4 | EP 64 | GA 128 | 1297 | 338 (330)'; the footnote reads the "
@@ -124,12 +136,17 @@ RUNS = [
         Work(precision="fp8", p2p_overlap=True), modelled="fp8 GEMMs, interleaved p2p overlap"),
     Run("Qwen3-30B-A3B, 16 H100 (Megatron-Bridge 25.09, token drop)", 10494,
         MB_PERF + ": 25.09 DGX-H100 'Qwen3_30B_a3B (tokendrop) | 16 | GBS 512 | MBS 2 | 4096 | FSDP 0 "
-        "| TP 1 | PP 2 | CP 1 | VP 24 | EP 8 | GA 32 | 10494 | 241'; no precision given (bf16 "
-        "assumed)",
+        "| TP 1 | PP 2 | CP 1 | VP 24 | EP 8 | GA 32 | 10494 | 241'. The 25.09 tables state no "
+        "precision, but they are FP8: their footnote gives the parenthesised figures' FP8 "
+        "quantization granularities 'for H100 system', and the same table's LLAMA3_8B row "
+        "(14,079) matches 25.11's FP8-CS row (14,451), not a bf16 one. Token drop: a fixed "
+        "capacity (factor 1 assumed) needs no host read of the split sizes",
         "qwen3-30b-a3b", _pipe(2, "interleaved_1f1b", 24, 1, 8, 32, 2, 4096) +
-        ["train.activation_checkpointing=none"], "h100-node", 2, "dedup", "none",
-        Work(p2p_overlap=True), modelled="interleaved p2p overlap",
-        not_modelled="token dropping (capacity factor unknown); precision not stated"),
+        ["train.activation_checkpointing=none", "moe.capacity_factor=1.0"], "h100-node", 2,
+        "dedup", "none", Work(precision="fp8", p2p_overlap=True),
+        modelled="fp8 GEMMs, interleaved p2p overlap, no host sync (fixed capacity)",
+        not_modelled="the capacity factor (not published; 1.0 assumed, forced-balanced routing "
+                     "drops almost nothing)"),
     Run("Qwen3-235B-A22B, 256 H100 (Megatron-Bridge 26.02)", 1633,
         MB_PERF + ": 26.02 Qwen3_235B_a22B 'DGX-H100 | 256 | FP8 | GBS 8192 | MBS 1 | 4096 | FSDP 0 "
         "| TP 2 | PP 8 | CP 1 | VP 4 | EP 32 | 1633 | 242'; moe_a2a_overlap=True, alltoall "
@@ -148,6 +165,24 @@ RUNS = [
                      "causal attention), attention sinks, biases"),
 ]
 
+# Published grouped-GEMM rates against the step model's (a check of the shape model on the
+# expert GEMMs alone): DeepGEMM's README (deepseek-ai/DeepGEMM, February 2025), table
+# "Grouped GEMMs for MoE models (contiguous layout)", FP8 with 128-wide block scaling on
+# H800: (groups, m per group, n, k, TFLOPS); DeepSeek-V3's own expert shapes.
+DEEPGEMM_GROUPED = [(4, 8192, 4096, 7168, 1297), (4, 8192, 7168, 2048, 1099),
+                    (8, 4096, 4096, 7168, 1288), (8, 4096, 7168, 2048, 1093)]
+
+
+def print_gemm_check() -> None:
+    """The step model's grouped fp8 GEMM rate at DeepGEMM's published shapes."""
+    cluster = load_cluster("h800-2048")
+    print("DeepGEMM grouped fp8 GEMMs on H800 (README table) against the step model:")
+    print(f"{'groups':>6s} {'m/group':>8s} {'n':>6s} {'k':>6s} {'published':>10s} {'model':>7s} {'ratio':>6s}")
+    for g, m, n, k, tflops in DEEPGEMM_GROUPED:
+        model = expert_gemm_tflops(cluster, g, m, n, k, "fp8")
+        print(f"{g:6d} {m:8d} {n:6d} {k:6d} {tflops:10d} {model:7.0f} {model / tflops:6.2f}")
+
+
 NOT_FOUND = [
     "Mixtral 8x22B: Megatron-Core's README gives its layout (128 GPUs, TP4 EP2 PP8 VP7) but no "
     "throughput figure.",
@@ -158,7 +193,11 @@ NOT_FOUND = [
 ]
 
 
-def predict(run: Run) -> dict:
+def predict(run: Run, launch_us: float | None = None) -> dict:
+    """The step model's prediction of one run (``launch_us``: the host's time per kernel
+    launch instead of the default, to see how the documented 5-20 us range moves it)."""
+    if launch_us is not None:
+        run = dataclasses.replace(run, work=dataclasses.replace(run.work, launch_us=launch_us))
     cfg = load_recipe(run.recipe, run.overrides)
     cluster = dataclasses.replace(load_cluster(run.cluster), nodes=run.nodes, **run.cluster_set)
     r = simulate(cfg, cluster, RoutingSpec.parse("uniform"), strategies=("none",),
@@ -169,15 +208,44 @@ def predict(run: Run) -> dict:
             "step_s": r.step_time_s, "compute_s": r.compute_s, "expert_comm_s": r.expert_comm_s,
             "bubble_s": r.bubble_s, "p2p_s": r.p2p_s, "modelled": run.modelled,
             "not_modelled": run.not_modelled, "source": run.source,
-            "precision": run.work.precision, "tp": run.work.tp}
+            "precision": run.work.precision, "tp": run.work.tp, "breakdown": r.breakdown}
+
+
+BREAKDOWN_COLUMNS = [  # (column, parts of SimResult.breakdown it sums)
+    ("GEMM", ("gemm", "compute")), ("attn", ("attention",)), ("mem", ("memory",)),
+    ("recomp", ("recompute", "expert_recompute")), ("TP", ("tp_comm",)),
+    ("eGEMM", ("expert_gemm",)), ("emem", ("expert_memory",)), ("launch", ("launch", "overhead")),
+    ("EPcomm", ("expert_comm",)), ("p2p", ("p2p",)), ("bubble", ("bubble",)),
+    ("FSDP", ("fsdp_comm",)), ("DP", ("dp_comm",)), ("optim", ("optimizer",))]
+
+
+def print_breakdown(rows: list[dict]) -> None:
+    """Each run's predicted step by part, as shares of the step (SimResult.breakdown)."""
+    print(f"{'run':58s} " + " ".join(f"{c:>6s}" for c, _ in BREAKDOWN_COLUMNS) + "  (% of step)")
+    for r in rows:
+        b, step = r["breakdown"], r["step_s"]
+        known = {k for _, keys in BREAKDOWN_COLUMNS for k in keys}
+        assert set(b) <= known, set(b) - known
+        cells = [100 * sum(b.get(k, 0.0) for k in keys) / step for _, keys in BREAKDOWN_COLUMNS]
+        print(f"{r['name']:58s} " + " ".join(f"{c:6.1f}" for c in cells))
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None, help="also write the rows here")
     ap.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also print each run's predicted step by part (GEMMs, attention, "
+                         "memory-bound work, recomputation, expert GEMMs, exposed "
+                         "communication, bubble, optimizer)")
+    ap.add_argument("--gemm-check", action="store_true",
+                    help="also print the step model's grouped fp8 GEMM rate against "
+                         "DeepGEMM's published H800 figures")
+    ap.add_argument("--launch-us", type=float, default=None,
+                    help="the host's time to issue one kernel, microseconds (default: the "
+                         "step model's, epscale.plan.shapes.HOST_LAUNCH_US)")
     args = ap.parse_args(argv)
-    rows = [predict(run) for run in RUNS]
+    rows = [predict(run, args.launch_us) for run in RUNS]
     if args.markdown:
         print("| run | GPUs | published tok/s/GPU | predicted | predicted / published | "
               "modelled (not in the trainer) | not modelled |")
@@ -192,6 +260,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['name']:58s} {r['gpus']:5d} {r['published']:10,.0f} {r['predicted']:10,.0f} "
                   f"{r['ratio']:6.2f}  {r['step_s']:7.2f} {r['bubble_s'] / r['step_s']:7.1%} "
                   f"{r['expert_comm_s'] / r['step_s']:7.1%}")
+    if args.breakdown:
+        print()
+        print_breakdown(rows)
+    if args.gemm_check:
+        print()
+        print_gemm_check()
     print("\nsources:")
     for r in rows:
         print(f"- {r['name']}: {r['source']}")

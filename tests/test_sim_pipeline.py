@@ -19,7 +19,7 @@ from epscale.config import (ConfigError, ModelConfig, MoEConfig, ParallelConfig,
 from epscale.plan import ClusterSpec, simulate
 from epscale.plan.layout import Layout
 from epscale.plan.memory import DTYPE_BYTES, Activations, estimate, memory_per_rank, pipeline_memory
-from epscale.plan.pipeline import bubble_fraction, in_flight, schedule_actions
+from epscale.plan.pipeline import bubble_fraction, bubble_time, in_flight, schedule_actions
 from epscale.plan.routing import RoutingSpec
 from epscale.plan.sizing import model_size
 
@@ -127,7 +127,25 @@ def test_bubble_for_known_cases():
     assert bubble_fraction("gpipe", 8, 8) == pytest.approx(7 / 15)
     assert bubble_fraction("interleaved_1f1b", 4, 8, 2) == pytest.approx(3 / 19)
     assert bubble_fraction("zero_bubble", 4, 8, 2) == pytest.approx(3 / 51)
-    assert bubble_fraction("dualpipev", 16, 32, 2) == 0.0 == bubble_fraction("1f1b", 1, 8)
+    # DualPipeV: (p - 1)(F&B + B - 3W) with F = W = B / 2, a third of 1F1B's share
+    assert bubble_fraction("dualpipev", 16, 32, 2) == pytest.approx(15 / (3 * 32 + 15))
+    assert bubble_fraction("zbv", 4, 8, 2) == 0.0 == bubble_fraction("1f1b", 1, 8)
+
+
+def test_bubble_time_is_the_sources_formula_in_chunk_times():
+    """One chunk's F, B (input + weight halves) and W: 1F1B and interleaved (p - 1)(F + B),
+    ZB-H1 (p - 1)(F + B - 2W), DualPipeV (p - 1)(F&B + B - 3W) with F&B = F + B, ZB-V
+    none once m >= 2p (ZB-H1 below it). A recomputed forward in B (F = W = 1, B = 3)
+    grows the zero-bubble schedules' idle: W no longer covers it."""
+    assert bubble_time("1f1b", 4, 8, 1.0, 2.0, 1.0) == pytest.approx(9.0)
+    assert bubble_time("interleaved_1f1b", 4, 8, 1.0, 2.0, 1.0) == pytest.approx(9.0)
+    assert bubble_time("zero_bubble", 4, 8, 1.0, 2.0, 1.0) == pytest.approx(3.0)
+    assert bubble_time("dualpipev", 4, 8, 1.0, 2.0, 1.0) == pytest.approx(3 * (3 + 2 - 3))
+    assert bubble_time("dualpipev", 4, 8, 1.0, 3.0, 1.0) == pytest.approx(3 * (4 + 3 - 3))
+    assert bubble_time("zero_bubble", 4, 8, 1.0, 3.0, 1.0) == pytest.approx(3 * 2)
+    assert bubble_time("zbv", 4, 8, 1.0, 2.0, 1.0) == 0.0
+    assert bubble_time("zbv", 4, 4, 1.0, 2.0, 1.0) == pytest.approx(3.0)
+    assert bubble_time("dualpipev", 1, 4, 1.0, 2.0, 1.0) == 0.0
 
 
 # ------------------------------------------------------------ memory per pipeline rank
@@ -233,6 +251,28 @@ def test_step_model_bubble_p2p_and_tokens():
                            train=cfg.train), ClusterSpec(nodes=3, gpus_per_node=8))
 
 
+def test_step_model_dualpipev_bubble_from_its_own_chunk_times():
+    """DualPipeV at p = 2 (4 stages), one EP rank (no expert transfers), no recomputation:
+    a chunk's time t is half the rank's compute and p2p per micro-batch, F = t / 3,
+    B = 2t / 3, W a third of its compute alone, and the bubble (p - 1)(F&B + B - 3W);
+    smaller than 1F1B's at the same layout, which is (p - 1) x the rank's whole time."""
+    m = 8
+    res = {}
+    for schedule in ("dualpipev", "1f1b"):
+        cfg = _cfg(pp=2, schedule=schedule, virtual=2 if schedule == "dualpipev" else 1, m=m)
+        res[schedule] = r = simulate(cfg, ClusterSpec(nodes=1, gpus_per_node=2),
+                                     RoutingSpec.parse("uniform"), strategies=("none",),
+                                     dispatchers=("dedup",), overlap="none")[0]
+        assert r.expert_comm_s == 0.0 and r.fsdp_comm_s == 0.0 and r.p2p_s > 0
+    r = res["dualpipev"]
+    t = (r.compute_s + r.p2p_s) / m / 2
+    f, b, w = t / 3, 2 * t / 3, r.compute_s / m / 2 / 3
+    assert r.bubble_s == pytest.approx((2 - 1) * ((f + b) + b - 3 * w))
+    one = res["1f1b"]
+    assert one.bubble_s == pytest.approx((one.compute_s + one.p2p_s) / m)
+    assert 0 < r.bubble_s < one.bubble_s
+
+
 def test_shared_loads_give_the_same_results():
     cfg = load_recipe("ref-1t-64e", ["parallel.pp=4", "parallel.dp_shard=128", "train.grad_accum=16"])
     cl = ClusterSpec(nodes=128, gpus_per_node=8)
@@ -260,7 +300,8 @@ def test_describe_prints_the_split_and_the_largest_rank(capsys):
     assert cli_main(["describe", "deepseek-v3", *over]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "pipeline: dualpipev, 32 stages over pp=16 ranks" in out
-    assert "bubble: 0.0% of the step for dualpipev at 64 micro-batches" in out
+    # DualPipeV: (p - 1) / (3 m + p - 1) = 15 / 207 at equal stages, F = W = B / 2
+    assert "bubble: 7.2% of the step for dualpipev at 64 micro-batches" in out
     assert "memory per pipeline rank" in out and "p2p receive buffers" in out
     info = describe("deepseek-v3", over)
     pipe = info["pipeline"]

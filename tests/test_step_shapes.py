@@ -19,8 +19,13 @@ import pytest
 from epscale.config import ConfigError, ModelConfig, MoEConfig, ParallelConfig, RunConfig, TrainConfig
 from epscale.plan import ClusterSpec, load_cluster, simulate
 from epscale.plan.routing import RoutingSpec
-from epscale.plan.shapes import (Work, compute_cluster, elementwise_bytes, expert_time,
-                                 gemm_efficiency, gemm_time, loss_bytes, nonexpert_time)
+from epscale.plan.shapes import (ATTN_BWD_EFFICIENCY, ATTN_BWD_FLOPS, ATTN_FWD_EFFICIENCY,
+                                 FP8_CAST_BYTES, Work, attention_linears, attention_time,
+                                 compute_cluster, elementwise_bytes, expert_gemm_tflops,
+                                 expert_time,
+                                 gemm_efficiency, gemm_time, host_bound_time, kernels_per_layer,
+                                 loss_bytes, nonexpert_parts, nonexpert_time)
+from epscale.plan.step_model import _fsdp_exposure, payload_row_bytes
 
 H100 = ClusterSpec(sm_count=132, mem_bw_GBps=3350.0, fp8_tflops=1979.0, layer_overhead_us=0.0)
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,6 +156,37 @@ def test_dualpipe_pairing_hides_transfers_behind_the_other_chunk():
     assert 0 < hidden <= r["full"].compute_s * (1 + 1e-9)
 
 
+def test_fp8_payload_shrinks_the_forward_dispatch_only():
+    """``parallel.payload: fp8``: the forward dispatch of dedup and hierarchical sends one
+    byte per channel (4-aligned) and an fp32 scale per 128 channels; combine and the
+    backward stay in the activations' dtype; alltoall cannot send fp8. Without latency a
+    transfer's time is its bytes, so the exposed EP time and the bytes sent scale by
+    (3 + r) / 4, r = fp8 row / bf16 row (by (4 + 2r) / 6 when the recomputed forward
+    dispatches again)."""
+    D = 256
+    r = (D + 4 * 2) / (2 * D)
+    assert payload_row_bytes(dataclasses.replace(_cfg(dim=7168, hidden=256), parallel=ParallelConfig(
+        payload="fp8")), "dedup", 2) == 7168 + 4 * 56
+    cl = ClusterSpec(nodes=2, gpus_per_node=8, inter_bw_GBps=10, intra_bw_GBps=100,
+                     inter_latency_us=0, intra_latency_us=0)
+    for ac, ratio in (("none", (3 + r) / 4), ("full", (4 + 2 * r) / 6)):
+        res = {}
+        for payload in ("bf16", "fp8"):
+            cfg = _cfg(E=16, K=4, ep=16, dim=D, hidden=256, seq=512, vocab=256)
+            cfg = dataclasses.replace(cfg, parallel=ParallelConfig(ep=16, payload=payload),
+                                      train=TrainConfig(micro_batch_size=1, dtype="bfloat16",
+                                                        activation_checkpointing=ac))
+            assert payload_row_bytes(cfg, "alltoall", 2) == 2 * D
+            res[payload] = {x.dispatcher: x for x in simulate(
+                cfg, cl, RoutingSpec.parse("uniform"), strategies=("none",), overlap="none")}
+        for disp, want in (("dedup", ratio), ("hierarchical", ratio), ("alltoall", 1.0)):
+            a, b = res["bf16"][disp], res["fp8"][disp]
+            assert a.expert_comm_s > 0 and b.compute_s == pytest.approx(a.compute_s)
+            assert b.expert_comm_s / a.expert_comm_s == pytest.approx(want)
+            assert b.inter_bytes_per_gpu / a.inter_bytes_per_gpu == pytest.approx(
+                (3 + r) / 4 if want < 1 else 1.0)
+
+
 def test_looped_and_v_schedules_hide_p2p_behind_compute_with_overlap():
     m, T, D = 8, 64, 32
     cfg = lambda schedule, v: RunConfig(  # noqa: E731
@@ -200,7 +236,7 @@ def test_published_runs_print_a_ratio_for_every_row(tmp_path, capsys):
     sys.modules["published"] = mod             # its dataclasses look their module up
     spec.loader.exec_module(mod)
     out = tmp_path / "rows.json"
-    assert mod.main(["--json", str(out)]) == 0
+    assert mod.main(["--json", str(out), "--breakdown", "--gemm-check"]) == 0
     text = capsys.readouterr().out
     rows = json.loads(out.read_text())
     assert [r["name"] for r in rows] == [run.name for run in mod.RUNS] and len(rows) >= 4
@@ -209,5 +245,130 @@ def test_published_runs_print_a_ratio_for_every_row(tmp_path, capsys):
         assert r["ratio"] == pytest.approx(r["predicted"] / r["published"])
         assert f"{r['ratio']:6.2f}" in text and run.name in text
         assert run.source and "'" in run.source      # every figure quoted from its source
+        # the step by part adds up to the step (what --breakdown prints as shares)
+        assert sum(r["breakdown"].values()) == pytest.approx(r["step_s"], rel=1e-9)
+    assert "EPcomm" in text and "bubble" in text
+    for g, m, n, k, tflops in mod.DEEPGEMM_GROUPED:      # the GEMM check prints every shape
+        assert f"{g:6d} {m:8d} {n:6d} {k:6d} {tflops:10d}" in text
     # Mixtral's 468 TFLOPS in tokens/s by Megatron's own FLOPs formula
     assert rows[0]["published"] == pytest.approx(468e12 / 8.2933e10, rel=1e-3)
+
+
+# ------------------------------------------------------------ the step by part
+
+def _sim(cfg, cl, work=Work(), overlap="none", disp="dedup"):
+    return simulate(cfg, cl, RoutingSpec.parse("uniform"), strategies=("none",),
+                    dispatchers=(disp,), overlap=overlap, step_samples=2, work=work)[0]
+
+
+def test_the_breakdown_adds_up_to_the_step_with_and_without_a_pipeline():
+    cl = dataclasses.replace(H100, nodes=2, gpus_per_node=8)
+    flat = _cfg(E=16, K=2, ep=16)
+    piped = dataclasses.replace(flat, parallel=ParallelConfig(pp=2, ep=8, pp_schedule="1f1b"),
+                                train=TrainConfig(micro_batch_size=1, grad_accum=4))
+    for cfg in (flat, piped):
+        r = _sim(cfg, cl, Work(launch_us=50.0))
+        assert sum(r.breakdown.values()) == pytest.approx(r.step_time_s, rel=1e-12)
+        assert r.breakdown["expert_gemm"] > 0 and r.breakdown["attention"] > 0
+        assert r.breakdown["expert_comm"] == pytest.approx(r.expert_comm_s)
+    # the parts of one micro-batch's non-expert work are its time
+    parts = nonexpert_parts(flat, H100, 2048, Work())
+    assert sum(parts.values()) == pytest.approx(nonexpert_time(flat, H100, 2048, Work()))
+
+
+def test_grouped_gemm_rate_pays_each_experts_last_tile():
+    N = K = 4096
+    full = expert_gemm_tflops(H100, 4, 128 * 33, N, K)
+    assert expert_gemm_tflops(H100, 4, 128 * 33 + 1, N, K) < full        # one more tile row
+    assert full <= H100.gemm_tflops * H100.gemm_efficiency * (1 + 1e-12)
+
+
+def test_flash_attention_runs_at_its_measured_rates():
+    fwd, bwd = attention_time(H100, 1e12)
+    assert fwd == pytest.approx(1e12 / (989e12 * ATTN_FWD_EFFICIENCY))
+    assert bwd == pytest.approx(ATTN_BWD_FLOPS * 1e12 / (989e12 * ATTN_BWD_EFFICIENCY))
+    assert 989e12 * ATTN_FWD_EFFICIENCY == pytest.approx(609e12)          # FA3 paper's cuDNN
+    # a calibrated cluster keeps its one rate, the backward twice the forward
+    cal = ClusterSpec()
+    assert attention_time(cal, 1e12) == pytest.approx((1e12 / cal.flops_per_s,
+                                                       2e12 / cal.flops_per_s))
+
+
+def test_fp8_casts_are_charged_with_the_amax_pass_and_the_transposed_copy():
+    cfg = _cfg()
+    parts = elementwise_bytes(cfg, True, fp8=True)
+    linear_in = sum(i for _, i, _ in attention_linears(cfg))          # no shared experts here
+    assert FP8_CAST_BYTES == 2 + 2 + 1 + 1
+    assert parts["fp8_cast"] == FP8_CAST_BYTES * linear_in
+    assert "fp8_cast" not in elementwise_bytes(cfg, True, fp8=False)
+
+
+# ------------------------------------------------------------ host-bound layers
+
+def test_a_host_bound_segment_lasts_its_kernels_issue_time():
+    assert float(host_bound_time(100, 0.0, 5.0)) == pytest.approx(500e-6)
+    assert float(host_bound_time(200, 0.0, 5.0)) == pytest.approx(2 * 500e-6)   # twice the kernels
+    assert float(host_bound_time(100, 200e-6, 5.0)) == pytest.approx(300e-6)     # beyond the GPU's
+    assert float(host_bound_time(100, 1e-3, 5.0)) == 0.0                        # GPU-bound: nothing
+    # each local expert adds its two GEMMs to the forward and four to the backward; fp8
+    # an amax and a cast kernel per GEMM input
+    cfg = _cfg()
+    (f1, b1), (f2, b2) = (kernels_per_layer(cfg, True, e, Work()) for e in (1, 2))
+    assert (f2 - f1, b2 - b1) == (2, 4)
+    f8, b8 = kernels_per_layer(cfg, True, 2, Work(precision="fp8"))
+    assert f8 - f2 == b8 - b2 == 2 * (len(attention_linears(cfg)) + 1 + 2 * 2)
+
+
+def test_dropless_exchanges_wait_on_the_host_and_fixed_capacity_does_not():
+    cl = dataclasses.replace(H100, nodes=1, gpus_per_node=8)
+    cfg = _cfg(E=16, K=2, ep=8, dim=256, hidden=256, seq=256, vocab=256)
+    slow_host = _sim(cfg, cl, Work(launch_us=100.0))
+    assert slow_host.breakdown["launch"] > 0
+    assert _sim(cfg, cl, Work(launch_us=0.0)).breakdown["launch"] == 0.0
+    # doubling the launch time doubles the issue time; what exceeds the GPU's grows more
+    more = _sim(cfg, cl, Work(launch_us=200.0))
+    assert more.breakdown["launch"] > 2 * slow_host.breakdown["launch"]
+    capped = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, capacity_factor=1.0))
+    assert _sim(capped, cl, Work(launch_us=100.0)).breakdown["launch"] == 0.0
+    with pytest.raises(ConfigError, match="launch_us = -1"):
+        _sim(cfg, cl, Work(launch_us=-1.0))
+
+
+# ------------------------------------------------------------ ZeRO levels
+
+def test_zero_levels_gather_and_reduce_per_step_or_per_micro_batch():
+    g, rs, c, layers = 1.0, 2.0, 0.0, 4
+    assert _fsdp_exposure(3, 1, g, rs, c, layers) == pytest.approx((4.0 + 4.0 / 3 / 4, 0.0))
+    assert _fsdp_exposure(2, 1, g, rs, c, layers) == pytest.approx((2.0 + 2.0 / 3 / 4, 1.25))
+    assert _fsdp_exposure(1, 1, g, rs, c, layers) == pytest.approx((0.0, 1.25 + 2.5))
+    # under a pipeline the gradients are reduce-scattered once per step at every level
+    assert _fsdp_exposure(3, 2, g, rs, c, layers)[1] == _fsdp_exposure(1, 2, g, rs, c, layers)[1]
+    assert _fsdp_exposure(1, 2, g, rs, c, layers)[0] == 0.0
+    # a long compute hides all but the first / last block's share
+    assert _fsdp_exposure(1, 1, g, rs, 100.0, layers) == pytest.approx((0.0, (g + rs) / layers))
+
+
+def test_zero1_charges_one_gather_per_step_whatever_the_micro_batches():
+    cl = dataclasses.replace(H100, nodes=2, gpus_per_node=8, inter_bw_GBps=1.0)
+    def run(zero, accum):
+        cfg = _cfg(E=16, K=2, ep=8)
+        cfg = dataclasses.replace(
+            cfg, parallel=ParallelConfig(ep=8, fsdp=True, zero=zero),
+            train=TrainConfig(micro_batch_size=1, grad_accum=accum))
+        return _sim(cfg, cl).fsdp_comm_s
+
+    assert run(1, 4) == pytest.approx(run(1, 1), rel=1e-9)        # once per step
+    assert run(3, 4) == pytest.approx(4 * run(3, 1), rel=1e-9)    # every micro-batch
+    assert run(1, 4) < run(3, 4)
+
+
+def test_the_recipes_recompute_modules_are_charged():
+    cfg = _cfg(dense=1)
+    T = cfg.model.seq_len
+    for config_name, megatron_name in (("norm", "layernorm"), ("mlp", "mlp"),
+                                       ("attention_core", "core_attn")):
+        recipe = dataclasses.replace(cfg, train=TrainConfig(micro_batch_size=1,
+                                                           recompute_modules=[config_name]))
+        assert nonexpert_time(recipe, H100, T, Work()) == pytest.approx(
+            nonexpert_time(cfg, H100, T, Work(recompute_modules=(megatron_name,))), rel=1e-12)
+        assert nonexpert_time(recipe, H100, T, Work()) > nonexpert_time(cfg, H100, T, Work())

@@ -121,29 +121,55 @@ def stage_flops(cfg: RunConfig) -> list[float]:
     return out
 
 
-def bubble_fraction(schedule: str, pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
-    """The share of a step each pipeline rank idles, for equal stages: (p - 1) / (m + p - 1)
-    for GPipe and 1F1B; (p - 1) / (v m + p - 1) interleaved over v stages per rank. The
-    zero-bubble schedules split each backward into its input and weight halves and fill
-    the warm-up and cool-down with weight halves: with forward = input backward = weight
-    backward, the interleaved zero-bubble schedule leaves a third of 1F1B's idle time,
-    (p - 1) / (3 v m + p - 1), and ZB-V and DualPipeV none once m >= 2p (their papers'
-    figures under that equal-cost assumption; real stages are not equal, so measure)."""
+def bubble_time(schedule: str, pp: int, micro_batches: int, f: float, b: float,
+                w: float) -> float:
+    """Seconds each pipeline rank idles in one step, from one chunk's times (one stage,
+    one micro-batch): ``f`` its forward, ``b`` its full backward (input and weight halves
+    together, and any recomputed forward) and ``w`` the weight half alone. The sources'
+    formulas, F, B, W per chunk, p = ``pp`` ranks:
+
+    * gpipe, 1f1b: (p - 1)(F + B) (GPipe, Huang et al. 2019; 1F1B, the DualPipe README's
+      table, github.com/deepseek-ai/DualPipe).
+    * interleaved_1f1b: (p - 1)(F + B) per chunk, i.e. (p - 1)(t_f + t_b) / v of the
+      rank's whole share (Narayanan et al. 2021, section 2.2.2).
+    * zero_bubble: (p - 1)(F + B - 2W) per chunk (ZB-H1, Qi et al. 2023, arXiv 2401.10241;
+      the DualPipe README's ZB1P row), the warm-up and cool-down filled with weight halves.
+    * zbv: none once m >= 2p (the comparison table of sail-sg/zero-bubble-pipeline-
+      parallelism, which assumes equal forward, input-backward and weight-backward times,
+      here F = B - W = W; no closed form is published otherwise).
+    * dualpipev: (PP/2 - 1)(F&B + B - 3W) with PP = 2p stages on p ranks: (p - 1)(F&B + B
+      - 3W), F&B the time of a forward and a backward chunk run overlapped, which the step
+      model already charges as f + b with what their transfers leave exposed (DualPipe
+      README: DualPipe's row; DualPipeV, its cut-in-half V, has the same bubble on PP/2
+      devices).
+
+    With fewer than 2p micro-batches a V cannot fill: charged as ZB-H1 per chunk."""
     p, m = pp, micro_batches
     if p <= 1:
         return 0.0
     kind = PP_SCHEDULES[schedule]
-    v = pp_stages_per_rank(schedule, virtual_stages)
-    if schedule in ("1f1b", "gpipe"):
-        return (p - 1) / (m + p - 1)
-    if schedule == "interleaved_1f1b":
-        return (p - 1) / (v * m + p - 1)
-    if schedule == "zero_bubble":
-        return (p - 1) / (3 * v * m + p - 1)
-    assert kind == "v"
-    if m >= 2 * p:
+    if schedule in ("1f1b", "gpipe", "interleaved_1f1b"):
+        return (p - 1) * (f + b)
+    if schedule == "zero_bubble" or (kind == "v" and m < 2 * p):
+        return (p - 1) * max(0.0, f + b - 2 * w)
+    if schedule == "zbv":
         return 0.0
-    return (p - 1) / (3 * 2 * m + p - 1)  # too few micro-batches to fill the V: as ZB-H1
+    assert schedule == "dualpipev", schedule
+    return (p - 1) * max(0.0, (f + b) + b - 3 * w)
+
+
+def bubble_fraction(schedule: str, pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
+    """The share of a step each pipeline rank idles, for equal stages whose backward is
+    twice the forward and whose weight half equals the forward (F = W = B / 2, no
+    recomputation): :func:`bubble_time` over the step. (p - 1) / (m + p - 1) for GPipe and
+    1F1B; (p - 1) / (v m + p - 1) interleaved over v stages per rank; (p - 1) / (3 v m +
+    p - 1) for the interleaved zero-bubble schedule; none for ZB-V once m >= 2p; (p - 1) /
+    (3 m + p - 1) for DualPipeV (a third of 1F1B's at the same ranks and micro-batches)."""
+    if pp <= 1:
+        return 0.0
+    v = pp_stages_per_rank(schedule, virtual_stages)
+    idle = bubble_time(schedule, pp, micro_batches, 1.0, 2.0, 1.0)
+    return idle / (micro_batches * v * 3.0 + idle)
 
 
 def micro_batch_problem(schedule: str, pp: int, micro_batches: int) -> str | None:

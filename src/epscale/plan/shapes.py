@@ -19,9 +19,11 @@ dl-performance-matrix-multiplication: *tile quantization* and *wave quantization
   out-bytes`` at ``mem_bw_GBps``: thin GEMMs (few rows per expert) are memory-bound.
 
 fp8 is a rate option: the linear layers' GEMMs run at ``fp8_tflops`` with 1-byte inputs,
-and every input is cast first (read 2 bytes, write 1: charged as memory-bound work).
-Attention's core (flash attention: QK^T and PV) is charged by its FLOPs at the large-GEMM
-bf16 rate. A cluster without ``sm_count`` (a CPU calibrated by ``epscale calibrate``)
+and every input is cast first (:data:`FP8_CAST_BYTES`: charged as memory-bound work).
+Attention's core (flash attention: QK^T and PV) is charged by its FLOPs at flash
+attention's measured forward and backward rates (:data:`ATTN_FWD_EFFICIENCY`). The kernels
+a layer launches (:func:`kernels_per_layer`) bound how fast a host can feed it after a host
+sync (:func:`host_bound_time`). A cluster without ``sm_count`` (a CPU calibrated by ``epscale calibrate``)
 keeps the calibrated model: one rate, ``gemm_half_rows`` extra rows per expert GEMM.
 
 Memory-bound work is charged by bytes at ``mem_bw_GBps`` (the forward's bytes per token
@@ -42,7 +44,27 @@ from .cluster import ClusterSpec
 from .sizing import _ffn_mats, attention_flops_per_token, head_dim
 
 PRECISIONS = ("bf16", "fp8")
-RECOMPUTE_MODULES = ("layernorm", "mla_up_proj", "moe_act", "core_attn", "mlp", "moe")
+# Bytes per element of casting one GEMM input to fp8 with a scale computed from the tensor
+# itself (Transformer Engine's current scaling; DeepSeek-V3's 1x128 / 128x128 blocks alike):
+# one pass reads the bf16 tensor for its amax (2 bytes), a second reads it again and writes
+# the fp8 copy (1) and, on Hopper, the transposed fp8 copy the backward GEMMs need (1)
+# (Transformer Engine docs, "FP8 Current Scaling" and "Performance considerations:
+# handling transposes": Hopper's fp8 GEMMs take only TN layouts).
+FP8_CAST_BYTES = 6.0
+# Flash attention's rates on H100 SXM at head dim 128 and sequence 4k, as fractions of the
+# dense bf16 peak (989 TFLOP/s): cuDNN's forward 609 TFLOP/s and backward 499 TFLOP/s,
+# where the backward counts 2.5 times the forward's FLOPs (it recomputes QK^T): Shah et al.,
+# "FlashAttention-3", arXiv 2407.08608, figures "Attention forward/backward speed, head
+# dim 128 (H100 80GB SXM5)". Megatron-Core runs cuDNN's kernels through Transformer Engine.
+ATTN_FWD_EFFICIENCY = 609.0 / 989.0
+ATTN_BWD_EFFICIENCY = 499.0 / 989.0
+ATTN_BWD_FLOPS = 2.5
+# Host time to issue one kernel: "usually, the launch time on the CPU side is between 5-20
+# microseconds" (Meta's Holistic Trace Analysis docs, "CUDA kernel launch statistics"); the
+# low end, the runtime call alone (the framework's Python above it only adds).
+HOST_LAUNCH_US = 5.0
+RECOMPUTE_MODULES = ("layernorm", "mla_up_proj", "moe_act", "core_attn", "mlp", "moe", "router",
+                     "shared_experts")
 
 
 def _peak(cluster: ClusterSpec, precision: str) -> float:
@@ -109,16 +131,19 @@ class Work:
     layers' GEMMs, ``tp`` tensor-parallel ranks of the non-expert blocks (Megatron's
     sequence parallelism: each holds T / tp tokens outside attention and the dense FFNs,
     experts are not split), ``recompute_modules`` (Megatron's names; ``None``: the
-    recipe's ``train.activation_checkpointing``), ``comm_sms`` SMs the overlapped dispatch
+    recipe's ``train.recompute_modules``, else its ``train.activation_checkpointing``:
+    :func:`recomputed_modules`), ``comm_sms`` SMs the overlapped dispatch
     kernels hold (:func:`compute_cluster`), ``p2p_overlap``: a looped or V pipeline hides
     its p2p behind compute even where the expert transfers are not overlapped (Megatron's
-    interleaved schedule)."""
+    interleaved schedule), ``launch_us`` the host's time to issue one kernel
+    (:func:`host_bound_time`)."""
 
     precision: str = "bf16"
     tp: int = 1
     recompute_modules: tuple[str, ...] | None = None
     comm_sms: int = 0
     p2p_overlap: bool = False
+    launch_us: float = HOST_LAUNCH_US
 
 
 def compute_cluster(cluster: ClusterSpec, work: Work, overlap: str) -> ClusterSpec:
@@ -164,8 +189,8 @@ def elementwise_bytes(run_cfg: RunConfig, moe_layer: bool, fp8: bool) -> dict[st
         out["mlp_act"] = m.dense_hidden_dim * act
         linear_in = D + m.dense_hidden_dim
     linear_in += sum(i for _, i, _ in attention_linears(run_cfg))
-    if fp8:                          # each GEMM input cast to fp8: read 2 bytes, write 1
-        out["fp8_cast"] = 3.0 * linear_in
+    if fp8:                          # each GEMM input cast to fp8 (:data:`FP8_CAST_BYTES`)
+        out["fp8_cast"] = FP8_CAST_BYTES * linear_in
     return out
 
 
@@ -181,11 +206,31 @@ def optimizer_bytes_per_param(run_cfg: RunConfig) -> float:
     return 4 * 4 + 3 * 4 + 2
 
 
-def _recomputed(work: Work, ac: str, name: str) -> bool:
-    """Whether module ``name``'s forward runs again in backward."""
+# train.recompute_modules' names (epscale.parallel.activation) -> Megatron-Core's, which
+# ``Work.recompute_modules`` and this module use
+CONFIG_RECOMPUTE = {"norm": "layernorm", "attention_core": "core_attn", "mlp": "mlp",
+                    "moe_act": "moe_act", "mla_up_proj": "mla_up_proj", "router": "router",
+                    "shared_experts": "shared_experts"}
+
+
+def recomputed_modules(work: Work, run_cfg: RunConfig) -> tuple[str, ...] | None:
+    """The modules whose forward runs again in backward, in Megatron's names: ``work``'s
+    where it says them, else the recipe's ``train.recompute_modules`` (mapped by
+    :data:`CONFIG_RECOMPUTE`), else None (``train.activation_checkpointing`` decides)."""
     if work.recompute_modules is not None:
-        return name in work.recompute_modules
-    return ac == "selective" and name in ("layernorm", "moe_act")
+        return tuple(work.recompute_modules)
+    mods = run_cfg.train.recompute_modules
+    if mods:
+        return tuple(CONFIG_RECOMPUTE[m] for m in mods)
+    return None
+
+
+def _recomputed(work: Work, run_cfg: RunConfig, name: str) -> bool:
+    """Whether module ``name``'s forward runs again in backward."""
+    mods = recomputed_modules(work, run_cfg)
+    if mods is not None:
+        return name in mods
+    return run_cfg.train.activation_checkpointing == "selective" and name in ("layernorm", "moe_act")
 
 
 def _linears(run_cfg: RunConfig, moe_layer: bool) -> list[tuple[str, int, int, str]]:
@@ -207,49 +252,75 @@ def _linears(run_cfg: RunConfig, moe_layer: bool) -> list[tuple[str, int, int, s
     return out
 
 
-def _layer_time(run_cfg: RunConfig, cluster: ClusterSpec, T: float, work: Work,
-                moe_layer: bool) -> float:
+def attention_time(cluster: ClusterSpec, fwd_flops: float) -> tuple[float, float]:
+    """(forward, backward) seconds of flash attention's core of ``fwd_flops`` forward
+    FLOPs: at the measured flash-attention rates (:data:`ATTN_FWD_EFFICIENCY`) on a cluster
+    with ``sm_count``, else the calibrated large-GEMM rate (backward twice the forward)."""
+    if not cluster.sm_count:
+        t = fwd_flops / cluster.flops_per_s
+        return t, 2 * t
+    peak = cluster.gemm_tflops * 1e12
+    return (fwd_flops / (peak * ATTN_FWD_EFFICIENCY),
+            ATTN_BWD_FLOPS * fwd_flops / (peak * ATTN_BWD_EFFICIENCY))
+
+
+def _layer_parts(run_cfg: RunConfig, cluster: ClusterSpec, T: float, work: Work,
+                 moe_layer: bool) -> dict[str, float]:
     """Seconds of one layer's non-expert work, fwd + bwd (+ the modules recomputed), on a
-    GPU holding T tokens of the micro-batch (T x tp under tensor parallelism)."""
-    tp, ac = work.tp, run_cfg.train.activation_checkpointing
+    GPU holding T tokens of the micro-batch (T x tp under tensor parallelism), by part:
+    ``gemm`` the linear layers, ``attention`` flash attention's core, ``memory`` the
+    memory-bound work by its bytes, ``recompute`` the forwards run again, ``tp_comm`` the
+    sequence-parallel collectives."""
+    tp = work.tp
     full = T * tp
-    t = 0.0
+    out = dict(gemm=0.0, attention=0.0, memory=0.0, recompute=0.0, tp_comm=0.0)
     for module, k, n, how in _linears(run_cfg, moe_layer):
         prec = "bf16" if module == "router" else work.precision
-        M, N, K = (T, n, k) if how == "-" or tp == 1 else             (full, n / tp, k) if how == "n" else (full, n, k / tp)
-        t += train_gemms_time(cluster, M, N, K, prec)
-        again = _recomputed(work, ac, module) or (
-            module in ("router", "shared") and _recomputed(work, ac, "moe"))
+        M, N, K = (T, n, k) if how == "-" or tp == 1 else \
+            (full, n / tp, k) if how == "n" else (full, n, k / tp)
+        out["gemm"] += train_gemms_time(cluster, M, N, K, prec)
+        again = _recomputed(work, run_cfg, "shared_experts" if module == "shared" else module) \
+            or (module in ("router", "shared") and _recomputed(work, run_cfg, "moe"))
         if again:
-            t += float(gemm_time(cluster, M, N, K, prec))
-    attn = T * attention_flops_per_token(run_cfg.model) / (cluster.flops_per_s)
-    t += 3 * attn + attn * _recomputed(work, ac, "core_attn")
+            out["recompute"] += float(gemm_time(cluster, M, N, K, prec))
+    fwd_attn, bwd_attn = attention_time(cluster, T * attention_flops_per_token(run_cfg.model))
+    out["attention"] = fwd_attn + bwd_attn
+    out["recompute"] += fwd_attn * _recomputed(work, run_cfg, "core_attn")
     if cluster.mem_bw_GBps:
         parts = elementwise_bytes(run_cfg, moe_layer, work.precision == "fp8")
         per_row = ("permute", "moe_act")          # charged with the experts' rows
         nbytes = sum(v for k_, v in parts.items() if k_ not in per_row)
-        nbytes = 3 * nbytes + parts["layernorm"] * _recomputed(work, ac, "layernorm")
-        t += T * nbytes / (cluster.mem_bw_GBps * 1e9)
+        bw = cluster.mem_bw_GBps * 1e9
+        out["memory"] = T * 3 * nbytes / bw
+        out["recompute"] += T * parts["layernorm"] * _recomputed(work, run_cfg, "layernorm") / bw
     if tp > 1:          # sequence parallelism: all-gather in, reduce-scatter out, fwd and bwd
         hops = 4 * (1 + (not moe_layer))
-        t += hops * ((tp - 1) / tp * full * run_cfg.model.dim * 2 / (cluster.intra_bw_GBps * 1e9)
-                     + cluster.intra_latency_us * 1e-6)
-    return t
+        out["tp_comm"] = hops * ((tp - 1) / tp * full * run_cfg.model.dim * 2
+                                 / (cluster.intra_bw_GBps * 1e9) + cluster.intra_latency_us * 1e-6)
+    return out
+
+
+def nonexpert_parts(run_cfg: RunConfig, cluster: ClusterSpec, T: float,
+                    work: Work) -> dict[str, float]:
+    """:func:`nonexpert_time` by part (:func:`_layer_parts`' names; the output head's
+    GEMMs count as ``gemm``, its softmax and cross-entropy as ``memory``)."""
+    m = run_cfg.model
+    n_moe = sum(m.is_moe_layer(i) for i in range(m.num_layers))
+    moe_p = _layer_parts(run_cfg, cluster, T, work, True)
+    dense_p = _layer_parts(run_cfg, cluster, T, work, False)
+    out = {k: n_moe * moe_p[k] + (m.num_layers - n_moe) * dense_p[k] for k in moe_p}
+    head_n = m.vocab_size / work.tp
+    out["gemm"] += train_gemms_time(cluster, T * work.tp, head_n, m.dim, "bf16")
+    if cluster.mem_bw_GBps:
+        out["memory"] += T * loss_bytes(run_cfg) / (cluster.mem_bw_GBps * 1e9)
+    return out
 
 
 def nonexpert_time(run_cfg: RunConfig, cluster: ClusterSpec, T: float, work: Work) -> float:
     """Seconds of one micro-batch's non-expert work on one GPU holding T tokens: every
     layer's attention, norms, dense FFN or shared experts and router, and the output head
     with its loss (bf16), forward and backward."""
-    m = run_cfg.model
-    n_moe = sum(m.is_moe_layer(i) for i in range(m.num_layers))
-    t = (n_moe * _layer_time(run_cfg, cluster, T, work, True)
-         + (m.num_layers - n_moe) * _layer_time(run_cfg, cluster, T, work, False))
-    head_n = m.vocab_size / work.tp
-    t += train_gemms_time(cluster, T * work.tp, head_n, m.dim, "bf16")
-    if cluster.mem_bw_GBps:
-        t += T * loss_bytes(run_cfg) / (cluster.mem_bw_GBps * 1e9)
-    return t
+    return float(sum(nonexpert_parts(run_cfg, cluster, T, work).values()))
 
 
 def _grouped(padded_rows, rows, gemms, N: int, K: int, rate: float, sm: int, tm: int, tn: int,
@@ -262,12 +333,26 @@ def _grouped(padded_rows, rows, gemms, N: int, K: int, rate: float, sm: int, tm:
     return np.maximum(c, mem)
 
 
-def expert_time(run_cfg: RunConfig, cluster: ClusterSpec, rows, padded_rows, gemms,
-                work: Work):
-    """Seconds of a rank's grouped expert GEMMs, fwd + bwd, and the memory-bound work of its
-    rows (arrays broadcast): ``rows`` received, ``padded_rows`` the same rounded up to the
-    tile per expert, ``gemms`` experts with rows. The forward's share is returned too (for
-    a recomputed MoE forward)."""
+def expert_gemm_tflops(cluster: ClusterSpec, groups: int, rows_per_group: int, N: int, K: int,
+                       precision: str = "bf16") -> float:
+    """Achieved TFLOP/s of one grouped GEMM of ``groups`` experts with ``rows_per_group``
+    rows each, weights K x N, as :func:`expert_parts` charges it (its forward GEMM)."""
+    rate = _peak(cluster, precision) * cluster.gemm_efficiency
+    rows = groups * rows_per_group
+    padded = groups * math.ceil(rows_per_group / cluster.gemm_tile_m) * cluster.gemm_tile_m
+    bw = cluster.mem_bw_GBps * 1e9 if cluster.mem_bw_GBps else np.inf
+    t = _grouped(padded, rows, groups, N, K, rate, cluster.sm_count, cluster.gemm_tile_m,
+                 cluster.gemm_tile_n, 1 if precision == "fp8" else 2, bw)
+    return float(2.0 * rows * N * K / t / 1e12)
+
+
+def expert_parts(run_cfg: RunConfig, cluster: ClusterSpec, rows, padded_rows, gemms,
+                 work: Work) -> dict:
+    """A rank's grouped expert GEMMs and the memory-bound work of its rows, by part
+    (arrays broadcast): ``fwd`` and ``bwd`` the GEMMs' forward and backward, ``memory``
+    the rows' permute, unpermute, activation (and fp8 casts), fwd + bwd, ``recompute``
+    the activation run again. ``rows`` received, ``padded_rows`` the same rounded up to
+    the tile per expert, ``gemms`` experts with rows."""
     moe, D = run_cfg.moe, run_cfg.model.dim
     mats, F = _ffn_mats(moe.activation), moe.hidden_dim
     prec = work.precision
@@ -288,13 +373,57 @@ def expert_time(run_cfg: RunConfig, cluster: ClusterSpec, rows, padded_rows, gem
         c = 2.0 * rows * math.ceil(k / tm) * tm * math.ceil(n / tn) * tn / rate / q
         mem = (rows * (k + n) * in_b + gemms * k * n * 4) / bw
         bwd = bwd + np.maximum(c, mem)
+    memory = recompute = 0.0
     if cluster.mem_bw_GBps:
         parts = elementwise_bytes(run_cfg, True, prec == "fp8")
         per_row = (parts["permute"] + parts["moe_act"]) / moe.top_k
         if prec == "fp8":
-            per_row += 3.0 * (D + F)
+            per_row += FP8_CAST_BYTES * (D + F)
         act = parts["moe_act"] / moe.top_k
-        ac = run_cfg.train.activation_checkpointing
-        elem = rows * (3 * per_row + act * _recomputed(work, ac, "moe_act")) / bw
-        bwd = bwd + elem
-    return fwd + bwd, fwd
+        memory = rows * 3 * per_row / bw
+        recompute = rows * act * _recomputed(work, run_cfg, "moe_act") / bw
+    return dict(fwd=fwd, bwd=bwd, memory=memory, recompute=recompute)
+
+
+def expert_time(run_cfg: RunConfig, cluster: ClusterSpec, rows, padded_rows, gemms,
+                work: Work):
+    """Seconds of a rank's grouped expert GEMMs, fwd + bwd, and the memory-bound work of its
+    rows (arrays broadcast; :func:`expert_parts`). The forward's share is returned too (for
+    a recomputed MoE forward)."""
+    p = expert_parts(run_cfg, cluster, rows, padded_rows, gemms, work)
+    return p["fwd"] + p["bwd"] + p["memory"] + p["recompute"], p["fwd"]
+
+
+def kernels_per_layer(run_cfg: RunConfig, moe_layer: bool, local_experts: int,
+                      work: Work) -> tuple[int, int]:
+    """(forward, backward) kernels one layer launches per micro-batch, counted from its
+    structure as an eager framework runs it (Megatron-Core with Transformer Engine, or our
+    trainer): one GEMM per linear layer and per local expert (a grouped GEMM on Hopper is a
+    loop of GEMMs, one per expert), the norms, rope, flash attention, residual adds, the
+    router's scores, top-k and statistics (6), the permute and unpermute (2 each), the
+    exchanges (split sizes, their host copy, dispatch, combine), activations; fp8 adds an
+    amax and a cast kernel per GEMM input. The backward runs two GEMMs per forward GEMM
+    (input and weight gradients), two kernels per element-wise one (the gradient and the
+    reduction of a weight's or a residual's gradient), three for flash attention."""
+    m, moe = run_cfg.model, run_cfg.moe
+    linears = len(_linears(run_cfg, moe_layer)) - moe_layer          # the router: below
+    elem = 2 + 2 + 2 + 2 * (m.attention == "mla")                   # norms, rope, residuals
+    comm = 4 * (work.tp > 1)                                         # sequence parallelism
+    if moe_layer:
+        linears += 1 + 2 * local_experts                             # router, experts
+        elem += 6 + 2 * 2 + (moe.shared_width > 0) + 1               # routing, permutes, acts
+        comm += 4                                                    # sizes, copy, a2a x 2
+    else:
+        elem += 1                                                    # the FFN's activation
+    casts = 2 * linears if work.precision == "fp8" else 0
+    fwd = linears + elem + comm + casts + 1                          # + flash attention
+    bwd = 2 * linears + 2 * elem + comm + casts + 3
+    return fwd, bwd
+
+
+def host_bound_time(n_kernels, gpu_time, launch_us: float = HOST_LAUNCH_US):
+    """Seconds a segment of ``n_kernels`` kernels that starts after a host sync (the host
+    waited for the GPU, so nothing is queued) takes beyond its ``gpu_time`` (arrays
+    broadcast): the host issues them one by one, so the segment lasts at least
+    ``n_kernels x launch_us``."""
+    return np.maximum(0.0, np.asarray(n_kernels, float) * launch_us * 1e-6 - gpu_time)

@@ -21,6 +21,9 @@ What is modelled (one EP group stands for all ``dp`` replicas; they are statisti
   one row per (token, rank) over NVLink. Each rank's transfer takes the larger of its
   NVLink and NIC times (in or out) plus latency; the collective ends with the slowest rank.
   Four transfers per MoE layer and micro-batch (dispatch and combine, forward and backward).
+  A row is D channels in the activations' dtype, but the forward dispatch's, which
+  ``parallel.payload`` may send as bf16 or fp8 (e4m3 and a scale per 128 channels:
+  :func:`payload_row_bytes`).
 * Synchronisation. A layer's combine waits for the slowest rank's experts: a rank's idle
   time is the sum over layers of (slowest rank's expert time - its own).
 * Overlap. ``none``: transfers and compute in sequence. ``chunks``: dispatch, experts and
@@ -33,13 +36,19 @@ What is modelled (one EP group stands for all ``dp`` replicas; they are statisti
   gradients over the ``dp`` ranks holding the same experts (ring, bus bandwidth of the
   slowest link crossed, log-depth latency); with overlap, hidden behind the last
   micro-batch's backward where it fits.
-* FSDP (``parallel.fsdp``). Per micro-batch, every weight is all-gathered twice (forward,
-  and again for backward: FSDP frees it after the forward) in the compute dtype and its
-  gradient reduce-scattered in fp32: the non-expert weights over ``dp_shard`` ranks, an
-  EP rank's experts over ``dp_shard / ep``. The prefetched gathers run behind the
-  micro-batch's compute; the first block's gather and what exceeds the compute are
-  exposed. Once per step the shards' gradients are all-reduced over ``dp_replicate``
+* FSDP (``parallel.fsdp``), by ZeRO level (``parallel.zero``, :func:`_fsdp_exposure`). At
+  level 3, per micro-batch, every weight is all-gathered twice (forward, and again for
+  backward: FSDP frees it after the forward) in the compute dtype and its gradient
+  reduce-scattered in fp32; level 2 gathers once per step and reduce-scatters per
+  micro-batch; level 1 gathers and reduce-scatters once per step (and so does every level
+  under a pipeline, whose stage accumulates unsharded gradients): the non-expert weights
+  over ``dp_shard`` ranks, an EP rank's experts over ``dp_shard / ep``. The prefetched
+  gathers run behind the compute; the first block's gather and what exceeds the compute
+  are exposed. Once per step the shards' gradients are all-reduced over ``dp_replicate``
   (HSDP), replacing the replicated all-reduce.
+* Host-bound layers (GPU presets). A dropless exchange reads its split sizes on the host
+  once per MoE layer forward, so each layer's forward starts with nothing queued and lasts
+  at least its kernels' issue time (:func:`_host_bound`, ``work.launch_us`` per kernel).
 * Recomputation (``train.activation_checkpointing``). ``full`` runs every block's forward
   again in backward (compute x 4/3); ``selective`` recomputes only element-wise work (not
   charged). Both run each MoE layer's dispatch and combine again (6 transfers, not 4).
@@ -57,12 +66,15 @@ in the compute dtype, over NVLink when both ranks' GPUs share a node, else the N
 under 1F1B and GPipe and without overlap, else hidden behind the rank's compute under the
 looped and V schedules, which run another stage's micro-batch meanwhile) and its FSDP
 gathers beyond its compute. The slowest rank sets the pace:
-pipeline time = m x (slowest rank's time) / (1 - bubble), the bubble of the schedule at m
-(:func:`epscale.plan.pipeline.bubble_fraction`, equal stages assumed there). The
+pipeline time = m x (slowest rank's time) + the bubble of the schedule at m
+(:func:`epscale.plan.pipeline.bubble_time`: the sources' formulas in one chunk's forward,
+backward and weight-backward times, :func:`_chunk_times` of the slowest rank). The
 data-parallel reduction of each rank's own weights over its stage's ranks follows, the
 slowest rank's counted. Tokens per GPU: m x T per step over the p GPUs of a pipeline.
 
 The AdamW step closes every step, memory-bound (by bytes, on clusters with ``mem_bw_GBps``).
+``SimResult.breakdown`` splits the step of the rank that sets the pace by part
+(:func:`_breakdown`): the parts add up to ``step_time_s``.
 """
 
 from __future__ import annotations
@@ -81,10 +93,11 @@ from .cluster import ClusterSpec
 from .layout import Layout
 from .memory import cached_param_shapes, block_of
 from .placement import plan_spill
-from .pipeline import (bubble_fraction, layers_per_stage, micro_batches, stage_flops, stage_layers,
+from .pipeline import (bubble_time, layers_per_stage, micro_batches, stage_flops, stage_layers,
                        stage_placement)
-from .shapes import (PRECISIONS, RECOMPUTE_MODULES, Work, compute_cluster, expert_time,
-                     nonexpert_time, optimizer_bytes_per_param)
+from .shapes import (PRECISIONS, RECOMPUTE_MODULES, Work, compute_cluster, expert_parts,
+                     host_bound_time, kernels_per_layer, nonexpert_parts,
+                     optimizer_bytes_per_param)
 from .routing import (RoutingSpec, fit_weights, inclusion_probs, layer_shares, sample_topk,
                       shares_of)
 
@@ -115,6 +128,9 @@ class SimResult:
     layers: list[dict] = field(default_factory=list)
     bubble_s: float = 0.0         # pipeline: the slowest rank's idle share of the schedule
     p2p_s: float = 0.0            # pipeline: the slowest rank's stage-boundary transfers
+    # seconds of the step by part on the rank that sets the pace (:func:`_breakdown`):
+    # they add up to step_time_s
+    breakdown: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -205,12 +221,14 @@ def simulate(run_cfg: RunConfig, cluster: ClusterSpec, routing: RoutingSpec | No
     ne_flops = T * (size.flops_per_token - expert_flops_tok)   # non-expert, per micro-batch
     ccl = compute_cluster(cluster, work, overlap)
     if cluster.sm_count or work != Work():
-        dense_time = nonexpert_time(run_cfg, ccl, T, work)
+        ne_parts = nonexpert_parts(run_cfg, ccl, T, work)
     else:
-        dense_time = ne_flops / rate
+        ne_parts = {"compute": ne_flops / rate}
+    dense_time = float(sum(ne_parts.values()))
     dense_time_layer = dense_time / model.num_layers
     overhead = 3 * cluster.layer_overhead_us * 1e-6                      # fwd + 2x bwd
     ctx = dict(half_rows=cluster.gemm_half_rows, work=work, rate_ne=ne_flops / dense_time, ccl=ccl,
+               ne_parts=ne_parts,
                tile=cluster.gemm_tile_m if cluster.sm_count else 0)
     row_bytes = model.dim * act_bytes
 
@@ -255,6 +273,9 @@ def _tokens_per_gpu(run_cfg: RunConfig, work: Work) -> int:
         if mod not in RECOMPUTE_MODULES:
             raise ConfigError(f"recompute module '{mod}' is invalid: must be one of "
                               f"{', '.join(RECOMPUTE_MODULES)}")
+    if not work.launch_us >= 0:
+        raise ConfigError(f"launch_us = {work.launch_us} is invalid: must be >= 0 microseconds "
+                          "(the host's time to issue one kernel)")
     tokens = run_cfg.train.micro_batch_size * run_cfg.model.seq_len
     if work.tp < 1 or tokens % work.tp:
         raise ConfigError(f"tp = {work.tp} is invalid: must be a positive integer dividing "
@@ -375,17 +396,94 @@ def _strategy_loads(strat: Strategy, base_w, trace_steps, lay: Layout, moe, para
 
 
 def _expert_compute(sim: dict, run_cfg: RunConfig, cluster: ClusterSpec, ctx: dict, rate: float,
-                    row_flops: float, overhead: float, redo: float) -> np.ndarray:
+                    row_flops: float, overhead: float, redo: float) -> tuple[np.ndarray, dict]:
     """[S, L, R] seconds of each rank's experts per MoE layer and micro-batch, fwd + bwd and
     what is recomputed: by shape (:func:`epscale.plan.shapes.expert_time`) on a cluster
-    with ``sm_count``, else the calibrated ``gemm_half_rows`` extra rows per expert GEMM."""
+    with ``sm_count``, else the calibrated ``gemm_half_rows`` extra rows per expert GEMM;
+    and the mean share of each part (``expert_gemm``, ``expert_memory``,
+    ``expert_recompute``, ``overhead``) for :func:`_breakdown`."""
     rows, gemms, work = sim["rows"], sim["gemms"], ctx["work"]
     again = "moe" in (work.recompute_modules or ())       # the MoE forward runs twice
     if not cluster.sm_count:
-        base = (rows + ctx["half_rows"] * gemms) * row_flops / rate + overhead
-        return base * (1 + redo + again / 3.0)
-    total, fwd = expert_time(run_cfg, ctx["ccl"], rows, rows + sim["pad"], gemms, work)
-    return total * (1 + redo) + fwd * again + overhead
+        gemm = (rows + ctx["half_rows"] * gemms) * row_flops / rate
+        parts = {"expert_gemm": gemm, "expert_recompute": gemm * (redo + again / 3.0),
+                 "overhead": np.broadcast_to(overhead * (1 + redo + again / 3.0), rows.shape)}
+    else:
+        p = expert_parts(run_cfg, ctx["ccl"], rows, rows + sim["pad"], gemms, work)
+        gemm, mem = p["fwd"] + p["bwd"], p["memory"]
+        parts = {"expert_gemm": gemm, "expert_memory": mem,
+                 "expert_recompute": p["recompute"] * (1 + redo) + (gemm + mem) * redo
+                 + p["fwd"] * again,
+                 "overhead": np.broadcast_to(overhead, rows.shape)}
+    comp = sum(np.asarray(v, dtype=np.float64) for v in parts.values())
+    total = float(np.sum(comp))
+    shares = {k: float(np.sum(v)) / total if total > 0 else 0.0 for k, v in parts.items()}
+    return comp, shares
+
+
+def _fsdp_exposure(zero: int, pp: int, gather: float, rs: float, compute: float,
+                   layers: int) -> tuple[float, float]:
+    """(per micro-batch, per step) exposed seconds of FSDP's collectives at ZeRO level
+    ``zero`` (``parallel.zero``): ``gather`` one all-gather of the rank's weights in the
+    compute dtype, ``rs`` one fp32 reduce-scatter of their gradients, ``compute`` a
+    micro-batch's compute on the rank, ``layers`` its blocks. Level 3 gathers every weight
+    twice per micro-batch (forward, and again for backward) and reduce-scatters once; 2
+    gathers once per step and reduce-scatters per micro-batch; 1 gathers and
+    reduce-scatters once per step. Under a pipeline torch's stage accumulates the gradients
+    unsharded and keeps the weights gathered after each backward (level 3: one gather per
+    micro-batch, its next forward frees them), so it reduce-scatters once per step at
+    every level. A gather runs one block ahead of the compute that needs it (the first
+    block's is exposed), a reduce-scatter behind the backward (two thirds of the compute;
+    the last block's is exposed)."""
+    if pp > 1:
+        per_micro, micro_rs, step_gather, step_rs = (gather if zero == 3 else 0.0), 0.0, gather, rs
+    else:
+        per_micro, micro_rs = {3: (2 * gather, rs), 2: (0.0, rs), 1: (0.0, 0.0)}[zero]
+        step_gather, step_rs = (0.0, 0.0) if zero == 3 else (gather, rs if zero == 1 else 0.0)
+    micro = per_micro + micro_rs
+    micro_exposed = max(0.0, micro - compute) + micro / 3 / layers if micro > 0 else 0.0
+    step_exposed = 0.0
+    if step_gather:
+        step_exposed += max(0.0, step_gather - compute) + step_gather / layers
+    if step_rs:
+        step_exposed += max(0.0, step_rs - 2.0 / 3.0 * compute) + step_rs / layers
+    return micro_exposed, step_exposed
+
+
+def _host_bound(run_cfg: RunConfig, lay: Layout, sim: dict, cluster: ClusterSpec, work: Work,
+                compute: np.ndarray, exposed: np.ndarray) -> np.ndarray:
+    """[S, L] seconds each MoE layer and micro-batch waits on the host issuing its kernels
+    (:func:`epscale.plan.shapes.host_bound_time`; GPU presets only). A dropless exchange
+    reads the split sizes on the host once per MoE layer forward (Megatron-Core's
+    all-to-all and DeepEP's normal kernels, and our trainer), so each layer's forward
+    starts with nothing queued: it lasts at least its kernels' issue time. The backward
+    has no sync; the same bound holds layer by layer where the host falls behind. The
+    layer's ``compute`` (experts and its share of the non-expert work) is a third forward,
+    two thirds backward; its ``exposed`` transfers half and half. Token dropping at a
+    fixed capacity (``moe.capacity_factor``) or one EP rank needs no sync: nothing."""
+    if not cluster.sm_count or run_cfg.moe.capacity_factor is not None or lay.ep == 1:
+        return np.zeros_like(compute)
+    n_fwd, n_bwd = kernels_per_layer(run_cfg, True, int(sim["num_slots"]) // lay.ep, work)
+    return (host_bound_time(n_fwd, compute / 3 + exposed / 2, work.launch_us)
+            + host_bound_time(n_bwd, 2 * compute / 3 + exposed / 2, work.launch_us))
+
+
+def _breakdown(ne_parts: dict, ne_step: float, redo: float, ex_shares: dict, ex_step: float,
+               **rest: float) -> dict:
+    """Seconds of the step by part on the rank that sets the pace: its non-expert work
+    (``ne_step``) split as one micro-batch's ``ne_parts`` (the whole-block recomputation,
+    ``redo`` of it, as ``recompute``), its experts' (``ex_step``) by ``ex_shares``, and the
+    ``rest`` (exposed communication, bubble, optimizer) as given. The parts add up to the
+    step time."""
+    out: dict = {}
+    total = sum(ne_parts.values())
+    for k, v in ne_parts.items():
+        out[k] = out.get(k, 0.0) + (v / total * ne_step / (1 + redo) if total > 0 else 0.0)
+    out["recompute"] = out.get("recompute", 0.0) + ne_step * redo / (1 + redo)
+    for k, v in ex_shares.items():
+        out[k] = out.get(k, 0.0) + v * ex_step
+    out.update(rest)
+    return {k: float(v) for k, v in out.items()}
 
 
 def _optimizer_time(cluster: ClusterSpec, run_cfg: RunConfig, params: float, world: int) -> float:
@@ -397,36 +495,43 @@ def _optimizer_time(cluster: ClusterSpec, run_cfg: RunConfig, params: float, wor
     return params / shard * optimizer_bytes_per_param(run_cfg) / (cluster.mem_bw_GBps * 1e9)
 
 
-def _paired_exposure(comm: np.ndarray, compute: np.ndarray, transfers: int,
+def _paired_exposure(comm: np.ndarray, disp: np.ndarray, compute: np.ndarray, transfers: int,
                      redo: float) -> np.ndarray:
     """Exposed transfer time of one MoE layer under DualPipe's pairing: a forward chunk of
     one micro-batch runs beside a backward chunk of another, so the forward's dispatch and
     combine hide behind the backward chunk's compute (with a recomputed forward, which
-    dispatches again) and the backward chunk's transfers behind the forward's compute."""
+    dispatches again) and the backward chunk's transfers behind the forward's compute.
+    ``comm`` one combine or backward transfer, ``disp`` one forward dispatch."""
     fwd_compute = compute / (3.0 + 3.0 * redo)
-    fwd_side = np.maximum(0.0, 2 * comm - (compute - fwd_compute))
-    bwd_side = np.maximum(0.0, (transfers - 2) * comm - fwd_compute)
+    fwd_side = np.maximum(0.0, disp + comm - (compute - fwd_compute))
+    again = transfers // 2 - 2                     # a recomputed forward's dispatch, in backward
+    bwd_side = np.maximum(0.0, again * disp + (transfers - 2 - again) * comm - fwd_compute)
     return fwd_side + bwd_side
 
 
-def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSpec, size, run_cfg,
-              T, rate, row_flops, ctx, dense_time, dense_time_layer, overhead, row_bytes,
-              grad_bytes, weight_L) -> SimResult:
-    rows = sim["rows"]                                            # [S, L, R]
+def payload_row_bytes(run_cfg: RunConfig, disp: str, act_bytes: int) -> float:
+    """Bytes of one token row of the forward dispatch under ``parallel.payload``: 'auto'
+    the activations' dtype (``act_bytes`` per channel), 'bf16' two bytes per channel,
+    'fp8' (the dispatchers that send it: ``dedup`` and ``hierarchical``) one byte per
+    channel, 4-byte aligned, and one fp32 scale per 128 channels, as
+    :mod:`epscale.dispatch.comm` packs it (D = 7168: 7,392 bytes against bf16's 14,336).
+    ``alltoall`` cannot send fp8 (the trainer refuses that pair): its rows stay in the
+    activations' dtype. The combine and every backward transfer travel in the
+    activations' dtype whatever the payload."""
+    D, payload = run_cfg.model.dim, run_cfg.parallel.payload
+    if payload == "fp8" and disp in ("dedup", "hierarchical"):
+        return -(-D // 4) * 4 + 4 * -(-D // 128)
+    return D * (2 if payload == "bf16" else act_bytes)
+
+
+def _transfer_times(disp: str, sim: dict, lay: Layout, cluster: ClusterSpec, run_cfg: RunConfig,
+                    rows: np.ndarray, row_bytes: float, grad_bytes: int):
+    """Seconds of one transfer of each MoE layer and micro-batch, the slowest rank's ([S, L]):
+    (a combine or backward transfer, in the activations' dtype; the forward dispatch, at
+    :func:`payload_row_bytes`), and the rows each rank sends over NVLink and the NIC
+    ([S, L, R]) per transfer, with the dispatchers' arithmetic (module docstring)."""
     S, L, R = rows.shape
     g, n = lay.ep_ranks_per_node, lay.ep_num_nodes
-    ac = run_cfg.train.activation_checkpointing
-    work = ctx["work"]
-    redo = 1.0 / 3.0 if ac == "full" and work.recompute_modules is None else 0.0
-    # a second forward as a share of fwd + bwd; recomputation dispatches again
-    if work.recompute_modules is None:
-        transfers = 4 if ac == "none" else 6
-    else:
-        transfers = 6 if "moe" in work.recompute_modules else 4
-    dense_time = dense_time * (1 + redo)
-    dense_time_layer = dense_time_layer * (1 + redo)
-    comp = _expert_compute(sim, run_cfg, cluster, ctx, rate, row_flops, overhead, redo)  # [S, L, R]
-
     # Rows each source sends to each destination rank (per micro-batch, one transfer).
     per_src_to = rows / R                                                     # alltoall
     node_of = np.arange(R) // g
@@ -448,45 +553,52 @@ def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSp
         in_intra = (g - 1) * per_src_to
         in_inter = (R - g) * per_src_to
         lat = cluster.inter_latency_us if n > 1 else cluster.intra_latency_us
-    intra_t = np.maximum(in_intra, out_intra) * row_bytes / (cluster.intra_bw_GBps * 1e9)
-    inter_t = np.maximum(in_inter, out_inter) * row_bytes / (cluster.inter_bw_GBps * 1e9)
-    comm = np.maximum(intra_t, inter_t) + lat * 1e-6                          # one transfer
-    if R == 1:
-        comm = np.zeros_like(comm)
-    # Spill-over: the helper fetches the expert's weights and returns their gradients.
+    extra = 0.0
     if sim["spills"].any():
+        # Spill-over: the helper fetches the expert's weights and returns their gradients.
         wbytes = expert_params_per_expert(run_cfg.moe) * grad_bytes
         bw = (cluster.inter_bw_GBps if n > 1 else cluster.intra_bw_GBps) * 1e9
-        comm = comm + (sim["spills"] * wbytes / bw).max(axis=2, keepdims=True) / 2  # /2: 2 of 4 transfers
+        extra = (sim["spills"] * wbytes / bw).max(axis=2, keepdims=True) / 2  # /2: 2 of 4 transfers
 
-    comm_max = comm.max(axis=2)                                               # [S, L]
-    comp_max = comp.max(axis=2)
+    def one(nbytes: float) -> np.ndarray:
+        if R == 1:
+            return np.zeros((S, L))
+        intra_t = np.maximum(in_intra, out_intra) * nbytes / (cluster.intra_bw_GBps * 1e9)
+        inter_t = np.maximum(in_inter, out_inter) * nbytes / (cluster.inter_bw_GBps * 1e9)
+        return (np.maximum(intra_t, inter_t) + lat * 1e-6 + extra).max(axis=2)
+
+    act_bytes = row_bytes / run_cfg.model.dim
+    return (one(row_bytes), one(payload_row_bytes(run_cfg, disp, act_bytes)), out_intra,
+            out_inter)
+
+
+def _exposed_transfers(overlap: str, chunks: int, comm: np.ndarray, disp: np.ndarray,
+                       comp: np.ndarray, dense_layer: float, transfers: int,
+                       redo: float) -> np.ndarray:
+    """[S, L] seconds of one MoE layer and micro-batch's transfers left on the critical
+    path: ``comm`` one combine or backward transfer, ``disp`` one forward dispatch (each
+    forward, the recomputed one too, dispatches at the payload), ``comp`` the slowest
+    rank's experts, ``dense_layer`` the layer's share of the non-expert work, under
+    ``overlap`` (module docstring)."""
+    forwards = transfers // 2 - 1                  # the recomputed forward is a second one
     if overlap == "chunks":
-        fwd = _pipeline(comm_max, comp_max / (3 + 3 * redo), comm_max, chunks)
-        bwd = _pipeline(comm_max, 2 * comp_max / (3 + 3 * redo), comm_max, chunks)
-        layer_time = fwd * (transfers // 2 - 1) + bwd   # the recomputed forward is a second fwd
-    elif overlap == "full":
-        layer_time = comp_max + _paired_exposure(comm_max, comp_max + dense_time_layer, transfers, redo)
-    else:
-        layer_time = comp_max + transfers * comm_max
-    exposed = layer_time - comp_max
-    idle = comp_max[..., None] - comp                                         # [S, L, R]
-    # Weighted sum over the MoE layers each distribution stands for, mean over steps.
-    wsum = lambda a: float((a.mean(axis=0) * weight_L).sum())  # noqa: E731
-    micro = dense_time + wsum(layer_time)
-    accum = micro_batches(run_cfg, lay.world)
-    if lay.pp > 1:
-        return _pipeline_result(
-            strat, disp, overlap, lay, cluster, run_cfg, T, ctx["rate_ne"], grad_bytes, row_bytes, redo,
-            accum, ctx["work"], dict(layer_time=layer_time, comp_max=comp_max, idle=idle,
-                        rows=rows, comm_max=comm_max, comp=comp, out_intra=out_intra,
-                        out_inter=out_inter))
+        fwd = _pipeline(disp, comp / (3 + 3 * redo), comm, chunks)
+        bwd = _pipeline(comm, 2 * comp / (3 + 3 * redo), comm, chunks)
+        return fwd * forwards + bwd - comp
+    if overlap == "full":
+        return _paired_exposure(comm, disp, comp + dense_layer, transfers, redo)
+    return forwards * disp + (transfers - forwards) * comm
 
-    # Data-parallel gradient reduction, once per step.
+def _data_parallel(run_cfg: RunConfig, lay: Layout, cluster: ClusterSpec, size, sim: dict,
+                   work: Work, overlap: str, grad_bytes: int, micro: float,
+                   accum: int) -> tuple[float, float, float]:
+    """Without a pipeline: the exposed seconds per step of the data-parallel gradient
+    reduction and of FSDP's collectives (module docstring), and the optimizer step's.
+    ``micro`` one micro-batch's time, ``accum`` the micro-batches."""
     def link(span: int, stride: int = 1) -> tuple[float, float]:
         return _link(cluster, span, stride)
 
-    dense_params = (size.total_params - size.expert_params) / ctx["work"].tp
+    dense_params = (size.total_params - size.expert_params) / work.tp
     expert_params = size.expert_params / lay.ep * sim["num_slots"] / run_cfg.moe.num_experts
     par = run_cfg.parallel
     fsdp_exposed = 0.0
@@ -496,26 +608,71 @@ def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSp
         efsdp = dp_shard // lay.ep
         dense_bw, dense_lat = link(dp_shard)
         exp_bw, exp_lat = link(efsdp, lay.ep)
-        per_micro = 0.0   # two gathers in the compute dtype and one fp32 reduce-scatter
-        for nbytes in (grad_bytes, grad_bytes, 4):
-            per_micro += (_ring_time(dense_params * nbytes, dp_shard, dense_bw, dense_lat)
-                          + _ring_time(expert_params * nbytes, efsdp, exp_bw, exp_lat))
-        first_block = per_micro / 3 / run_cfg.model.num_layers
-        fsdp_exposed = accum * (max(0.0, per_micro - micro) + first_block)
+        gather, rs = (_ring_time(dense_params * nbytes, dp_shard, dense_bw, dense_lat)
+                      + _ring_time(expert_params * nbytes, efsdp, exp_bw, exp_lat)
+                      for nbytes in (grad_bytes, 4))
+        per_micro, per_step = _fsdp_exposure(par.zero, 1, gather, rs, micro,
+                                             run_cfg.model.num_layers)
+        fsdp_exposed = accum * per_micro + per_step
         rep_bw, rep_lat = link(rep, dp_shard)
         ar = (_allreduce_time(dense_params / dp_shard * 4, rep, rep_bw, rep_lat)
               + _allreduce_time(expert_params / efsdp * 4, rep, rep_bw, rep_lat))
     else:
         bw, lat = link(lay.world)
         dp_bw, dp_lat = link(lay.dp, lay.ep)
-        ar = (_allreduce_time(dense_params * grad_bytes, lay.world // ctx["work"].tp, bw, lat)
+        ar = (_allreduce_time(dense_params * grad_bytes, lay.world // work.tp, bw, lat)
               + _allreduce_time(expert_params * grad_bytes, lay.dp, dp_bw, dp_lat))
     if overlap == "none":
         dp_exposed = ar
     else:
         dp_exposed = max(0.0, ar - 2.0 / 3.0 * micro)
-    step = (accum * micro + dp_exposed + fsdp_exposed
-            + _optimizer_time(cluster, run_cfg, dense_params + expert_params, lay.world))
+    opt = _optimizer_time(cluster, run_cfg, dense_params + expert_params, lay.world)
+    return dp_exposed, fsdp_exposed, opt
+
+
+def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSpec, size, run_cfg,
+              T, rate, row_flops, ctx, dense_time, dense_time_layer, overhead, row_bytes,
+              grad_bytes, weight_L) -> SimResult:
+    rows = sim["rows"]                                            # [S, L, R]
+    S, L, R = rows.shape
+    ac = run_cfg.train.activation_checkpointing
+    work = ctx["work"]
+    redo = 1.0 / 3.0 if ac == "full" and work.recompute_modules is None else 0.0
+    # a second forward as a share of fwd + bwd; recomputation dispatches again
+    if work.recompute_modules is None:
+        transfers = 4 if ac == "none" else 6
+    else:
+        transfers = 6 if "moe" in work.recompute_modules else 4
+    dense_time = dense_time * (1 + redo)
+    dense_time_layer = dense_time_layer * (1 + redo)
+    comp, ex_shares = _expert_compute(sim, run_cfg, cluster, ctx, rate, row_flops, overhead,
+                                      redo)                                    # [S, L, R]
+
+    comm_max, disp_max, out_intra, out_inter = _transfer_times(
+        disp, sim, lay, cluster, run_cfg, rows, row_bytes, grad_bytes)
+    comp_max = comp.max(axis=2)
+    layer_time = comp_max + _exposed_transfers(overlap, chunks, comm_max, disp_max, comp_max,
+                                               dense_time_layer, transfers, redo)
+    exposed = layer_time - comp_max
+    launch = _host_bound(run_cfg, lay, sim, cluster, work, comp_max + dense_time_layer, exposed)
+    layer_time = layer_time + launch
+    idle = comp_max[..., None] - comp                                         # [S, L, R]
+    # Weighted sum over the MoE layers each distribution stands for, mean over steps.
+    wsum = lambda a: float((a.mean(axis=0) * weight_L).sum())  # noqa: E731
+    micro = dense_time + wsum(layer_time)
+    accum = micro_batches(run_cfg, lay.world)
+    # transfers' bytes per layer and micro-batch, in units of one in the activations' dtype
+    volume = 3 + payload_row_bytes(run_cfg, disp, grad_bytes) / row_bytes
+    if lay.pp > 1:
+        return _pipeline_result(
+            strat, disp, overlap, lay, cluster, run_cfg, T, ctx["rate_ne"], grad_bytes, row_bytes, redo,
+            accum, ctx["work"], ctx["ne_parts"], ex_shares, dict(layer_time=layer_time, launch=launch, comp_max=comp_max, idle=idle,
+                        rows=rows, comm_max=comm_max, comp=comp, out_intra=out_intra,
+                        out_inter=out_inter, volume=volume))
+
+    dp_exposed, fsdp_exposed, opt = _data_parallel(run_cfg, lay, cluster, size, sim, ctx["work"],
+                                                   overlap, grad_bytes, micro, accum)
+    step = accum * micro + dp_exposed + fsdp_exposed + opt
     idle_rank = accum * (idle.mean(axis=0) * weight_L[:, None]).sum(axis=0)   # [R]
     compute = accum * (dense_time + wsum(comp_max))
     expert_comm = accum * wsum(exposed)
@@ -530,7 +687,7 @@ def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSp
                "layer_time_ms": float(layer_time[:, i].mean() * 1e3),
                "intra_bytes_per_gpu": float(per_transfer_intra[i]),
                "inter_bytes_per_gpu": float(per_transfer_inter[i])} for i in range(L)]
-    factor = 4 * accum
+    factor = volume * accum
     return SimResult(
         strategy=strat.name, dispatcher=disp, overlap=overlap, step_time_s=step,
         tokens_per_s_per_gpu=accum * T / step, compute_s=compute, expert_comm_s=expert_comm,
@@ -539,21 +696,104 @@ def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSp
         max_vio=max_vio,
         intra_bytes_per_gpu=factor * float((per_transfer_intra * weight_L).sum()),
         inter_bytes_per_gpu=factor * float((per_transfer_inter * weight_L).sum()),
-        layers=layers)
+        layers=layers, breakdown=_breakdown(
+            ctx["ne_parts"], accum * dense_time, redo, ex_shares, accum * wsum(comp_max),
+            expert_comm=expert_comm, launch=accum * wsum(launch), fsdp_comm=fsdp_exposed,
+            dp_comm=dp_exposed, optimizer=opt))
+
+
+def _chunk_times(rank: dict, v: int, redo: float, ne_parts: dict, ex_shares: dict
+                 ) -> tuple[float, float, float]:
+    """(F, B, W) seconds of one chunk (one stage, one micro-batch) of a pipeline rank for
+    :func:`epscale.plan.pipeline.bubble_time`: the rank's time per micro-batch over its
+    ``v`` stages. What is recomputed (the whole-block share ``redo`` and the modules'
+    ``recompute`` parts) runs in the backward; the rest splits as the GEMMs' FLOPs do, a
+    third forward and two thirds backward, transfers included. W, the weight half of the
+    backward, is charged the forward's compute without its transfers (a weight-gradient
+    GEMM has the forward GEMM's FLOPs; attention's score work has no weight half, so W is
+    at most this)."""
+    total = sum(ne_parts.values())
+    ne_share = redo / (1 + redo) + (ne_parts.get("recompute", 0.0) / total / (1 + redo)
+                                    if total > 0 else 0.0)
+    rec = (rank["nonexpert"] * ne_share
+           + (rank["compute"] - rank["nonexpert"]) * ex_shares.get("expert_recompute", 0.0))
+    f = (rank["time"] - rec) / 3.0 / v
+    w = max(0.0, rank["compute"] - rec) / 3.0 / v
+    return f, rank["time"] / v - f, w
+
+
+def _block_params(run_cfg: RunConfig, ep: int) -> tuple[dict, dict]:
+    """Parameters by block (:func:`epscale.plan.memory.block_of`), unsharded: (non-expert,
+    an EP rank's experts)."""
+    dense: dict = {}
+    expert: dict = {}
+    for p in cached_param_shapes(run_cfg.model, run_cfg.moe):
+        key = block_of(p)
+        book = expert if p.expert else dense
+        book[key] = book.get(key, 0) + (p.numel / ep if p.expert else p.numel)
+    return dense, expert
+
+
+def _stage_collectives(cluster: ClusterSpec, lay: Layout, par, d_params: float, e_params: float,
+                       grad_bytes: int, tp: int, busy: float, layers: int
+                       ) -> tuple[float, float, float]:
+    """A pipeline rank's weights' collectives over its stage's W ranks: (FSDP's exposed
+    seconds per micro-batch, per step (:func:`_fsdp_exposure`), and the gradient
+    all-reduce's seconds: over ``dp_replicate`` under FSDP, else over the stage's ranks
+    (non-expert) and the ``dp`` ranks holding the same experts). ``busy`` a micro-batch's
+    time on the rank, ``layers`` its blocks."""
+    W = lay.stage_size
+    if not par.fsdp:
+        bw, lat = _link(cluster, W)
+        dp_bw, dp_lat = _link(cluster, lay.dp, lay.ep)
+        return 0.0, 0.0, (_allreduce_time(d_params * grad_bytes, W // tp, bw, lat)
+                          + _allreduce_time(e_params * grad_bytes, lay.dp, dp_bw, dp_lat))
+    rep = par.dp_replicate
+    dp_shard = W // rep
+    efsdp = dp_shard // lay.ep
+    dense_bw, dense_lat = _link(cluster, dp_shard)
+    exp_bw, exp_lat = _link(cluster, efsdp, lay.ep)
+    gather, rs = (_ring_time(d_params * b, dp_shard, dense_bw, dense_lat)
+                  + _ring_time(e_params * b, efsdp, exp_bw, exp_lat)
+                  for b in (grad_bytes, 4))
+    fsdp_t, fsdp_step = _fsdp_exposure(par.zero, lay.pp, gather, rs, busy, max(1, layers))
+    rep_bw, rep_lat = _link(cluster, rep, dp_shard)
+    return fsdp_t, fsdp_step, (_allreduce_time(d_params / dp_shard * 4, rep, rep_bw, rep_lat)
+                               + _allreduce_time(e_params / efsdp * 4, rep, rep_bw, rep_lat))
+
+
+def _p2p_time(cluster: ClusterSpec, W: int, nbytes: float, owner: dict, stages: list[int],
+              r: int) -> float:
+    """Seconds pipeline rank ``r`` (holding ``stages``) spends receiving per micro-batch:
+    each stage's input from the rank before it and its output gradient from the rank
+    after it, ``nbytes`` each, over NVLink when both ranks' W GPUs share a node, else the
+    NIC; nothing between two stages of the same rank."""
+    gpn = cluster.gpus_per_node
+
+    def hop(a: int) -> float:
+        same_node = W < gpn and (a * W) // gpn == (r * W) // gpn
+        bw = (cluster.intra_bw_GBps if same_node else cluster.inter_bw_GBps) * 1e9
+        lat = cluster.intra_latency_us if same_node else cluster.inter_latency_us
+        return nbytes / bw + lat * 1e-6
+
+    return sum(hop(owner[t]) for s in stages for t in (s - 1, s + 1)
+               if t in owner and owner[t] != r)
 
 
 def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, run_cfg: RunConfig,
                      T: int, rate: float, grad_bytes: int, row_bytes: float, redo: float,
-                     m: int, work: Work, moe_times: dict) -> SimResult:
+                     m: int, work: Work, ne_parts: dict, ex_shares: dict,
+                     moe_times: dict) -> SimResult:
     """One step under a pipeline (the module docstring's 'Pipeline'). ``moe_times``: the
     per-distribution arrays of :func:`_evaluate` ([S, L] or [S, L, R]) for one MoE layer
     and micro-batch."""
     model, moe, par = run_cfg.model, run_cfg.moe, run_cfg.parallel
     ranges = stage_layers(layers_per_stage(run_cfg))
-    n, W, gpn = len(ranges), lay.stage_size, cluster.gpus_per_node
+    n, W = len(ranges), lay.stage_size
     placement = stage_placement(par.pp_schedule, lay.pp, par.pp_virtual_stages)
     owner = {s: r for r, held in enumerate(placement) for s in held}
     layer_time = moe_times["layer_time"].mean(axis=0)                  # [L]: per distribution
+    launch_L = moe_times["launch"].mean(axis=0)
     comp_max = moe_times["comp_max"].mean(axis=0)
     idle = moe_times["idle"].mean(axis=0)                              # [L, R]
     n_dist = layer_time.shape[0]
@@ -561,17 +801,7 @@ def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, ru
     dist_of = {i: j % n_dist for j, i in enumerate(moe_ids)}           # as weight_L cycles them
     routed_fwd = 2.0 * moe.top_k * expert_params_per_expert(moe)       # per token and MoE layer
     fwd = stage_flops(run_cfg)
-    # each rank's weights (unsharded; an EP rank's experts): non-expert, expert
-    dense: dict = {}
-    expert: dict = {}
-    for p in cached_param_shapes(model, moe):
-        key = block_of(p)
-        book = expert if p.expert else dense
-        book[key] = book.get(key, 0) + (p.numel / lay.ep if p.expert else p.numel)
-    fsdp = par.fsdp
-    rep = par.dp_replicate if fsdp else 1
-    dp_shard = W // rep
-    efsdp = dp_shard // lay.ep
+    dense, expert = _block_params(run_cfg, lay.ep)
     hop_bytes = T * model.dim * grad_bytes                             # one activation, or its gradient
     # With overlap (or ``work.p2p_overlap``) the looped and V schedules run another stage's
     # micro-batch while a boundary's activation or gradient travels (Megatron's interleaved
@@ -579,13 +809,6 @@ def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, ru
     # exceeds the compute.
     hides_p2p = PP_SCHEDULES[par.pp_schedule] != "single" and (overlap != "none" or work.p2p_overlap)
     tp = work.tp
-
-    def hop(a: int, b: int) -> float:
-        same_node = W < gpn and (a * W) // gpn == (b * W) // gpn
-        bw = (cluster.intra_bw_GBps if same_node else cluster.inter_bw_GBps) * 1e9
-        lat = cluster.intra_latency_us if same_node else cluster.inter_latency_us
-        return hop_bytes / bw + lat * 1e-6
-
     ranks = []
     for r, stages in enumerate(placement):
         layers = [i for s in stages for i in ranges[s]]
@@ -595,38 +818,28 @@ def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, ru
                         for s in stages) / rate * (1 + redo)
         compute = nonexpert + float((comp_max * weights).sum())
         busy = nonexpert + float((layer_time * weights).sum())
-        p2p = sum(hop(owner[s - 1], r) for s in stages if s > 0 and owner[s - 1] != r) \
-            + sum(hop(owner[s + 1], r) for s in stages if s < n - 1 and owner[s + 1] != r)
+        p2p = _p2p_time(cluster, W, hop_bytes, owner, stages, r)
         if hides_p2p:
             p2p = max(0.0, p2p - compute)
         keys = layers + ["embed"] * (0 in stages) + ["head"] * (n - 1 in stages)
         d_params = sum(dense.get(k, 0) for k in keys) / tp
         e_params = sum(expert.get(k, 0) for k in keys)
-        fsdp_t = 0.0
-        if fsdp:
-            dense_bw, dense_lat = _link(cluster, dp_shard)
-            exp_bw, exp_lat = _link(cluster, efsdp, lay.ep)
-            per_micro = sum(_ring_time(d_params * b, dp_shard, dense_bw, dense_lat)
-                            + _ring_time(e_params * b, efsdp, exp_bw, exp_lat)
-                            for b in (grad_bytes, grad_bytes, 4))
-            fsdp_t = max(0.0, per_micro - busy) + per_micro / 3 / max(1, len(layers))
-            rep_bw, rep_lat = _link(cluster, rep, dp_shard)
-            ar = (_allreduce_time(d_params / dp_shard * 4, rep, rep_bw, rep_lat)
-                  + _allreduce_time(e_params / efsdp * 4, rep, rep_bw, rep_lat))
-        else:
-            bw, lat = _link(cluster, W)
-            dp_bw, dp_lat = _link(cluster, lay.dp, lay.ep)
-            ar = (_allreduce_time(d_params * grad_bytes, W // tp, bw, lat)
-                  + _allreduce_time(e_params * grad_bytes, lay.dp, dp_bw, dp_lat))
-        dp_t = ar if overlap == "none" else max(0.0, ar - 2.0 / 3.0 * (busy + p2p + fsdp_t))
-        ranks.append(dict(time=busy + p2p + fsdp_t, compute=compute, expert_comm=busy - compute,
-                          p2p=p2p, fsdp=fsdp_t, dp=dp_t, weights=weights,
+        fsdp_t, fsdp_step, ar = _stage_collectives(cluster, lay, par, d_params, e_params,
+                                                   grad_bytes, tp, busy, len(layers))
+        dp_t = fsdp_step + (ar if overlap == "none"
+                            else max(0.0, ar - 2.0 / 3.0 * (busy + p2p + fsdp_t)))
+        launch = float((launch_L * weights).sum())
+        ranks.append(dict(time=busy + p2p + fsdp_t, compute=compute, nonexpert=nonexpert,
+                          launch=launch, expert_comm=busy - compute - launch,
+                          p2p=p2p, fsdp=fsdp_t, fsdp_step=fsdp_step, dp=dp_t, weights=weights,
                           opt=_optimizer_time(cluster, run_cfg, d_params + e_params, W)))
     slow = max(ranks, key=lambda x: x["time"])
-    bubble = bubble_fraction(par.pp_schedule, lay.pp, m, par.pp_virtual_stages)
-    pipe = m * slow["time"] / (1.0 - bubble)
-    dp_exposed = max(x["dp"] for x in ranks)
-    step = pipe + dp_exposed + max(x["opt"] for x in ranks)
+    f_c, b_c, w_c = _chunk_times(slow, len(placement[0]), redo, ne_parts, ex_shares)
+    pipe = m * slow["time"] + bubble_time(par.pp_schedule, lay.pp, m, f_c, b_c, w_c)
+    dp_rank = max(ranks, key=lambda x: x["dp"])     # its dp includes ZeRO's per-step share
+    dp_exposed = dp_rank["dp"]
+    opt = max(x["opt"] for x in ranks)
+    step = pipe + dp_exposed + opt
     w = slow["weights"]
     idle_rank = m * (idle * w[:, None]).sum(axis=0)                   # [R]
     rows = moe_times["rows"]
@@ -650,10 +863,17 @@ def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, ru
     return SimResult(
         strategy=strat.name, dispatcher=disp, overlap=overlap, step_time_s=step,
         tokens_per_s_per_gpu=m * T / lay.pp / step, compute_s=m * slow["compute"],
-        expert_comm_s=expert_comm, dp_comm_s=dp_exposed, fsdp_comm_s=m * slow["fsdp"],
+        expert_comm_s=expert_comm, dp_comm_s=dp_exposed - dp_rank["fsdp_step"],
+        fsdp_comm_s=m * slow["fsdp"] + dp_rank["fsdp_step"],
         comm_share=expert_comm / step, dp_share=dp_exposed / step,
         worst_idle_share=float(idle_rank.max() / step),
         mean_idle_share=float(idle_rank.mean() / step), max_vio=max_vio,
-        intra_bytes_per_gpu=4 * m * float((intra * w_mean).sum()),
-        inter_bytes_per_gpu=4 * m * float((inter * w_mean).sum()),
-        layers=layers_out, bubble_s=pipe - m * slow["time"], p2p_s=m * slow["p2p"])
+        intra_bytes_per_gpu=moe_times["volume"] * m * float((intra * w_mean).sum()),
+        inter_bytes_per_gpu=moe_times["volume"] * m * float((inter * w_mean).sum()),
+        layers=layers_out, bubble_s=pipe - m * slow["time"], p2p_s=m * slow["p2p"],
+        breakdown=_breakdown(ne_parts, m * slow["nonexpert"], redo, ex_shares,
+                             m * (slow["compute"] - slow["nonexpert"]), expert_comm=expert_comm,
+                             launch=m * slow["launch"],
+                             p2p=m * slow["p2p"], fsdp_comm=m * slow["fsdp"] + dp_rank["fsdp_step"],
+                             bubble=pipe - m * slow["time"],
+                             dp_comm=dp_exposed - dp_rank["fsdp_step"], optimizer=opt))
