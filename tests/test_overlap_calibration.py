@@ -114,7 +114,7 @@ def test_calibration_at_the_runs_layout_gives_the_measured_hidden_share(tmp_path
     assert cal.apply(r0, n0).step_time_s == pytest.approx(r0.step_time_s, rel=1e-12)
     info = cal.as_dict()
     assert info["calibrated"] and info["cluster"] == "two-cpus"
-    assert cal.lines()[0].startswith(f"overlap calibrated from {run}: measured exposed share 10.0%")
+    assert cal.lines()[0].startswith(f"overlap calibrated from {run}: measured exposed share 10.0% of a 2.000 s step")
 
 
 def test_calibration_hides_at_most_everything(tmp_path):
@@ -167,7 +167,7 @@ def test_describe_says_which_overlap_and_where_from(tmp_path, capsys):
     assert cli_main(["describe", "ref-1t-64e", "--overlap-from", str(run),
                      "--overlap-cluster", str(cluster)]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert f"overlap calibrated from {run}: measured exposed share 10.0% at layout dp=1 x ep=2" in out
+    assert f"overlap calibrated from {run}: measured exposed share 10.0% of a 2.000 s step at layout dp=1 x ep=2" in out
     assert "dispatch: hidden 53.3% of its time in flight measured" in out
 
 

@@ -222,6 +222,7 @@ class OverlapCalibration:
     cluster: str
     model: dict[str, dict[str, float]]
     model_exposed_share: float
+    model_step_time_s: float
     efficiency: dict[str, float]
     uncalibrated: dict[str, str]
 
@@ -255,7 +256,9 @@ class OverlapCalibration:
         return {"mode": model_overlap_mode(m.run_cfg), "calibrated": bool(self.efficiency),
                 "source": m.source, "layout": m.layout, "cluster": self.cluster,
                 "steps": m.steps, "measured_exposed_share": m.exposed_share,
-                "model_exposed_share": self.model_exposed_share, "measured": m.kinds,
+                "model_exposed_share": self.model_exposed_share,
+                "measured_step_time_s": m.step_time_s, "model_step_time_s": self.model_step_time_s,
+                "measured": m.kinds,
                 "model": self.model, "efficiency": self.efficiency,
                 "uncalibrated": self.uncalibrated}
 
@@ -265,8 +268,9 @@ class OverlapCalibration:
         head = ("overlap calibrated from" if self.efficiency else
                 "overlap NOT calibrated (no kind could be; the default assumption stands) by")
         out = [f"{head} {m.source}: measured exposed share "
-               f"{m.exposed_share:.1%} at layout {m.layout} (median of {m.steps} steps); the "
-               f"step model gives {self.model_exposed_share:.1%} there (overlap "
+               f"{m.exposed_share:.1%} of a {m.step_time_s:.3f} s step at layout {m.layout} (median of "
+               f"{m.steps} steps); the step model gives {self.model_exposed_share:.1%} of "
+               f"{self.model_step_time_s:.3f} s there (overlap "
                f"'{model_overlap_mode(m.run_cfg)}', cluster {self.cluster})"]
         for kind, eff in self.efficiency.items():
             out.append(f"  {kind}: hidden {m.kinds[kind]['hidden']:.1%} of its time in flight "
@@ -330,7 +334,7 @@ def calibrate_overlap(measured: MeasuredOverlap, cluster: ClusterSpec, *, work: 
         else:
             uncalibrated[kind] = why
     return OverlapCalibration(measured, cluster.name, model, shown / result.step_time_s,
-                              efficiency, uncalibrated)
+                              result.step_time_s, efficiency, uncalibrated)
 
 
 def calibration_from(run_dir: str | Path, cluster: str | None, *, work: Work = Work(),
