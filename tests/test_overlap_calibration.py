@@ -98,6 +98,8 @@ def test_calibration_at_the_runs_layout_gives_the_measured_hidden_share(tmp_path
     # the replicated layout reduced in DDP's buckets: not counted as exposed, no calibration
     assert set(cal.efficiency) == {"dispatch"} and "DDP" in cal.uncalibrated["dp"]
     result, none = _pair(cal)
+    assert cal.model_step_time_s == result.step_time_s
+    assert cal.model_wait_share == result.mean_idle_share > 0   # the trace's skew
     got = cal.apply(result, none)
     assert got.expert_comm_s == pytest.approx(none.expert_comm_s * (1 - hidden_meas), rel=1e-9)
     assert got.step_time_s - result.step_time_s == pytest.approx(

@@ -213,7 +213,11 @@ def simulate_pair(run_cfg: RunConfig, cluster: ClusterSpec, mode: str, **kw) -> 
 
 @dataclass(frozen=True)
 class OverlapCalibration:
-    """The step model's overlap held against a measured run. ``efficiency``: per kind,
+    """The step model's overlap held against a measured run. ``model_wait_share``: the
+    model's mean idle share of a rank waiting for the slowest rank's experts, which a
+    run's clock sees as exposed communication (the rank waits inside the exchange that
+    follows), so the measured exposed share compares with model exposed + wait.
+    ``efficiency``: per kind,
     the measured hidden share over the one the model gives at the run's layout on
     ``cluster`` (the machine the run ran on); :meth:`apply` scales the model's hidden
     share of that kind by it at any other layout. ``uncalibrated``: kind -> why not."""
@@ -223,6 +227,7 @@ class OverlapCalibration:
     model: dict[str, dict[str, float]]
     model_exposed_share: float
     model_step_time_s: float
+    model_wait_share: float
     efficiency: dict[str, float]
     uncalibrated: dict[str, str]
 
@@ -257,6 +262,7 @@ class OverlapCalibration:
                 "source": m.source, "layout": m.layout, "cluster": self.cluster,
                 "steps": m.steps, "measured_exposed_share": m.exposed_share,
                 "model_exposed_share": self.model_exposed_share,
+                "model_wait_share": self.model_wait_share,
                 "measured_step_time_s": m.step_time_s, "model_step_time_s": self.model_step_time_s,
                 "measured": m.kinds,
                 "model": self.model, "efficiency": self.efficiency,
@@ -271,7 +277,9 @@ class OverlapCalibration:
                f"{m.exposed_share:.1%} of a {m.step_time_s:.3f} s step at layout {m.layout} (median of "
                f"{m.steps} steps); the step model gives {self.model_exposed_share:.1%} of "
                f"{self.model_step_time_s:.3f} s there (overlap "
-               f"'{model_overlap_mode(m.run_cfg)}', cluster {self.cluster})"]
+               f"'{model_overlap_mode(m.run_cfg)}', cluster {self.cluster}), and "
+               f"{self.model_wait_share:.1%} more waiting for the slowest rank's experts, "
+               "which the run's clock counts as exposed (it waits inside the exchange)"]
         for kind, eff in self.efficiency.items():
             out.append(f"  {kind}: hidden {m.kinds[kind]['hidden']:.1%} of its time in flight "
                        f"measured, {self.model[kind]['hidden']:.1%} modelled: the model's "
@@ -334,7 +342,8 @@ def calibrate_overlap(measured: MeasuredOverlap, cluster: ClusterSpec, *, work: 
         else:
             uncalibrated[kind] = why
     return OverlapCalibration(measured, cluster.name, model, shown / result.step_time_s,
-                              result.step_time_s, efficiency, uncalibrated)
+                              result.step_time_s, result.mean_idle_share, efficiency,
+                              uncalibrated)
 
 
 def calibration_from(run_dir: str | Path, cluster: str | None, *, work: Work = Work(),
