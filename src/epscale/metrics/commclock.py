@@ -295,7 +295,9 @@ class _ReplicaAllReduce:
     """Stands for ``torch.distributed`` inside FSDP2's collectives module, whose one
     ``all_reduce`` is HSDP's replica all-reduce (``foreach_reduce``, after the
     reduce-scatter, in the step's last backward): that call is timed as 'dp' by ``clock``;
-    every other name is ``torch.distributed``'s, looked up at each call."""
+    every other name is ``torch.distributed``'s, looked up at each call. FSDP2 also
+    all-reduces over a replica dimension of size 1 (the expert mesh's, without HSDP):
+    no traffic, not timed."""
 
     def __init__(self, clock: CommClock):
         self.clock = clock
@@ -304,6 +306,9 @@ class _ReplicaAllReduce:
         return getattr(dist, name)
 
     def all_reduce(self, tensor: torch.Tensor, *args, **kwargs) -> Any:
+        group = kwargs.get("group")
+        if group is not None and group.size() == 1:  # a replica dimension of 1: no traffic
+            return dist.all_reduce(tensor, *args, **kwargs)
         return self.clock._timed_call("dp", dist.all_reduce, False)(tensor, *args, **kwargs)
 
 
@@ -311,7 +316,7 @@ def _time_replica_all_reduce(model: torch.nn.Module, clock: CommClock | None) ->
     """Time HSDP's replica all-reduces with ``clock`` when ``model`` has replicated FSDP
     parameter groups (None: FSDP2 calls ``torch.distributed`` directly again). One clock
     per process: the last model attached sets it."""
-    replicated = any(getattr(g.mesh_info, "replicate_process_group", None) is not None
+    replicated = any(getattr(g.mesh_info, "replicate_mesh_size", 1) > 1
                      for g in _fsdp_param_groups(model))
     if clock is None:
         if isinstance(_fsdp_collectives.dist, _ReplicaAllReduce):
