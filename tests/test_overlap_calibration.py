@@ -169,6 +169,9 @@ def test_describe_says_which_overlap_and_where_from(tmp_path, capsys):
     assert cli_main(["describe", "ref-1t-64e", "--overlap-from", str(run),
                      "--overlap-cluster", str(cluster)]) == 0
     out = " ".join(capsys.readouterr().out.split())
+    assert cli_main(["describe", "ref-1t-64e", "--fit", "80GiB", "--overlap-from", str(run),
+                     "--overlap-cluster", str(cluster)]) == 2
+    assert "--overlap-from is invalid with --fit" in capsys.readouterr().err
     assert f"overlap calibrated from {run}: measured exposed share 10.0% of a 2.000 s step at layout dp=1 x ep=2" in out
     assert "dispatch: hidden 53.3% of its time in flight measured" in out
 

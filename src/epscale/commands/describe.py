@@ -3,7 +3,10 @@ at a layout, computed analytically (nothing is built), next to the published fig
 where known; ``--fit 80GiB`` lists the layouts of a cluster that fit, fastest first.
 Under a pipeline (``--pp`` or ``parallel.pp``) it also gives the stage split (each stage's
 layers, the rank holding it, its share of the FLOPs), the schedule's bubble at the step's
-micro-batches, the p2p traffic and each pipeline rank's memory, the largest marked."""
+micro-batches, the p2p traffic and each pipeline rank's memory, the largest marked. It says
+which overlap the step model assumes and where that comes from, or with ``--overlap-from
+RUN_DIR --overlap-cluster CLUSTER`` that assumption held against what the run measured
+(:mod:`epscale.plan.overlap`)."""
 
 from __future__ import annotations
 
@@ -239,7 +242,7 @@ def fit_report(config: str, overrides: list[str] | None, gpu_mem: str, cluster: 
             for r in results[:top]]
     return {"name": cfg.name, "gpu_mem": limit, "cluster": spec.name, "world": spec.world,
             "nodes": spec.nodes, "gpus_per_node": spec.gpus_per_node, "tried": tried,
-            "fitting": len(results), "layouts": rows}
+            "fitting": len(results), "layouts": rows, "overlap": assumption(cfg)}
 
 
 def _print_fit(info: dict, console) -> None:
@@ -276,6 +279,9 @@ def _print_fit(info: dict, console) -> None:
                   "model with loss-free balancing (epscale simulate for the detail). Every "
                   "layout keeps the recipe's global batch: a pipeline of pp ranks runs pp times "
                   "the micro-batches.[/]")
+    ov = info["overlap"]
+    console.print(f"[dim]overlap assumed: '{ov['mode']}'; source: {ov['source']}.[/]",
+                  markup=True)
 
 
 def _layout_args(args) -> dict:
@@ -329,6 +335,10 @@ def run(args) -> int:
 
     check_args(args)
     console = Console()
+    if args.fit is not None and (args.overlap_from or args.overlap_cluster):
+        raise ConfigError("--overlap-from is invalid with --fit: --fit ranks layouts with the "
+                          "step model's own overlap assumption (epscale.plan.fit takes no "
+                          "calibration); use it without --fit, or epscale simulate")
     if args.fit is not None:
         info = fit_report(args.config, args.overrides, args.fit, args.cluster, args.nodes, args.top,
                           gpus=args.world)

@@ -1,5 +1,9 @@
 """``epscale simulate CONFIG --cluster NAME|FILE``: one training step of a recipe on a
-described cluster, for each balancing strategy and dispatcher, as a table and a plot."""
+described cluster, for each balancing strategy and dispatcher, as a table and a plot.
+``--precision``/``--tp``/``--recompute-modules``/``--comm-sms``/``--p2p-overlap`` set the
+run's features the recipe does not carry (:class:`epscale.plan.shapes.Work`);
+``--overlap-from RUN_DIR --overlap-cluster CLUSTER`` scales the model's hidden
+communication by what that run measured (:mod:`epscale.plan.overlap`)."""
 
 from __future__ import annotations
 
