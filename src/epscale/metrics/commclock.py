@@ -314,15 +314,14 @@ class _ReplicaAllReduce:
 
 def _time_replica_all_reduce(model: torch.nn.Module, clock: CommClock | None) -> None:
     """Time HSDP's replica all-reduces with ``clock`` when ``model`` has replicated FSDP
-    parameter groups (None: FSDP2 calls ``torch.distributed`` directly again). One clock
-    per process: the last model attached sets it."""
+    parameter groups; else (or ``clock`` None) FSDP2 calls ``torch.distributed`` directly
+    again. One clock per process: the last model attached decides."""
     replicated = any(getattr(g.mesh_info, "replicate_mesh_size", 1) > 1
                      for g in _fsdp_param_groups(model))
-    if clock is None:
-        if isinstance(_fsdp_collectives.dist, _ReplicaAllReduce):
-            _fsdp_collectives.dist = dist
-    elif replicated:
+    if clock is not None and replicated:
         _fsdp_collectives.dist = _ReplicaAllReduce(clock)
+    elif isinstance(_fsdp_collectives.dist, _ReplicaAllReduce):
+        _fsdp_collectives.dist = dist
 
 
 def attach_comm_clock(model: torch.nn.Module, clock: CommClock | None) -> None:
