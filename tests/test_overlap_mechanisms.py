@@ -257,9 +257,11 @@ def _reference(cfg, batches):
     return {name: p.grad for name, p in model.named_parameters()}
 
 
-def _parallel_grads(cfg, dims, batches, overlap, fsdp):
+def _parallel_grads(cfg, dims, batches, overlap, fsdp, clock=None):
     """This rank's gradients (DTensor shards gathered) after one step of ACCUM
-    micro-batches, with the overlap mechanisms ``overlap`` on or off."""
+    micro-batches, with the overlap mechanisms ``overlap`` on or off; ``clock``: a
+    CommClock attached to the model for the step (detached after)."""
+    from epscale.metrics.commclock import attach_comm_clock
     from epscale.metrics import StepTimers
     from epscale.model import build_model
     from epscale.parallel import apply_fsdp, finish_gradients, parallelize, sync_gradients
@@ -274,7 +276,13 @@ def _parallel_grads(cfg, dims, batches, overlap, fsdp):
         assert reduce_in_backward(model, dims, overlap) == overlap
     step = AccumulationStep(model, torch.device("cpu"), StepTimers("cpu"),
                             contextlib.nullcontext, dims.rank, dims.world_size, overlap=overlap)
-    step.train(_Loader(batches[dims.rank]), ACCUM)
+    if clock is not None:
+        attach_comm_clock(model, clock)
+    try:
+        step.train(_Loader(batches[dims.rank]), ACCUM)
+    finally:
+        if clock is not None:
+            attach_comm_clock(model, None)
     if fsdp:
         finish_gradients(model, dims)
     else:
@@ -310,7 +318,13 @@ def _layout_case(runner, tag, cfg, dims, batches, fsdp, ref):
 def _count_replica_all_reduces(runner, cfg, dims, batches, ref):
     """HSDP: the replica all-reduces one step issues, counted at torch.distributed's door
     (FSDP calls ``dist.all_reduce`` with the replica group): with overlap, one per FSDP
-    parameter group per step; without, one per group per micro-batch."""
+    parameter group per step; without, one per group per micro-batch. The CommClock
+    attached to the model times each of them as 'dp' (blocking on gloo: wholly exposed),
+    and nothing else as 'dp'."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    from epscale.metrics.commclock import CommClock
+
     replica_ranks = dist.get_process_group_ranks(dims.dense_mesh.get_group("dp_replicate"))
     real = dist.all_reduce
     counts = {}
@@ -323,12 +337,18 @@ def _count_replica_all_reduces(runner, cfg, dims, batches, ref):
     for key in (True, False):
         with runner.case(f"hsdp replica all-reduces overlap={key}"):
             counts[key] = 0
+            clock = CommClock()
             dist.all_reduce = counting
             try:
-                got, model = _parallel_grads(cfg, dims, batches, key, fsdp=True)
+                got, model = _parallel_grads(cfg, dims, batches, key, fsdp=True, clock=clock)
             finally:
                 dist.all_reduce = real
             _check(got, ref, model)
+            t = clock.totals()
+            assert t["dp"]["n"] == counts[key] > 0, (t["dp"], counts[key])
+            assert 0 < t["dp"]["exposed_s"] == t["dp"]["s"], t["dp"]
+            assert t["fsdp"]["n"] > 0 and t["pp"]["n"] == 0, t
+            assert _fsdp_collectives.dist is dist  # detached: FSDP2's own again
     with runner.case("hsdp replica all-reduce once per step"):
         assert counts[True] > 0 and counts[False] == ACCUM * counts[True], counts
 

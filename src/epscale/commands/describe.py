@@ -3,7 +3,10 @@ at a layout, computed analytically (nothing is built), next to the published fig
 where known; ``--fit 80GiB`` lists the layouts of a cluster that fit, fastest first.
 Under a pipeline (``--pp`` or ``parallel.pp``) it also gives the stage split (each stage's
 layers, the rank holding it, its share of the FLOPs), the schedule's bubble at the step's
-micro-batches, the p2p traffic and each pipeline rank's memory, the largest marked."""
+micro-batches, the p2p traffic and each pipeline rank's memory, the largest marked. It says
+which overlap the step model assumes and where that comes from, or with ``--overlap-from
+RUN_DIR --overlap-cluster CLUSTER`` that assumption held against what the run measured
+(:mod:`epscale.plan.overlap`)."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from ..interop.hf_families import describe_export
 from ..plan.fit import AC_MODES
 from ..plan.layout import Layout
 from ..plan.memory import DTYPE_BYTES, Activations, estimate, pipeline_memory, resolve
+from ..plan.overlap import assumption, calibration_from
 from ..plan.pipeline import bubble_fraction, stage_flops
 from ..plan.sizing import model_size
 from .args import parse_size
@@ -55,6 +59,12 @@ def configure_parser(p) -> None:
     fit.add_argument("--nodes", type=int, default=None,
                      help="nodes (default: the cluster's; --gpus N also sets them)")
     fit.add_argument("--top", type=int, default=10, help="layouts to list (default 10)")
+    ov = p.add_argument_group("overlap: the step model's assumption, calibrated from a run")
+    ov.add_argument("--overlap-from", default=None, metavar="RUN_DIR",
+                    help="a measured run (metrics.jsonl with comm_by_kind, config.yaml): its "
+                         "hidden communication against the step model's at its layout")
+    ov.add_argument("--overlap-cluster", default=None, metavar="CLUSTER",
+                    help="the cluster that run ran on (preset or epscale calibrate's YAML)")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="config overrides, e.g. moe.num_experts=64 scale=tiny")
     # key=value overrides may follow options (CONFIG --opt X key=value): plain parse_args
@@ -119,11 +129,14 @@ LAYOUT_KEYS = ("world", "dp", "ep", "fsdp", "dp_replicate", "activation_checkpoi
                "micro_batch_size", "compute_dtype", "pp", "pp_schedule", "pp_virtual_stages")
 
 
-def describe(config: str, overrides: list[str] | None = None, **layout) -> dict:
+def describe(config: str, overrides: list[str] | None = None, *, overlap_from: str | None = None,
+             overlap_cluster: str | None = None, **layout) -> dict:
     """The describe report as a plain dict (what ``--json`` prints). ``layout``: any of
     ``LAYOUT_KEYS`` replacing the recipe's (see :func:`epscale.plan.memory.resolve`).
     ``scale`` is the scale asked for (by the recipe or a ``scale=`` override): the shrunk
-    config itself says 'full'."""
+    config itself says 'full'. ``overlap``: the step model's overlap assumption and its
+    source, or its calibration from the run ``overlap_from`` measured (on
+    ``overlap_cluster``; :mod:`epscale.plan.overlap`)."""
     cfg = load_recipe(config, overrides)
     size = model_size(cfg)
     lay_args = {k: v for k, v in layout.items() if v is not None}
@@ -156,6 +169,7 @@ def describe(config: str, overrides: list[str] | None = None, **layout) -> dict:
         # expert GEMMs come to the dense rate (benchmarks/RESULTS.md, rows per expert).
         tokens = lay.micro_batch_size * cfg.model.seq_len * lay.ep
         out["rows_per_expert"] = tokens * cfg.moe.top_k / cfg.moe.num_experts
+    out["overlap"] = _overlap_report(cfg, overlap_from, overlap_cluster)
     pub = PUBLISHED.get(cfg.name)
     if pub is not None:
         out["published"] = dict(pub)
@@ -163,6 +177,21 @@ def describe(config: str, overrides: list[str] | None = None, **layout) -> dict:
             if pub[key]:
                 out["published"][f"{key}_rel_err"] = size.as_dict()[f"{key}_params"] / pub[key] - 1
     return out
+
+
+def _overlap_report(cfg: RunConfig, run_dir: str | None, cluster: str | None) -> dict:
+    """describe's 'overlap': the assumption with its source, or the calibration (with
+    ``lines``, what is printed)."""
+    if run_dir is None:
+        if cluster is not None:
+            raise ConfigError(f"--overlap-cluster {cluster} is invalid alone: it names the "
+                              "cluster of the run given by --overlap-from RUN_DIR")
+        info = assumption(cfg)
+        info["lines"] = [f"overlap assumed by the step model: '{info['mode']}': "
+                         f"{info['assumes']}. Source: {info['source']}."]
+        return info
+    cal = calibration_from(run_dir, cluster)
+    return {**cal.as_dict(), "lines": cal.lines()}
 
 
 def pipeline_report(cfg: RunConfig, lay: Layout, acts: Activations) -> dict:
@@ -213,7 +242,7 @@ def fit_report(config: str, overrides: list[str] | None, gpu_mem: str, cluster: 
             for r in results[:top]]
     return {"name": cfg.name, "gpu_mem": limit, "cluster": spec.name, "world": spec.world,
             "nodes": spec.nodes, "gpus_per_node": spec.gpus_per_node, "tried": tried,
-            "fitting": len(results), "layouts": rows}
+            "fitting": len(results), "layouts": rows, "overlap": assumption(cfg)}
 
 
 def _print_fit(info: dict, console) -> None:
@@ -250,6 +279,9 @@ def _print_fit(info: dict, console) -> None:
                   "model with loss-free balancing (epscale simulate for the detail). Every "
                   "layout keeps the recipe's global batch: a pipeline of pp ranks runs pp times "
                   "the micro-batches.[/]")
+    ov = info["overlap"]
+    console.print(f"[dim]overlap assumed: '{ov['mode']}'; source: {ov['source']}.[/]",
+                  markup=True)
 
 
 def _layout_args(args) -> dict:
@@ -303,6 +335,10 @@ def run(args) -> int:
 
     check_args(args)
     console = Console()
+    if args.fit is not None and (args.overlap_from or args.overlap_cluster):
+        raise ConfigError("--overlap-from is invalid with --fit: --fit ranks layouts with the "
+                          "step model's own overlap assumption (epscale.plan.fit takes no "
+                          "calibration); use it without --fit, or epscale simulate")
     if args.fit is not None:
         info = fit_report(args.config, args.overrides, args.fit, args.cluster, args.nodes, args.top,
                           gpus=args.world)
@@ -311,7 +347,8 @@ def run(args) -> int:
         else:
             _print_fit(info, console)
         return 0
-    info = describe(args.config, args.overrides, **_layout_args(args))
+    info = describe(args.config, args.overrides, overlap_from=args.overlap_from,
+                    overlap_cluster=args.overlap_cluster, **_layout_args(args))
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -362,6 +399,8 @@ def run(args) -> int:
                 if rows < 256 else "")
         console.print(f"expert GEMM rows per micro-batch and layer: {rows:,.0f} on average "
                       f"(micro-batch tokens x ep x top_k / experts).{hint}")
+    for line in info["overlap"]["lines"]:
+        console.print(line, markup=False)
     console.print(f"Hugging Face export (checkpoint export-hf): {info['hf_export']}")
     if pub.get("source"):
         console.print(f"[dim]published: {pub['source']}[/]")

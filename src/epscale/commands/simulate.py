@@ -1,5 +1,9 @@
 """``epscale simulate CONFIG --cluster NAME|FILE``: one training step of a recipe on a
-described cluster, for each balancing strategy and dispatcher, as a table and a plot."""
+described cluster, for each balancing strategy and dispatcher, as a table and a plot.
+``--precision``/``--tp``/``--recompute-modules``/``--comm-sms``/``--p2p-overlap`` set the
+run's features the recipe does not carry (:class:`epscale.plan.shapes.Work`);
+``--overlap-from RUN_DIR --overlap-cluster CLUSTER`` scales the model's hidden
+communication by what that run measured (:mod:`epscale.plan.overlap`)."""
 
 from __future__ import annotations
 
@@ -10,7 +14,9 @@ from pathlib import Path
 from ..config import ConfigError, load_recipe
 from ..plan.balance import STRATEGIES, BalanceParams
 from ..plan.cluster import PRESETS, load_cluster
+from ..plan.overlap import assumption, calibration_from, simulate_pair
 from ..plan.routing import RoutingSpec
+from ..plan.shapes import PRECISIONS, RECOMPUTE_MODULES, Work
 from ..plan.step_model import DISPATCHERS, OVERLAPS, SimResult, simulate
 
 
@@ -32,6 +38,26 @@ def configure_parser(p) -> None:
                    help="exponent the aux loss leaves on the router weights (model assumption)")
     p.add_argument("--loss-free-residual", type=float, default=BalanceParams.loss_free_residual)
     p.add_argument("--redundant-per-rank", type=int, default=BalanceParams.redundant_per_rank)
+    work = p.add_argument_group("work: the run's features the recipe does not carry "
+                                "(epscale.plan.shapes.Work)")
+    work.add_argument("--precision", choices=PRECISIONS, default=Work.precision,
+                      help="GEMM precision of the linear layers (fp8 needs the cluster's fp8_tflops)")
+    work.add_argument("--tp", type=int, default=Work.tp,
+                      help="tensor-parallel ranks of the non-expert blocks (sequence parallel)")
+    work.add_argument("--recompute-modules", default=None, metavar="A,B",
+                      help=f"comma list of {', '.join(RECOMPUTE_MODULES)} recomputed in "
+                           "backward (default: the recipe's train.activation_checkpointing; "
+                           "'' recomputes nothing)")
+    work.add_argument("--comm-sms", type=int, default=Work.comm_sms,
+                      help="SMs the overlapped dispatch kernels hold (GPU clusters)")
+    work.add_argument("--p2p-overlap", action="store_true",
+                      help="a looped or V pipeline hides its p2p even without overlap")
+    cal = p.add_argument_group("overlap calibration (epscale.plan.overlap)")
+    cal.add_argument("--overlap-from", default=None, metavar="RUN_DIR",
+                     help="scale the model's hidden communication by what this run measured "
+                          "(metrics.jsonl with comm_by_kind, config.yaml)")
+    cal.add_argument("--overlap-cluster", default=None, metavar="CLUSTER",
+                     help="the cluster that run ran on (preset or epscale calibrate's YAML)")
     p.add_argument("--layers", action="store_true",
                    help="also print the per-MoE-layer breakdown of the fastest configuration")
     p.add_argument("--seed", type=int, default=0)
@@ -44,9 +70,17 @@ def configure_parser(p) -> None:
     p.parse_args = p.parse_intermixed_args
 
 
+def work_of(args) -> Work:
+    """The :class:`Work` the options give (checked by the step model, which names them)."""
+    mods = args.recompute_modules
+    if mods is not None:
+        mods = tuple(m.strip() for m in mods.split(",") if m.strip())
+    return Work(precision=args.precision, tp=args.tp, recompute_modules=mods,
+                comm_sms=args.comm_sms, p2p_overlap=args.p2p_overlap)
+
+
 def run(args) -> int:
     from rich.console import Console
-
 
     console = Console(width=max(Console().width, 150))
     cfg = load_recipe(args.config, args.overrides)
@@ -57,11 +91,18 @@ def run(args) -> int:
     routings = [RoutingSpec.parse(r) for r in (args.routing or ["zipf:1.0"])]
     strategies = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
     dispatchers = tuple(d.strip() for d in args.dispatchers.split(",") if d.strip())
+    work = work_of(args)
+    cal = (calibration_from(args.overlap_from, args.overlap_cluster, work=work, seed=args.seed)
+           if args.overlap_from else None)
     all_rows = []
     t0 = time.perf_counter()
     for routing in routings:
-        res = simulate(cfg, cluster, routing, strategies=strategies, dispatchers=dispatchers,
-                       overlap=args.overlap, ep=args.ep, params=params, seed=args.seed)
+        kw = dict(strategies=strategies, dispatchers=dispatchers, ep=args.ep, params=params,
+                  seed=args.seed, work=work, routing=routing)
+        if cal is None:
+            res = simulate(cfg, cluster, overlap=args.overlap, **kw)
+        else:
+            res = [cal.apply(r, none) for r, none in simulate_pair(cfg, cluster, args.overlap, **kw)]
         all_rows.append((routing, res))
     elapsed = time.perf_counter() - t0
     ep = args.ep or cfg.parallel.ep
@@ -72,6 +113,10 @@ def run(args) -> int:
                   f"{cfg.moe.num_experts} experts top-{cfg.moe.top_k}, "
                   f"{cfg.train.micro_batch_size * cfg.model.seq_len} tokens/GPU/micro-batch x "
                   f"{cfg.train.grad_accum}; simulated in {elapsed:.2f} s")
+    if cal is None:
+        console.print(f"[dim]overlap: {assumption(cfg, args.overlap)['source']}[/]")
+    else:
+        console.print("\n".join(cal.lines()))
     for routing, res in all_rows:
         console.print(results_table(res, f"routing {routing.label()}"))
         best = max(res, key=lambda r: r.tokens_per_s_per_gpu)
@@ -83,6 +128,7 @@ def run(args) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"recipe": cfg.name, "cluster": cluster.as_dict(),
+             "overlap": assumption(cfg, args.overlap) if cal is None else cal.as_dict(),
              "runs": [{"routing": r.label(), "results": [x.as_dict() for x in res]}
                       for r, res in all_rows]}, indent=1))
     if not args.no_plot:

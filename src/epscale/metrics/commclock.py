@@ -43,6 +43,8 @@ import time
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
 from ..dispatch.comm import counters_of
 from ..moe.layer import moe_layers
@@ -289,16 +291,49 @@ def _fsdp_param_groups(model: torch.nn.Module) -> list[Any]:
     return out
 
 
+class _ReplicaAllReduce:
+    """Stands for ``torch.distributed`` inside FSDP2's collectives module, whose one
+    ``all_reduce`` is HSDP's replica all-reduce (``foreach_reduce``, after the
+    reduce-scatter, in the step's last backward): that call is timed as 'dp' by ``clock``;
+    every other name is ``torch.distributed``'s, looked up at each call. FSDP2 also
+    all-reduces over a replica dimension of size 1 (the expert mesh's, without HSDP):
+    no traffic, not timed."""
+
+    def __init__(self, clock: CommClock):
+        self.clock = clock
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(dist, name)
+
+    def all_reduce(self, tensor: torch.Tensor, *args, **kwargs) -> Any:
+        group = kwargs.get("group")
+        if group is not None and group.size() == 1:  # a replica dimension of 1: no traffic
+            return dist.all_reduce(tensor, *args, **kwargs)
+        return self.clock._timed_call("dp", dist.all_reduce, False)(tensor, *args, **kwargs)
+
+
+def _time_replica_all_reduce(model: torch.nn.Module, clock: CommClock | None) -> None:
+    """Time HSDP's replica all-reduces with ``clock`` when ``model`` has replicated FSDP
+    parameter groups; else (or ``clock`` None) FSDP2 calls ``torch.distributed`` directly
+    again. One clock per process: the last model attached decides."""
+    replicated = any(getattr(g.mesh_info, "replicate_mesh_size", 1) > 1
+                     for g in _fsdp_param_groups(model))
+    if clock is not None and replicated:
+        _fsdp_collectives.dist = _ReplicaAllReduce(clock)
+    elif isinstance(_fsdp_collectives.dist, _ReplicaAllReduce):
+        _fsdp_collectives.dist = dist
+
+
 def attach_comm_clock(model: torch.nn.Module, clock: CommClock | None) -> None:
     """Time ``model``'s communication with ``clock`` (None detaches it): every MoE layer's
     dispatcher exchanges as 'dispatch'; FSDP2's all-gathers and reduce-scatters as 'fsdp'
     (each parameter group's communication objects wrapped: torch's ``set_custom_all_gather``
     does the same for a module of one group, and refuses ours, whose blocks hold a dense
-    and an expert-mesh group). Not covered here: HSDP's replica all-reduce, which FSDP2
-    issues inside its reduction without a communication object; 'dp': the replicated
-    layout's DDP bucket all-reduces in backward (in flight only: DDP's reducer waits for
-    them inside torch), else timed where the trainer runs them, as is 'pp'
-    (:meth:`CommClock.intercept`)."""
+    and an expert-mesh group); HSDP's replica all-reduce as 'dp' (FSDP2 issues it without
+    a communication object: :class:`_ReplicaAllReduce` takes its module's
+    ``torch.distributed``); 'dp' also: the replicated layout's DDP bucket all-reduces in
+    backward (in flight only: DDP's reducer waits for them inside torch), else timed where
+    the trainer runs them, as is 'pp' (:meth:`CommClock.intercept`)."""
     for moe in moe_layers(model):
         for counter in counters_of(moe.dispatcher):
             counter.clock = clock
@@ -310,3 +345,4 @@ def attach_comm_clock(model: torch.nn.Module, clock: CommClock | None) -> None:
             comm = getattr(group, name)
             inner = comm.inner if isinstance(comm, _TimedComm) else comm
             setattr(group, name, inner if clock is None else _TimedComm(inner, clock))
+    _time_replica_all_reduce(model, clock)
