@@ -22,8 +22,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/epscale train --config configs/tiny.yaml
 
+# Two pytest workers, one test file each at a time (a file's spawned ranks share its
+# fixtures): much of the suite waits (process start-up, rendezvous, restarts, timeouts)
+# rather than computes, and the other worker fills that time.
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15 tests
 
 # The MoE-layer benchmark in bf16 (the issue's headline dtype). The torchtitan and HF
 # Mixtral comparisons run when those packages import; see benchmarks/RESULTS.md for the

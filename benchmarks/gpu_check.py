@@ -483,12 +483,12 @@ def stage_overlap(ctx: Ctx) -> dict:
     """benchmarks/overlap.py: exposed communication with ``parallel.overlap`` auto against
     none. It needs two ranks (ep = 2), so on a one-GPU machine it is skipped (run it on a
     machine with two or more GPUs); a dry run runs its smallest case on gloo CPU processes
-    (ep = 2, dedup, 3 steps each way), so the script cannot rot."""
+    (ep = 2, dedup, 2 steps each way), so the script cannot rot."""
     if not ctx.dry:
         return dict(status="skipped", reason="needs two ranks (ep = 2): one GPU here",
                     headline="skipped: one GPU (run benchmarks/overlap.py on >= 2 GPUs)")
     out = ctx.out / "overlap.json"
-    cmd = [sys.executable, str(OVERLAP), "--cases", "ep2-dedup", "--steps", "3",
+    cmd = [sys.executable, str(OVERLAP), "--cases", "ep2-dedup", "--steps", "2",
            "--json", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     res = dict(command=" ".join(cmd), rc=proc.returncode, output_tail=proc.stdout[-3000:],

@@ -2,14 +2,15 @@
 (inductor, which on CPU builds C++ kernels with the system compiler) trains like the eager
 trainer on the same config: one process at ep=1, where each MoE block is one graph
 (``fullgraph=True``: a graph break would raise), and two gloo ranks at ep=2 (the
-dispatcher's exchanges run eagerly between compiled parts), with no and with full
-recomputation, against the eager one process at the same global batch. Selective recomputation is
+dispatcher's exchanges run eagerly between compiled parts) with full recomputation (the
+recomputed forward reruns the compiled graphs; tokens counted once), against the eager one
+process at the same global batch. ep=2 without recomputation is left out: it compiles the
+same graphs, and a cold inductor cache costs about a minute of CPU per case in CI. Selective recomputation is
 refused before launch, with the reason.
 
 Cost: inductor compiles each distinct graph once per process (both blocks share theirs:
 same structure), so the cases share processes: the one-process runs here (eager, then
-compiled), the two ranks in one spawn (without and with recomputation: the recomputed
-forward runs graphs compiled for it, which the one-process full case would add again). Runs stop after 3 of 10 steps (``stop_at``): no final validation, whose
+compiled), the two ranks in one spawn. Runs stop after 3 of 10 steps (``stop_at``): no final validation, whose
 no-grad forward would compile graphs of its own.
 
 Tolerances: bf16 compute (the compiled grouped GEMM takes bf16). Eager rounds every
@@ -18,8 +19,7 @@ their intermediates in fp32, and the eager CPU path runs the experts in its own 
 while the compiled one runs torch's grouped GEMM: the same sums in another order and
 with fewer roundings. Losses then agree within 2e-3 relative (half a bf16 unit in the last
 place; seen: 4e-5 at step 1, up to 4e-4 after AdamW's sign-like first updates), gradient
-norms within 1e-2 (seen: 1.1e-3). Compiled runs with and without full recomputation run
-the same graphs on the same values: 1e-6.
+norms within 1e-2 (seen: 1.1e-3).
 """
 
 from __future__ import annotations
@@ -111,8 +111,7 @@ def _worker(rank, world, corpus_dir, tmp, cases):
 
 @pytest.mark.timeout(900)
 def test_two_ranks_ep2_compiled_train_like_one_eager_process(eager, corpus_dir, tmp_path):
-    cases = {"ep2": {"parallel.ep": 2, "train.compile": True},
-             "ep2 ac-full": {"parallel.ep": 2, "train.compile": True,
+    cases = {"ep2 ac-full": {"parallel.ep": 2, "train.compile": True,
                              "train.activation_checkpointing": "full"}}
     results = run_distributed(_worker, 2, args=(str(corpus_dir), str(tmp_path), cases),
                               timeout_s=840)
@@ -123,10 +122,6 @@ def test_two_ranks_ep2_compiled_train_like_one_eager_process(eager, corpus_dir, 
                    and "experts compiled on their own in 2" in n for n in notes), notes
         _assert_like_eager(got, eager)
         assert results[1][2][name][0] == got  # the ranks agree on the step records
-    # the recomputation reruns the compiled forward: same values, tokens counted once
-    plain, full = (results[0][2][n][0] for n in cases)
-    torch.testing.assert_close(full["loss"], plain["loss"], rtol=1e-6, atol=0)
-    torch.testing.assert_close(full["grad_norm"], plain["grad_norm"], rtol=1e-6, atol=0)
 
 
 def test_bad_compile_value_names_the_key(tmp_path):
