@@ -372,3 +372,35 @@ def test_the_recipes_recompute_modules_are_charged():
         assert nonexpert_time(recipe, H100, T, Work()) == pytest.approx(
             nonexpert_time(cfg, H100, T, Work(recompute_modules=(megatron_name,))), rel=1e-12)
         assert nonexpert_time(recipe, H100, T, Work()) > nonexpert_time(cfg, H100, T, Work())
+
+
+def test_simulate_cli_takes_the_config_names_of_recomputed_modules():
+    """`simulate --recompute-modules` takes train.recompute_modules' names (norm,
+    attention_core, ...) as well as Megatron's, which the step model uses."""
+    import argparse
+
+    from epscale.commands import simulate as cmd
+
+    p = argparse.ArgumentParser()
+    cmd.configure_parser(p)
+    args = p.parse_args(["cfg.yaml", "--recompute-modules", "norm,attention_core,mla_up_proj"])
+    assert cmd.work_of(args).recompute_modules == ("layernorm", "core_attn", "mla_up_proj")
+    args = p.parse_args(["cfg.yaml", "--recompute-modules", "layernorm"])
+    assert cmd.work_of(args).recompute_modules == ("layernorm",)
+
+
+def test_a_blocking_recipe_is_modelled_without_overlap():
+    """parallel.overlap: none is the trainer's blocking path: the step model's default
+    overlap follows it (chunks only pipeline with overlap auto)."""
+    from epscale.config import load_recipe
+    from epscale.plan.cluster import load_cluster
+    from epscale.plan.step_model import simulate
+
+    cfg = load_recipe("deepseek-v3", ["parallel.overlap_chunks=4"])
+    cluster = load_cluster("h800-2048")
+    auto = simulate(cfg, cluster, dispatchers=("dedup",))[0]
+    blocking = simulate(load_recipe("deepseek-v3", ["parallel.overlap_chunks=4",
+                                                    "parallel.overlap=none"]),
+                        cluster, dispatchers=("dedup",))[0]
+    assert (auto.overlap, blocking.overlap) == ("chunks", "none")
+    assert blocking.step_time_s > auto.step_time_s

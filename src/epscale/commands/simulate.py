@@ -16,7 +16,7 @@ from ..plan.balance import STRATEGIES, BalanceParams
 from ..plan.cluster import PRESETS, load_cluster
 from ..plan.overlap import assumption, calibration_from, simulate_pair
 from ..plan.routing import RoutingSpec
-from ..plan.shapes import PRECISIONS, RECOMPUTE_MODULES, Work
+from ..plan.shapes import CONFIG_RECOMPUTE, PRECISIONS, RECOMPUTE_MODULES, Work
 from ..plan.step_model import DISPATCHERS, OVERLAPS, SimResult, simulate
 
 
@@ -45,7 +45,9 @@ def configure_parser(p) -> None:
     work.add_argument("--tp", type=int, default=Work.tp,
                       help="tensor-parallel ranks of the non-expert blocks (sequence parallel)")
     work.add_argument("--recompute-modules", default=None, metavar="A,B",
-                      help=f"comma list of {', '.join(RECOMPUTE_MODULES)} recomputed in "
+                      help=f"comma list of train.recompute_modules' names "
+                           f"({', '.join(CONFIG_RECOMPUTE)}) or Megatron's "
+                           f"({', '.join(RECOMPUTE_MODULES)}) recomputed in "
                            "backward (default: the recipe's train.activation_checkpointing; "
                            "'' recomputes nothing)")
     work.add_argument("--comm-sms", type=int, default=Work.comm_sms,
@@ -73,8 +75,9 @@ def configure_parser(p) -> None:
 def work_of(args) -> Work:
     """The :class:`Work` the options give (checked by the step model, which names them)."""
     mods = args.recompute_modules
-    if mods is not None:
-        mods = tuple(m.strip() for m in mods.split(",") if m.strip())
+    if mods is not None:  # train.recompute_modules' names or Megatron's, as the help says
+        mods = tuple(CONFIG_RECOMPUTE.get(m.strip(), m.strip())
+                     for m in mods.split(",") if m.strip())
     return Work(precision=args.precision, tp=args.tp, recompute_modules=mods,
                 comm_sms=args.comm_sms, p2p_overlap=args.p2p_overlap)
 

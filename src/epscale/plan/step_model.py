@@ -201,7 +201,9 @@ def simulate(run_cfg: RunConfig, cluster: ClusterSpec, routing: RoutingSpec | No
         if d not in DISPATCHERS:
             raise ConfigError(f"dispatcher '{d}' is invalid: must be one of {', '.join(DISPATCHERS)}")
     chunks = overlap_chunks or run_cfg.parallel.overlap_chunks
-    overlap = overlap or ("chunks" if chunks > 1 else "none")
+    # the recipe's parallel.overlap: none is the trainer's blocking path, whatever the chunks
+    blocking = run_cfg.parallel.overlap == "none"
+    overlap = overlap or ("chunks" if chunks > 1 and not blocking else "none")
     if overlap not in OVERLAPS:
         raise ConfigError(f"overlap '{overlap}' is invalid: must be one of {', '.join(OVERLAPS)}")
     model, moe, train = run_cfg.model, run_cfg.moe, run_cfg.train
