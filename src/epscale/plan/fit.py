@@ -154,11 +154,12 @@ def candidates(cfg: RunConfig, cluster: ClusterSpec) -> list[RunConfig]:
         zero = 1 if own.zero == 2 and pp > 1 else own.zero   # a pipeline refuses ZeRO-2
         for ep in (d for d in _divisors(E) if _sim_accepts(d, cluster, E, W)):
             for ac in AC_MODES:
-                # the recipe's light recomputation goes with 'none' (whole-block modes
-                # replace it)
+                # the recipe's light recomputation and fp8 storage go with 'none'
+                # (whole-block modes replace them)
                 mods = cfg.train.recompute_modules if ac == "none" else []
+                storage = cfg.train.activation_storage if ac == "none" else "compute"
                 train = replace(cfg.train, activation_checkpointing=ac, recompute_modules=mods,
-                                **accum)
+                                activation_storage=storage, **accum)
                 red = own.redundant_experts   # kept where the slots divide over ep
                 red = red if ep > 1 and (E + red) % ep == 0 and pp == 1 else 0
                 spill = own.spill_threshold if pp == 1 else None   # a pipeline refuses both

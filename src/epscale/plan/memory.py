@@ -94,6 +94,8 @@ from ..config.schema import PP_SCHEDULES
 from .layout import Layout
 from .pipeline import in_flight, layers_per_stage, schedule_actions, stage_layers, stage_placement
 
+ACTIVATION_STORAGE = ("compute", "fp8")   # train.activation_storage
+FP8_TILE = 128                            # channels per fp8 scale (1 x 128 tiles)
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
                "float8": 1, "fp8": 1}
 
@@ -108,11 +110,15 @@ class Activations:
     compute_dtype: str = "float32"
     experts_impl: str = "grouped_mm"
     recompute_modules: tuple[str, ...] = ()    # train.recompute_modules (with 'none' only)
+    storage: str = "compute"                   # train.activation_storage: 'compute' or 'fp8'
 
     def __post_init__(self) -> None:
         if self.compute_dtype not in DTYPE_BYTES:
             raise ConfigError(f"compute dtype {self.compute_dtype!r} is invalid: must be one of "
                               f"{', '.join(sorted(DTYPE_BYTES))}")
+        if self.storage not in ACTIVATION_STORAGE:
+            raise ConfigError(f"activation storage {self.storage!r} is invalid: must be one of "
+                              f"{', '.join(ACTIVATION_STORAGE)}")
 
     @staticmethod
     def of(cfg: RunConfig, activation_checkpointing: str | None = None,
@@ -124,7 +130,7 @@ class Activations:
         impl = experts_impl or ("cpu_fused" if cfg.moe.experts_impl == "cpu_fused" else "grouped_mm")
         ac = activation_checkpointing or train.activation_checkpointing
         modules = tuple(train.recompute_modules) if ac == "none" else ()
-        return Activations(ac, dtype, impl, modules)
+        return Activations(ac, dtype, impl, modules, train.activation_storage)
 
 
 def with_pipeline(cfg: RunConfig, pp: int | None = None, schedule: str | None = None,
@@ -344,8 +350,11 @@ def _attention_saved_per_token(model: ModelConfig) -> tuple[float, float]:
 
 
 def _dense_saved_per_token(model: ModelConfig, moe: MoEConfig, moe_layer: bool,
-                           impl: str) -> tuple[float, float, float]:
-    """(compute-dtype, fp32, int64) elements one block saves per token (no recomputation)."""
+                           impl: str, local: bool = True) -> tuple[float, float, float]:
+    """(compute-dtype, fp32, int64) elements one block saves per token (no recomputation).
+    ``local``: the experts run without expert parallelism (the local dispatcher weights
+    their output rows in fp32, keeping an fp32 copy); under EP the combine keeps them in
+    the compute dtype (:class:`epscale.dispatch.rows.WeightedRowSum`)."""
     D, K = model.dim, moe.top_k
     m = 3 if moe.activation == "swiglu" else 2
     acts = 4 if moe.activation == "swiglu" else 2      # per hidden unit: see the dense FFN
@@ -363,8 +372,11 @@ def _dense_saved_per_token(model: ModelConfig, moe: MoEConfig, moe_layer: bool,
         ints += 4 * K
         fp32 += K
     else:                                                  # autograd over grouped GEMMs
-        experts = K * (D + acts * F)                       # the output rows are weighted in
-        fp32 += K * D                                      # fp32: the product keeps them so
+        experts = K * (D + acts * F)                       # the output rows, for the gates'
+        if local:                                          # gradient: in fp32 (the local
+            fp32 += K * D                                  # path weights them in fp32) or
+        else:                                              # as computed (the combine's)
+            experts += K * D
         ints += 2 * K
     shared = acts * moe.shared_width if moe.num_shared_experts else 0   # input: the router's
     return D + attn + experts + shared, fp32 + router_fp32, ints
@@ -467,6 +479,32 @@ def _autocast_copies_per_token(model: ModelConfig, moe: MoEConfig, moe_layer: bo
     return extra
 
 
+def fp8_saved_tensors(model: ModelConfig, moe: MoEConfig, acts: Activations, local: bool,
+                      modules: tuple[str, ...]) -> list[tuple[int, int, int]]:
+    """(rows per token, channels, bytes per element as computed) of each tensor a MoE
+    layer's fp8 store holds (``train.activation_storage: fp8``, grouped-GEMM experts,
+    :mod:`epscale.moe.saved_fp8`): the rows the expert GEMMs read, the activation's
+    saved tensors (h1 and h3, with silu(h1) and the down projection's input unless
+    ``moe_act`` is in ``modules``; GELU: h1, and its output), the output rows the combine
+    keeps (fp32 on the local path)."""
+    K, D, F = moe.top_k, model.dim, moe.hidden_dim
+    cb = DTYPE_BYTES[acts.compute_dtype]
+    swiglu = moe.activation == "swiglu"
+    hidden = (2 if swiglu else 1) if "moe_act" in modules else (4 if swiglu else 2)
+    return [(K, D, cb), (K * hidden, F, cb), (K, D, 4 if local else cb)]
+
+
+def fp8_saving_per_token(model: ModelConfig, moe: MoEConfig, acts: Activations, local: bool,
+                         modules: tuple[str, ...]) -> float:
+    """Bytes per token a MoE layer keeps less with fp8 storage than without: each tensor
+    of :func:`fp8_saved_tensors` at 1 byte per element plus one fp32 scale per tile of
+    128 channels, instead of its own dtype."""
+    if acts.storage != "fp8" or acts.experts_impl == "cpu_fused":
+        return 0.0
+    return sum(rows * (channels * nbytes - channels - 4 * math.ceil(channels / FP8_TILE))
+               for rows, channels, nbytes in fp8_saved_tensors(model, moe, acts, local, modules))
+
+
 def _autocast_weight_copies(cfg: RunConfig, lay: Layout) -> tuple[dict[int, int], int]:
     """({block: elements}, head elements) of the weights autocast casts to the compute
     dtype in a forward and autograd keeps for backward: every matrix a product reads (a
@@ -502,9 +540,13 @@ def _activation_parts(cfg: RunConfig, lay: Layout, acts: Activations
         c, f, i = parts
         return T * (c * cb + f * 4 + i * 8)
 
+    local = lay.ep == 1
     blocks = []
     for i in range(model.num_layers):
-        full = nbytes(_dense_saved_per_token(model, moe, model.is_moe_layer(i), acts.experts_impl))
+        full = nbytes(_dense_saved_per_token(model, moe, model.is_moe_layer(i), acts.experts_impl,
+                                             local))
+        if model.is_moe_layer(i):
+            full -= T * fp8_saving_per_token(model, moe, acts, local, ())
         if autocast:
             full += (T * _autocast_copies_per_token(model, moe, model.is_moe_layer(i))
                      + copies.get(i, 0)) * cb
@@ -520,8 +562,14 @@ def _activation_parts(cfg: RunConfig, lay: Layout, acts: Activations
         kept = [nbytes(_selective_per_token(model, moe, model.is_moe_layer(i), acts.experts_impl))
                 + T * model.dim * (rb - cb) for i in range(model.num_layers)]
     elif acts.recompute_modules:
+        mods = acts.recompute_modules
+        # fp8 storage holds fewer tensors when moe_act drops some: give back the difference
+        fp8 = T * (fp8_saving_per_token(model, moe, acts, local, ())
+                   - fp8_saving_per_token(model, moe, acts, local, mods))
+        # the norms keep their inputs in the residual stream's dtype
+        norms = T * 2 * model.dim * (rb - cb) if "norm" in mods else 0
         kept = [b - nbytes(recompute_dropped_per_token(model, moe, model.is_moe_layer(i), acts))
-                for i, b in enumerate(blocks)]
+                + (fp8 if model.is_moe_layer(i) else 0) + norms for i, b in enumerate(blocks)]
     else:
         kept = blocks
     return embed, blocks, kept, head
@@ -647,8 +695,8 @@ def pipeline_memory(cfg: RunConfig, lay: Layout, acts: Activations | None = None
             out += head + T * model.vocab_size * 4   # and the fp32 logits the schedule keeps
         else:
             out += act                               # the output the schedule keeps
-        if s > 0 and acts.activation_checkpointing == "full":
-            out -= act                             # the first block's input is the receive buffer
+        if s > 0 and (acts.activation_checkpointing == "full" or "norm" in acts.recompute_modules):
+            out -= act    # the first block keeps its input as it is: the receive buffer
         return out
 
     sets = {s: stage_set(s) for s in range(n)}
