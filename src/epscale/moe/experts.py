@@ -264,14 +264,15 @@ def _no_mark(*tensors) -> None:
 def _activation(h1_RF: torch.Tensor, h3_RF: torch.Tensor | None,
                 mark: Callable[..., None] = _no_mark) -> torch.Tensor:
     """The experts' activation: silu(h1) * h3 (SwiGLU), or gelu(h1); ``mark`` is shown the
-    intermediates autograd saves (fp8 storage)."""
+    intermediates autograd saves (fp8 storage), each before the operation that saves it."""
     if h3_RF is None:
         h_RF = F.gelu(h1_RF)
         mark(h_RF)
         return h_RF
     a_RF = F.silu(h1_RF)
+    mark(a_RF)                 # before the product saves it (the hooks pack at once)
     h_RF = a_RF * h3_RF
-    mark(a_RF, h_RF)
+    mark(h_RF)
     return h_RF
 
 

@@ -105,7 +105,8 @@ class Fp8Storage:
         self._depth = 0
 
     def mark(self, *tensors: torch.Tensor | None) -> None:
-        """Store these (floating-point) tensors in fp8 when autograd saves them; nothing
+        """Store these (floating-point) tensors in fp8 when autograd saves them from now on
+        (the hooks pack a tensor when an operation saves it: mark it before); nothing
         outside a region or without gradients."""
         if not self._depth or not torch.is_grad_enabled():
             return

@@ -480,29 +480,35 @@ def _autocast_copies_per_token(model: ModelConfig, moe: MoEConfig, moe_layer: bo
 
 
 def fp8_saved_tensors(model: ModelConfig, moe: MoEConfig, acts: Activations, local: bool,
-                      modules: tuple[str, ...]) -> list[tuple[int, int, int]]:
+                      modules: tuple[str, ...], dispatcher: str = "dedup"
+                      ) -> list[tuple[int, int, int]]:
     """(rows per token, channels, bytes per element as computed) of each tensor a MoE
     layer's fp8 store holds (``train.activation_storage: fp8``, grouped-GEMM experts,
     :mod:`epscale.moe.saved_fp8`): the rows the expert GEMMs read, the activation's
     saved tensors (h1 and h3, with silu(h1) and the down projection's input unless
-    ``moe_act`` is in ``modules``; GELU: h1, and its output), the output rows the combine
-    keeps (fp32 on the local path)."""
+    ``moe_act`` is in ``modules``; GELU: h1, and its output), and the output rows the
+    combine keeps (fp32 on the local path) where it keeps the experts' own: not
+    ``alltoall``'s, which weights the rows it received back (kept as they are)."""
     K, D, F = moe.top_k, model.dim, moe.hidden_dim
     cb = DTYPE_BYTES[acts.compute_dtype]
     swiglu = moe.activation == "swiglu"
     hidden = (2 if swiglu else 1) if "moe_act" in modules else (4 if swiglu else 2)
-    return [(K, D, cb), (K * hidden, F, cb), (K, D, 4 if local else cb)]
+    out = [(K, D, cb), (K * hidden, F, cb)]
+    if local or dispatcher != "alltoall":
+        out.append((K, D, 4 if local else cb))
+    return out
 
 
 def fp8_saving_per_token(model: ModelConfig, moe: MoEConfig, acts: Activations, local: bool,
-                         modules: tuple[str, ...]) -> float:
+                         modules: tuple[str, ...], dispatcher: str = "dedup") -> float:
     """Bytes per token a MoE layer keeps less with fp8 storage than without: each tensor
     of :func:`fp8_saved_tensors` at 1 byte per element plus one fp32 scale per tile of
     128 channels, instead of its own dtype."""
     if acts.storage != "fp8" or acts.experts_impl == "cpu_fused":
         return 0.0
     return sum(rows * (channels * nbytes - channels - 4 * math.ceil(channels / FP8_TILE))
-               for rows, channels, nbytes in fp8_saved_tensors(model, moe, acts, local, modules))
+               for rows, channels, nbytes in fp8_saved_tensors(model, moe, acts, local, modules,
+                                                               dispatcher))
 
 
 def _autocast_weight_copies(cfg: RunConfig, lay: Layout) -> tuple[dict[int, int], int]:
@@ -540,13 +546,13 @@ def _activation_parts(cfg: RunConfig, lay: Layout, acts: Activations
         c, f, i = parts
         return T * (c * cb + f * 4 + i * 8)
 
-    local = lay.ep == 1
+    local, disp = lay.ep == 1, cfg.parallel.dispatcher
     blocks = []
     for i in range(model.num_layers):
         full = nbytes(_dense_saved_per_token(model, moe, model.is_moe_layer(i), acts.experts_impl,
                                              local))
         if model.is_moe_layer(i):
-            full -= T * fp8_saving_per_token(model, moe, acts, local, ())
+            full -= T * fp8_saving_per_token(model, moe, acts, local, (), disp)
         if autocast:
             full += (T * _autocast_copies_per_token(model, moe, model.is_moe_layer(i))
                      + copies.get(i, 0)) * cb
@@ -564,8 +570,8 @@ def _activation_parts(cfg: RunConfig, lay: Layout, acts: Activations
     elif acts.recompute_modules:
         mods = acts.recompute_modules
         # fp8 storage holds fewer tensors when moe_act drops some: give back the difference
-        fp8 = T * (fp8_saving_per_token(model, moe, acts, local, ())
-                   - fp8_saving_per_token(model, moe, acts, local, mods))
+        fp8 = T * (fp8_saving_per_token(model, moe, acts, local, (), disp)
+                   - fp8_saving_per_token(model, moe, acts, local, mods, disp))
         # the norms keep their inputs in the residual stream's dtype
         norms = T * 2 * model.dim * (rb - cb) if "norm" in mods else 0
         kept = [b - nbytes(recompute_dropped_per_token(model, moe, model.is_moe_layer(i), acts))
