@@ -365,6 +365,30 @@ def _stage_kept_bytes(t, cfg) -> int:
     return sorted(samples)[1]
 
 
+# Under expert parallelism (2 ranks, dedup) the combine keeps the expert output rows in the
+# compute dtype (the local path keeps an fp32 copy), and fp8 storage holds them too: the
+# two ranks' kept bytes together (their rows add up to every token's K) are the estimate's.
+EP_CASES = {"ep=2 bf16": ([], "compute"), "ep=2 bf16 fp8, moe_act": (["moe_act"], "fp8")}
+
+
+def _ep_kept_bytes(rank, modules: list[str], storage: str) -> tuple[int, float]:
+    import epscale
+
+    cfg = load_config(None, MEASURE + ["moe.num_shared_experts=1", "moe.experts_impl=grouped_mm"])
+    torch.manual_seed(0)
+    net = build_model(cfg)
+    epscale.parallelize(net, epscale.ParallelDims(dp=1, ep=2), dispatcher="dedup")
+    for p in net.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    B, S = cfg.train.micro_batch_size, cfg.model.seq_len
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randint(0, 256, (B, S), generator=g), torch.randint(0, 256, (B, S), generator=g)
+    kept = _bf16_kept(net, x, y, modules, storage)
+    lay = Layout.from_config(cfg, 2, ep=2, fsdp=True)
+    acts = Activations("none", "bfloat16", "grouped_mm", tuple(modules), storage)
+    return kept, estimate(cfg, lay, acts).activations
+
+
 def _pipeline_worker(rank, world, corpus, tmp):
     import contextlib
     import os
@@ -391,6 +415,9 @@ def _pipeline_worker(rank, world, corpus, tmp):
                          "recv_estimate": mine.memory.p2p_buffers,
                          "stage": None if cfg.parallel.fsdp else _stage_kept_bytes(t, cfg),
                          "stage_estimate": mine.stage_activations[0]}
+    for name, (modules, storage) in EP_CASES.items():
+        with runner.case(name):
+            out[name] = _ep_kept_bytes(rank, modules, storage)
     return runner.failures, out
 
 
@@ -401,6 +428,9 @@ def test_pipeline_receive_buffers_and_stage_sets_are_measured(tmp_path):
     results = run_distributed(_pipeline_worker, 2, args=(str(corpus(tmp_path)), str(tmp_path)),
                               timeout_s=600)
     assert_no_failures([f for f, _ in results])
+    for name in EP_CASES:
+        (k0, est), (k1, _) = (r[1].pop(name) for r in results)
+        assert 2 * est == pytest.approx(k0 + k1, rel=0.05), (name, k0, k1, est)
     for rank, (_, got) in enumerate(results):
         for name, m in got.items():
             assert m["recv"] == m["recv_estimate"], (rank, name, m)

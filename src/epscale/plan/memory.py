@@ -35,7 +35,11 @@ Held for the whole step (what ``benchmarks/memory.py`` measures):
   (:func:`recompute_dropped_per_token`; ``recompute`` then counts a block's whole drop,
   an upper bound: its regions are rebuilt one after another). What a forward keeps is
   ``activations``; ``recompute`` is the rest of one block's set, rebuilt during its
-  backward (the largest block's; 0 without recomputation).
+  backward (the largest block's; 0 without recomputation). The expert output rows kept
+  for the gate gradient are fp32 on the local path (it weights them in fp32) and in the
+  compute dtype under expert parallelism (the combine's). ``train.activation_storage:
+  fp8`` keeps the routed experts' saved rows (:func:`fp8_saved_tensors`) at 1 byte per
+  element plus an fp32 scale per 1 x 128 tile (:mod:`epscale.moe.saved_fp8`).
 
 ZeRO levels under FSDP (``parallel.zero``, :func:`zero_state_bytes`; measured exactly by
 tests/test_zero.py). Level 3 without a pipeline is the above. Levels 1 and 2 keep every
@@ -64,7 +68,8 @@ where it has them), plus the stage output the schedule keeps until that micro-ba
 backward (T x D in the residual stream's dtype: the compute dtype under FSDP, fp32 under
 autocast; fp32 logits T x V on the last stage); a stage that
 receives its input keeps no copy of it under full recomputation (the block's saved input
-is the receive buffer). The rank keeps several micro-batches' sets at once: the peak of
+is the receive buffer; nor does it with the norms recomputed, which keep their input as
+it is). The rank keeps several micro-batches' sets at once: the peak of
 its schedule's order (:func:`epscale.plan.pipeline.schedule_actions`, torch's own order),
 a forward holding its set until the backward of that micro-batch and stage; a backward
 split in two (the zero-bubble schedules) frees it at its weight half (assumed: the input
