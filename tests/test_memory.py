@@ -302,6 +302,38 @@ def test_fp8_storage_keeps_what_the_estimate_says():
     assert kept[(("norm", "moe_act"), "fp8")] < kept[fp8] < 0.85 * kept[none]
 
 
+def test_deepseek_v3_at_its_layout_counts_dualpipev_sets_buffers_and_fp8():
+    """DeepSeek-V3 at its layout (PP16 DualPipeV, FSDP 128 at ZeRO-1 with EP64, bf16): a
+    middle rank holds 2 p + 1 = 33 stage sets (DualPipeV's PP + 1 at 32 stages, DeepSeek's
+    own figure) and torch's receive buffers for all 64 micro-batches of both its stages'
+    inputs and output gradients; fp8 storage takes from a stage of two MoE layers exactly
+    twice the per-token saving of its rows. DeepSeek's light recomputation keeps more here
+    than selective recomputation, and less with fp8 storage; the recipe itself (full
+    recomputation) fits 80 GiB."""
+    from epscale.config import load_recipe
+    from epscale.plan.memory import fp8_saving_per_token, pipeline_memory
+
+    cfg = load_recipe("deepseek-v3")
+    lay = Layout.from_config(cfg)
+    T, D = cfg.model.seq_len, cfg.model.dim
+    light = ("norm", "mla_up_proj", "moe_act")
+    acts = {name: Activations(ac, "bfloat16", "grouped_mm", mods, storage)
+            for name, (ac, mods, storage) in {"light": ("none", light, "compute"),
+                                              "fp8": ("none", light, "fp8"),
+                                              "selective": ("selective", (), "compute")}.items()}
+    ranks = {name: pipeline_memory(cfg, lay, a) for name, a in acts.items()}
+    r3 = ranks["light"][3]
+    assert r3.stages == (3, 28) and r3.in_flight == 33
+    assert r3.memory.p2p_buffers == 4 * 64 * T * D * 2
+    saving = fp8_saving_per_token(cfg.model, cfg.moe, acts["fp8"], False, light, "hierarchical")
+    assert saving > 0
+    assert r3.stage_activations[0] - ranks["fp8"][3].stage_activations[0] == 2 * T * saving
+    peak = {name: max(r.memory.total for r in rs) for name, rs in ranks.items()}
+    assert peak["fp8"] < peak["selective"] < peak["light"]
+    assert estimate(cfg, lay).total <= 80 * 2 ** 30
+    assert cfg.train.activation_checkpointing == "full"
+
+
 # A pipeline's memory, measured in the trainer at pp=2 (two gloo ranks, one stage each):
 # torch's receive buffers, exactly, and the set one micro-batch keeps on each stage
 # (within 10%), for fp32, bf16 autocast (fp32 stage outputs and receive buffers) and bf16
