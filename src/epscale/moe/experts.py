@@ -320,8 +320,21 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False) if activation == "swiglu" else None
+        # the fp8 store of its hidden activations (train.activation_storage: fp8; set by
+        # epscale.parallel.activation); its input is the caller's
+        self.fp8_storage: Fp8Storage | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mark = self.fp8_storage.mark if self.fp8_storage is not None else _no_mark
         h = self.w1(x)
-        h = F.silu(h) * self.w3(x) if self.w3 is not None else F.gelu(h)
+        mark(h)
+        if self.w3 is None:
+            h = F.gelu(h)
+        else:
+            a = F.silu(h)
+            mark(a)
+            u = self.w3(x)
+            mark(u)
+            h = a * u
+        mark(h)
         return self.w2(h)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -89,13 +89,17 @@ def dequantize(q_NC: torch.Tensor, scale_Nb: torch.Tensor, dtype: torch.dtype) -
 
 
 def _key(t: torch.Tensor) -> tuple:
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
-            tuple(t.stride()), t.dtype)
+    """The same key for a contiguous tensor and its contiguous reshapes (``linear`` saves
+    its 3-d input flattened to rows)."""
+    if t.is_contiguous():
+        return (t.data_ptr(), t.numel(), t.dtype)
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
 class Fp8Storage:
     """The fp8 store of one module's forward: tensors :meth:`mark` ed inside
-    :meth:`region` are saved for backward as fp8 copies. A marked tensor is held until the
+    :meth:`region` are saved for backward as fp8 copies (one copy for a tensor and its
+    contiguous reshapes, each restored in its own shape). A marked tensor is held until the
     region ends (so no other tensor takes its address meanwhile, and each is quantized
     once), then only its copy stays, with the autograd graph."""
 
@@ -140,7 +144,7 @@ class Fp8Storage:
         copy = self._copies.get(key)
         if copy is None:
             copy = self._copies[key] = quantize(t)
-        return copy
+        return copy if copy.shape == tuple(t.shape) else replace(copy, shape=tuple(t.shape))
 
     @staticmethod
     def _unpack(saved):

@@ -238,9 +238,12 @@ def _set_attention(attn: torch.nn.Module, core: bool, up_proj: bool) -> None:
 
 
 def apply_activation_storage(model: torch.nn.Module, storage: str) -> None:
-    """Store the routed experts' saved rows as ``storage`` says (``train.activation_storage``:
+    """Store the FFNs' saved activations as ``storage`` says (``train.activation_storage``:
     'compute' as computed, 'fp8' in fp8 with 1 x 128 tile scales): each MoE layer's
-    forward runs inside its experts' fp8 store (applying again replaces, never stacks)."""
+    forward runs inside one fp8 store holding its routed experts' rows and its shared
+    experts' hidden activations, each dense FFN's inside its own (after
+    :func:`apply_activation_checkpointing`, whose recomputed parts keep their own sets;
+    applying again replaces, never stacks)."""
     if storage not in STORAGE:
         raise ValueError(f"train.activation_storage = {storage!r}; allowed: {', '.join(STORAGE)}")
     if storage == "fp8" and FP8_DTYPE is None:
@@ -248,15 +251,25 @@ def apply_activation_storage(model: torch.nn.Module, storage: str) -> None:
                          f"this torch ({torch.__version__}) lacks: set train.activation_storage:"
                          " compute")
     for moe in moe_layers(model):
-        plain = moe.__dict__.pop("_unstored_forward", None)
-        if plain is not None:
-            moe.forward = plain
-        moe.experts.fp8_storage = None
-        if storage == "fp8":
-            store = Fp8Storage()
-            moe.experts.fp8_storage = store
-            moe._unstored_forward = moe.forward
-            moe.forward = partial(_stored_forward, store, moe.forward)
+        parts = [moe.experts] + ([moe.shared_experts] if moe.shared_experts is not None else [])
+        _set_storage(moe, parts, storage == "fp8")
+    for block in transformer_blocks(model):
+        if not getattr(block, "is_moe", False):
+            _set_storage(block.ffn, [block.ffn], storage == "fp8")
+
+
+def _set_storage(module: torch.nn.Module, parts: list[torch.nn.Module], fp8: bool) -> None:
+    """``module.forward`` run inside a new fp8 store that ``parts`` mark into (``fp8``), or
+    as it was."""
+    plain = module.__dict__.pop("_unstored_forward", None)
+    if plain is not None:
+        module.forward = plain
+    store = Fp8Storage() if fp8 else None
+    for part in parts:
+        part.fp8_storage = store
+    if store is not None:
+        module._unstored_forward = module.forward
+        module.forward = partial(_stored_forward, store, module.forward)
 
 
 def _stored_forward(store: Fp8Storage, forward: Callable, *args, **kwargs):

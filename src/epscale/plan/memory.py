@@ -38,7 +38,8 @@ Held for the whole step (what ``benchmarks/memory.py`` measures):
   backward (the largest block's; 0 without recomputation). The expert output rows kept
   for the gate gradient are fp32 on the local path (it weights them in fp32) and in the
   compute dtype under expert parallelism (the combine's). ``train.activation_storage:
-  fp8`` keeps the routed experts' saved rows (:func:`fp8_saved_tensors`) at 1 byte per
+  fp8`` keeps the routed experts' saved rows (:func:`fp8_saved_tensors`) and the dense
+  FFNs' and shared experts' hidden activations (:func:`fp8_ffn_tensors`) at 1 byte per
   element plus an fp32 scale per 1 x 128 tile (:mod:`epscale.moe.saved_fp8`).
 
 ZeRO levels under FSDP (``parallel.zero``, :func:`zero_state_bytes`; measured exactly by
@@ -504,16 +505,31 @@ def fp8_saved_tensors(model: ModelConfig, moe: MoEConfig, acts: Activations, loc
     return out
 
 
+def fp8_ffn_tensors(width: int, moe: MoEConfig, acts: Activations) -> list[tuple[int, int, int]]:
+    """The same for a dense FFN of ``width`` (the dense layers', the shared experts'): its
+    hidden activations (h1, silu(h1), h3 and the down projection's input; GELU: h1 and its
+    output), one row each per token; its input is its caller's."""
+    return [(4 if moe.activation == "swiglu" else 2, width, DTYPE_BYTES[acts.compute_dtype])]
+
+
 def fp8_saving_per_token(model: ModelConfig, moe: MoEConfig, acts: Activations, local: bool,
-                         modules: tuple[str, ...], dispatcher: str = "dedup") -> float:
-    """Bytes per token a MoE layer keeps less with fp8 storage than without: each tensor
-    of :func:`fp8_saved_tensors` at 1 byte per element plus one fp32 scale per tile of
-    128 channels, instead of its own dtype."""
+                         modules: tuple[str, ...], dispatcher: str = "dedup",
+                         moe_layer: bool = True) -> float:
+    """Bytes per token a layer keeps less with fp8 storage than without, ``modules``
+    recomputed: each tensor of :func:`fp8_saved_tensors` (a MoE layer's routed experts)
+    and :func:`fp8_ffn_tensors` (its shared experts unless ``shared_experts`` is
+    recomputed; a dense layer's FFN unless ``mlp`` is) at 1 byte per element plus one fp32
+    scale per tile of 128 channels, instead of its own dtype."""
     if acts.storage != "fp8" or acts.experts_impl == "cpu_fused":
         return 0.0
+    if not moe_layer:
+        tensors = fp8_ffn_tensors(model.dense_hidden_dim, moe, acts) if "mlp" not in modules else []
+    else:
+        tensors = fp8_saved_tensors(model, moe, acts, local, modules, dispatcher)
+        if moe.num_shared_experts and "shared_experts" not in modules:
+            tensors += fp8_ffn_tensors(moe.shared_width, moe, acts)
     return sum(rows * (channels * nbytes - channels - 4 * math.ceil(channels / FP8_TILE))
-               for rows, channels, nbytes in fp8_saved_tensors(model, moe, acts, local, modules,
-                                                               dispatcher))
+               for rows, channels, nbytes in tensors)
 
 
 def _autocast_weight_copies(cfg: RunConfig, lay: Layout) -> tuple[dict[int, int], int]:
@@ -556,8 +572,7 @@ def _activation_parts(cfg: RunConfig, lay: Layout, acts: Activations
     for i in range(model.num_layers):
         full = nbytes(_dense_saved_per_token(model, moe, model.is_moe_layer(i), acts.experts_impl,
                                              local))
-        if model.is_moe_layer(i):
-            full -= T * fp8_saving_per_token(model, moe, acts, local, (), disp)
+        full -= T * fp8_saving_per_token(model, moe, acts, local, (), disp, model.is_moe_layer(i))
         if autocast:
             full += (T * _autocast_copies_per_token(model, moe, model.is_moe_layer(i))
                      + copies.get(i, 0)) * cb
@@ -574,13 +589,16 @@ def _activation_parts(cfg: RunConfig, lay: Layout, acts: Activations
                 + T * model.dim * (rb - cb) for i in range(model.num_layers)]
     elif acts.recompute_modules:
         mods = acts.recompute_modules
-        # fp8 storage holds fewer tensors when moe_act drops some: give back the difference
-        fp8 = T * (fp8_saving_per_token(model, moe, acts, local, (), disp)
-                   - fp8_saving_per_token(model, moe, acts, local, mods, disp))
+
+        def fp8(moe_layer: bool) -> float:
+            """fp8 storage holds fewer tensors where a recomputed part drops some: what
+            the dropped ones weighed in fp8 beyond their computed dtype's share."""
+            return T * (fp8_saving_per_token(model, moe, acts, local, (), disp, moe_layer)
+                        - fp8_saving_per_token(model, moe, acts, local, mods, disp, moe_layer))
         # the norms keep their inputs in the residual stream's dtype
         norms = T * 2 * model.dim * (rb - cb) if "norm" in mods else 0
         kept = [b - nbytes(recompute_dropped_per_token(model, moe, model.is_moe_layer(i), acts))
-                + (fp8 if model.is_moe_layer(i) else 0) + norms for i, b in enumerate(blocks)]
+                + fp8(model.is_moe_layer(i)) + norms for i, b in enumerate(blocks)]
     else:
         kept = blocks
     return embed, blocks, kept, head
