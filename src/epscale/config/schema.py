@@ -636,12 +636,13 @@ class TrainConfig:
     # keeps): norm, router, shared_experts, mlp, moe_act, attention_core, mla_up_proj.
     # Not with activation_checkpointing full/selective (those recompute whole blocks).
     recompute_modules: list[str] = field(default_factory=list)
-    # How the routed experts' saved activations are stored for backward: 'compute' (in the
-    # compute dtype) or 'fp8' (float8_e4m3fn with one fp32 scale per 1 x 128 tile, as
-    # DeepSeek-V3 caches them): the rows the expert GEMMs read, the SwiGLU inputs (and,
-    # without moe_act, its intermediates) and the expert outputs the combine keeps for
-    # the gate gradient; restored in backward (epscale.moe.saved_fp8). Gradients change
-    # slightly. Needs activation_checkpointing: none and the grouped-GEMM experts.
+    # How the FFNs' saved activations are stored for backward: 'compute' (in the compute
+    # dtype) or 'fp8' (float8_e4m3fn with one fp32 scale per 1 x 128 tile, as DeepSeek-V3
+    # caches them): the rows the routed expert GEMMs read, their SwiGLU inputs (and,
+    # without moe_act, its intermediates), the expert outputs the combine keeps for the
+    # gate gradient, the dense FFNs' and shared experts' hidden activations; restored in
+    # backward (epscale.moe.saved_fp8). Gradients change slightly. Needs
+    # activation_checkpointing: none and the grouped-GEMM experts.
     activation_storage: str = "compute"
     # torch.compile each transformer block (epscale.parallel.compile): one graph per block
     # (fullgraph) for dense blocks and the local dropless MoE path in bf16; with expert

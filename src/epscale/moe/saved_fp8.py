@@ -2,10 +2,12 @@
 
 DeepSeek-V3 (arXiv 2412.19437, section 3.3) caches the activations its Linear backward
 reads in FP8 with one scale per 1 x 128 tile of channels, and the SwiGLU inputs of the MoE
-the same way. Here the routed experts mark what they want stored so (the rows the expert
-GEMMs read, the SwiGLU inputs and intermediates, the expert outputs the combine keeps for
-the gate gradient: :class:`epscale.moe.experts.GroupedExperts`); while a MoE layer's
-forward runs inside :meth:`Fp8Storage.region`, torch's saved-tensor hooks
+the same way. Here the FFNs mark what they want stored so (the routed experts: the rows
+the expert GEMMs read, the SwiGLU inputs and intermediates, the expert outputs the combine
+keeps for the gate gradient, :class:`epscale.moe.experts.GroupedExperts`; the dense FFNs
+and shared experts: their hidden activations, :class:`epscale.moe.experts.FeedForward`);
+while a MoE layer's (a dense FFN's) forward runs inside :meth:`Fp8Storage.region`, torch's
+saved-tensor hooks
 (``torch.autograd.graph.saved_tensors_hooks``) replace each marked tensor autograd saves
 by its fp8 copy, made once however many operations save it, and restore it in the
 original dtype when backward reads it. Unmarked tensors are saved as they are.
