@@ -80,3 +80,32 @@ def test_fp8_storage_is_validated_by_key(tmp_path):
     cfg = tiny_cfg(tmp_path, **{"train.activation_storage": "fp8",
                                 "train.recompute_modules": "[moe_act]"})
     assert cfg.train.activation_storage == "fp8"
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_moe_act_keeps_the_gradients_on_the_loop_path(activation):
+    """moe_act (the activation recomputed from its kept inputs) on the per-expert loop
+    (moe.use_grouped_mm: never; the grouped-GEMM path is tests/test_memory.py's): the
+    gradients are those without recomputation, bit for bit."""
+    from epscale.config import load_config
+    from epscale.model import build_model
+    from epscale.parallel.activation import apply_activation_checkpointing
+
+    cfg = load_config(None, ["model.dim=32", "model.num_layers=2", "model.num_heads=2",
+                             "model.seq_len=16", "model.vocab_size=64", "moe.hidden_dim=24",
+                             "moe.num_experts=4", "moe.top_k=2", "moe.experts_impl=grouped_mm",
+                             "moe.use_grouped_mm=never", f"moe.activation={activation}"])
+    torch.manual_seed(0)
+    net = build_model(cfg)
+    assert net.moe_layers() and not any(m.experts.use_grouped_mm for m in net.moe_layers())
+    g = torch.Generator().manual_seed(1)
+    x, y = (torch.randint(0, 64, (2, 16), generator=g) for _ in range(2))
+    grads = []
+    for mods in ([], ["moe_act"]):
+        apply_activation_checkpointing(net, "none", mods)
+        (net.loss(x, y) + net.aux_loss()).backward()
+        grads.append({n: p.grad.clone() for n, p in net.named_parameters()})
+        net.zero_grad(set_to_none=True)
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[0]:
+        assert torch.equal(grads[0][n], grads[1][n]), n
