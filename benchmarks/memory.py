@@ -13,6 +13,7 @@ side by side in one run, on this machine's CPU.
 3. At scale (estimate only): the 1T recipe replicated and sharded.
 
     python benchmarks/memory.py [--nproc 4] [--json out.json] [--rules fp32,autocast,fsdp]
+    python benchmarks/memory.py --part activations --storage fp8   # fp8 storage rows only
     python benchmarks/memory.py --device cuda     # part 1 in bf16 on one GPU
 """
 
@@ -56,17 +57,19 @@ RULES = {"fp32": "fp32", "autocast": "bf16 autocast", "fsdp": "bf16 FSDP (params
 
 
 def measure_activations(over: list[str], impl: str, ac: str, device: str = "cpu",
-                        rule: str = "fp32", modules: tuple[str, ...] = ()) -> tuple[int, float]:
+                        rule: str = "fp32", modules: tuple[str, ...] = (),
+                        storage: str = "compute") -> tuple[int, float]:
     """(bytes the forward leaves for backward, the estimate) under ``rule`` (a key of
     RULES). CPU: the profiler's record; CUDA: ``torch.cuda.memory_allocated`` before and
-    after. ``modules``: train.recompute_modules (with ``ac`` 'none')."""
+    after. ``modules``: train.recompute_modules (with ``ac`` 'none'); ``storage``:
+    train.activation_storage."""
     import torch
 
     from epscale.config import load_config
     from epscale.metrics.held import forward_kept_bytes
     from epscale.model import build_model
     from epscale.moe.layer import moe_layers
-    from epscale.parallel.activation import apply_activation_checkpointing
+    from epscale.parallel.activation import apply_activation_checkpointing, apply_activation_storage
     from epscale.plan.layout import Layout
     from epscale.plan.memory import Activations, estimate
 
@@ -77,6 +80,7 @@ def measure_activations(over: list[str], impl: str, ac: str, device: str = "cpu"
         for p in net.parameters():
             p.data = p.data.to(torch.bfloat16)
     apply_activation_checkpointing(net, ac, modules)
+    apply_activation_storage(net, storage)
     for moe in moe_layers(net):
         moe.drop_kept_buffers()
     B, S, V = cfg.train.micro_batch_size, cfg.model.seq_len, cfg.model.vocab_size
@@ -100,7 +104,7 @@ def measure_activations(over: list[str], impl: str, ac: str, device: str = "cpu"
     else:
         kept, loss = forward_kept_bytes(forward)
     loss.backward()
-    acts = Activations(ac, "float32" if rule == "fp32" else "bfloat16", impl, modules)
+    acts = Activations(ac, "float32" if rule == "fp32" else "bfloat16", impl, modules, storage)
     lay = Layout.from_config(cfg, 1, ep=1, fsdp=rule == "fsdp")
     return kept, estimate(cfg, lay, acts).activations
 
@@ -144,6 +148,8 @@ def main() -> int:
                     help="the models of part 1 (default: all)")
     ap.add_argument("--part", choices=("all", "activations", "state"), default="all",
                     help="run one part only (default: all three)")
+    ap.add_argument("--storage", choices=("all", "compute", "fp8"), default="all",
+                    help="part 1's rows by train.activation_storage (default: both)")
     ap.add_argument("--rules", default="fp32,autocast,fsdp",
                     help="dtype rules of part 1, comma-separated: " + ", ".join(RULES))
     args = ap.parse_args()
@@ -164,26 +170,33 @@ def main() -> int:
     rules = args.rules.split(",")
     t = Table(title=f"Saved activations of one micro-batch (2 x 256 tokens, on "
                     f"{args.device}): measured vs estimate")
-    for col in ("model", "experts", "dtype rule", "recompute", "measured", "estimate",
+    for col in ("model", "experts", "dtype rule", "recompute", "storage", "measured", "estimate",
                 "estimate / measured"):
         t.add_column(col, justify="right" if col.startswith(("measured", "estimate")) else "left")
     impls = ("grouped_mm",) if cuda else ("cpu_fused", "grouped_mm")
     models = args.models if args.part in ("all", "activations") else []
-    runs = [(m, impl, rule, ac, ()) for m in models for impl in impls for rule in rules
-            for ac in ("none", "selective", "full")]
+    runs = [(m, impl, rule, ac, (), "compute") for m in models for impl in impls
+            for rule in rules for ac in ("none", "selective", "full")]
     for m in models:  # light recomputation, fp32
         mods = [x for x in MODULES if x != "mla_up_proj" or "mla" in m]
-        runs += [(m, impl, "fp32", "none", tuple(c)) for impl in impls
+        runs += [(m, impl, "fp32", "none", tuple(c), "compute") for impl in impls
                  for c in [[x] for x in mods] + [mods]]
+    # fp8 storage of the routed experts' saved rows (grouped GEMMs), alone and with the
+    # norms and the experts' activation recomputed
+    runs += [(m, "grouped_mm", rule, "none", mods, "fp8") for m in models for rule in rules
+             for mods in ((), ("norm", "moe_act"))]
+    runs = [r for r in runs if args.storage in ("all", r[-1])]
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("activations", total=len(runs))
-        for m, impl, rule, ac, mods in runs:
-            kept, est = measure_activations(MODELS[m], impl, ac, args.device, rule, mods)
+        for m, impl, rule, ac, mods, storage in runs:
+            kept, est = measure_activations(MODELS[m], impl, ac, args.device, rule, mods,
+                                            storage)
             label = ("modules " + ",".join(mods) if len(mods) < 3 else "all modules") if mods else ac
-            t.add_row(m, impl, RULES[rule], label, f"{kept / 2 ** 20:.2f} MiB",
+            t.add_row(m, impl, RULES[rule], label, storage, f"{kept / 2 ** 20:.2f} MiB",
                       f"{est / 2 ** 20:.2f} MiB", f"{est / kept:.3f}")
             figures["activations"].append({"model": m, "experts_impl": impl, "rule": rule,
                                            "ac": ac, "recompute_modules": list(mods),
+                                           "activation_storage": storage,
                                            "measured": kept, "estimate": est})
             bar.advance(task)
     if runs:

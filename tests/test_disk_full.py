@@ -21,7 +21,7 @@ from test_run_faults import IS_ROOT, _mount_tmpfs, _short
 
 def _fill(path) -> None:
     """Write ``path`` until the file system is full (real ENOSPC)."""
-    with open(path, "wb", buffering=0) as f:
+    with open(path, "ab", buffering=0) as f:
         for chunk in (1 << 20, 1 << 12, 1):
             try:
                 while True:
@@ -44,7 +44,9 @@ def test_a_full_disk_under_background_saves_and_the_metrics_writer(tmp_path, mon
 
         def heartbeat_then_fill_or_free(self):
             heartbeat(self)
-            if self.step == 3:
+            # topped up at every step while full: a background save that fails deletes
+            # its partial files, which would give the writers space again too early
+            if 3 <= self.step < 7:
                 _fill(filler)
             elif self.step == 7:
                 filler.unlink()

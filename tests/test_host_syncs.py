@@ -261,6 +261,22 @@ def test_light_recomputation_adds_no_sync(impl):
     _assert_same_grads(_LossOf(model), plain)
 
 
+def test_fp8_storage_adds_no_sync():
+    """train.activation_storage: fp8 (with moe_act): quantizing the saved rows and restoring
+    them reads nothing on the host, forward or backward."""
+    from epscale.parallel.activation import apply_activation_checkpointing, apply_activation_storage
+
+    tokens = torch.randint(0, 64, (2, 12))
+    plain = _LossOf(_model("none", experts_impl="grouped_mm"))
+    want_fwd, _ = count_step(plain, tokens, steps=2)
+    model = _model("none", experts_impl="grouped_mm")
+    apply_activation_checkpointing(model, "none", ["moe_act"])
+    apply_activation_storage(model, "fp8")
+    fwd, bwd = count_step(_LossOf(model), tokens, steps=2)
+    assert len(fwd) == len(want_fwd), (_names(fwd), _names(want_fwd))
+    assert bwd == [], _names(bwd)
+
+
 def _assert_same_grads(model, plain):
     """Recomputed with the first forward's host values, the gradients are those of the
     plain run: bit for bit on CPU (the same ops on the same values), within bf16 rounding

@@ -14,7 +14,7 @@ from epscale.config import ConfigError, ParallelConfig, RunConfig, load_config
 from epscale.metrics.held import forward_kept_bytes
 from epscale.model import Transformer, build_model
 from epscale.moe.layer import moe_layers
-from epscale.parallel.activation import apply_activation_checkpointing
+from epscale.parallel.activation import apply_activation_checkpointing, apply_activation_storage
 from epscale.plan.layout import Layout
 from epscale.plan.memory import Activations, estimate, local_numel, memory_per_rank, param_shapes
 from epscale.plan.sizing import model_size
@@ -262,6 +262,78 @@ def test_recompute_modules_keep_what_the_estimate_says(case):
         for n, grad in grads.items():
             assert torch.equal(grad, ref_grads[n]), (mods, n)
 
+def _bf16_kept(net, x, y, modules: list[str], storage: str) -> int:
+    """Bytes one forward of ``net`` (bf16 parameters: FSDP's rule) keeps after a warm-up step."""
+    apply_activation_checkpointing(net, "none", modules)
+    apply_activation_storage(net, storage)
+    for moe in moe_layers(net):
+        moe.drop_kept_buffers()
+    (net.loss(x, y) + net.aux_loss()).backward()
+    net.zero_grad(set_to_none=True)
+    kept, loss = forward_kept_bytes(lambda: net.loss(x, y) + net.aux_loss())
+    loss.backward()
+    return kept
+
+
+def test_fp8_storage_keeps_what_the_estimate_says():
+    """``train.activation_storage: fp8`` on the local path in bf16 (FSDP's rule): the bytes a
+    forward keeps are the estimate's within 5%, without and with moe_act and the norms
+    recomputed, and what fp8 saves against compute-dtype storage is the estimate's within
+    10% (the expert rows, the SwiGLU tensors and the fp32 output rows the local path weights,
+    at 1 byte plus a scale per tile, here of 64 channels)."""
+    cfg = load_config(None, MEASURE + ["moe.num_shared_experts=1", "moe.experts_impl=grouped_mm"])
+    torch.manual_seed(0)
+    net = build_model(cfg)
+    for p in net.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    B, S = cfg.train.micro_batch_size, cfg.model.seq_len
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, 256, (B, S), generator=g), torch.randint(0, 256, (B, S), generator=g)
+    lay = Layout.from_config(cfg, 1, ep=1, fsdp=True)
+    kept, est = {}, {}
+    for mods, storage in (([], "compute"), ([], "fp8"), (["norm", "moe_act"], "fp8")):
+        key = (tuple(mods), storage)
+        kept[key] = _bf16_kept(net, x, y, mods, storage)
+        est[key] = estimate(cfg, lay, Activations("none", "bfloat16", "grouped_mm", tuple(mods),
+                                                  storage)).activations
+        assert est[key] == pytest.approx(kept[key], rel=0.05), (key, kept[key], est[key])
+    none, fp8 = ((), "compute"), ((), "fp8")
+    assert est[none] - est[fp8] == pytest.approx(kept[none] - kept[fp8], rel=0.1)
+    assert kept[(("norm", "moe_act"), "fp8")] < kept[fp8] < 0.85 * kept[none]
+
+
+def test_deepseek_v3_at_its_layout_counts_dualpipev_sets_buffers_and_fp8():
+    """DeepSeek-V3 at its layout (PP16 DualPipeV, FSDP 128 at ZeRO-1 with EP64, bf16): a
+    middle rank holds 2 p + 1 = 33 stage sets (DualPipeV's PP + 1 at 32 stages, DeepSeek's
+    own figure) and torch's receive buffers for all 64 micro-batches of both its stages'
+    inputs and output gradients; fp8 storage takes from a stage of two MoE layers exactly
+    twice the per-token saving of its rows. DeepSeek's light recomputation keeps more here
+    than selective recomputation, and less with fp8 storage; the recipe itself (full
+    recomputation) fits 80 GiB."""
+    from epscale.config import load_recipe
+    from epscale.plan.memory import fp8_saving_per_token, pipeline_memory
+
+    cfg = load_recipe("deepseek-v3")
+    lay = Layout.from_config(cfg)
+    T, D = cfg.model.seq_len, cfg.model.dim
+    light = ("norm", "mla_up_proj", "moe_act")
+    acts = {name: Activations(ac, "bfloat16", "grouped_mm", mods, storage)
+            for name, (ac, mods, storage) in {"light": ("none", light, "compute"),
+                                              "fp8": ("none", light, "fp8"),
+                                              "selective": ("selective", (), "compute")}.items()}
+    ranks = {name: pipeline_memory(cfg, lay, a) for name, a in acts.items()}
+    r3 = ranks["light"][3]
+    assert r3.stages == (3, 28) and r3.in_flight == 33
+    assert r3.memory.p2p_buffers == 4 * 64 * T * D * 2
+    saving = fp8_saving_per_token(cfg.model, cfg.moe, acts["fp8"], False, light, "hierarchical")
+    assert saving > 0
+    assert r3.stage_activations[0] - ranks["fp8"][3].stage_activations[0] == 2 * T * saving
+    peak = {name: max(r.memory.total for r in rs) for name, rs in ranks.items()}
+    assert peak["fp8"] < peak["selective"] < peak["light"]
+    assert estimate(cfg, lay).total <= 80 * 2 ** 30
+    assert cfg.train.activation_checkpointing == "full"
+
+
 # A pipeline's memory, measured in the trainer at pp=2 (two gloo ranks, one stage each):
 # torch's receive buffers, exactly, and the set one micro-batch keeps on each stage
 # (within 10%), for fp32, bf16 autocast (fp32 stage outputs and receive buffers) and bf16
@@ -325,6 +397,30 @@ def _stage_kept_bytes(t, cfg) -> int:
     return sorted(samples)[1]
 
 
+# Under expert parallelism (2 ranks, dedup) the combine keeps the expert output rows in the
+# compute dtype (the local path keeps an fp32 copy), and fp8 storage holds them too: the
+# two ranks' kept bytes together (their rows add up to every token's K) are the estimate's.
+EP_CASES = {"ep=2 bf16": ([], "compute"), "ep=2 bf16 fp8, moe_act": (["moe_act"], "fp8")}
+
+
+def _ep_kept_bytes(rank, modules: list[str], storage: str) -> tuple[int, float]:
+    import epscale
+
+    cfg = load_config(None, MEASURE + ["moe.num_shared_experts=1", "moe.experts_impl=grouped_mm"])
+    torch.manual_seed(0)
+    net = build_model(cfg)
+    epscale.parallelize(net, epscale.ParallelDims(dp=1, ep=2), dispatcher="dedup")
+    for p in net.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    B, S = cfg.train.micro_batch_size, cfg.model.seq_len
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randint(0, 256, (B, S), generator=g), torch.randint(0, 256, (B, S), generator=g)
+    kept = _bf16_kept(net, x, y, modules, storage)
+    lay = Layout.from_config(cfg, 2, ep=2, fsdp=True)
+    acts = Activations("none", "bfloat16", "grouped_mm", tuple(modules), storage)
+    return kept, estimate(cfg, lay, acts).activations
+
+
 def _pipeline_worker(rank, world, corpus, tmp):
     import contextlib
     import os
@@ -351,6 +447,9 @@ def _pipeline_worker(rank, world, corpus, tmp):
                          "recv_estimate": mine.memory.p2p_buffers,
                          "stage": None if cfg.parallel.fsdp else _stage_kept_bytes(t, cfg),
                          "stage_estimate": mine.stage_activations[0]}
+    for name, (modules, storage) in EP_CASES.items():
+        with runner.case(name):
+            out[name] = _ep_kept_bytes(rank, modules, storage)
     return runner.failures, out
 
 
@@ -361,6 +460,9 @@ def test_pipeline_receive_buffers_and_stage_sets_are_measured(tmp_path):
     results = run_distributed(_pipeline_worker, 2, args=(str(corpus(tmp_path)), str(tmp_path)),
                               timeout_s=600)
     assert_no_failures([f for f, _ in results])
+    for name in EP_CASES:
+        (k0, est), (k1, _) = (r[1].pop(name) for r in results)
+        assert 2 * est == pytest.approx(k0 + k1, rel=0.05), (name, k0, k1, est)
     for rank, (_, got) in enumerate(results):
         for name, m in got.items():
             assert m["recv"] == m["recv_estimate"], (rank, name, m)

@@ -381,7 +381,7 @@ def test_pipeline_traffic_per_gpu_is_the_ranks_mean_whatever_the_overlap():
 def test_fit_tries_each_pipeline_once():
     """deepseek-v3 names dualpipev with pp_virtual_stages 1 (read as 2): --fit lists each
     (pp, schedule) once, and its own layout keeps the recipe's stage split."""
-    from epscale.plan.fit import candidates, pipelines
+    from epscale.plan.fit import candidates, pipelines, recompute_choices
 
     cfg = load_recipe("deepseek-v3")
     cl = ClusterSpec(nodes=256, gpus_per_node=8)
@@ -394,6 +394,12 @@ def test_fit_tries_each_pipeline_once():
     own = load_recipe("deepseek-v3", ["parallel.pp_layers_per_stage=[" + ",".join(map(str, split)) + "]"])
     keys = [(c.parallel.pp, c.parallel.pp_schedule, c.parallel.pp_virtual_stages,
              c.parallel.ep, c.parallel.fsdp, c.parallel.dp_replicate,
-             c.train.activation_checkpointing) for c in candidates(own, cl)]
+             c.train.activation_checkpointing, tuple(c.train.recompute_modules))
+            for c in candidates(own, cl)]
     assert len(keys) == len(set(keys))
+    # light recomputation (DeepSeek's modules) is tried, before whole-block recomputation
+    light = ("none", ("norm", "moe_act", "mla_up_proj"))
+    assert [(ac, tuple(m)) for ac, m in recompute_choices(own)] == [
+        ("none", ()), light, ("selective", ()), ("full", ())]
+    assert sum(k[-2:] == light for k in keys) == sum(k[-2:] == ("full", ()) for k in keys) > 0
     assert any(c.parallel.pp_layers_per_stage == split for c in candidates(own, cl))

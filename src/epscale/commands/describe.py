@@ -150,6 +150,7 @@ def describe(config: str, overrides: list[str] | None = None, *, overlap_from: s
                      "micro_batch_size": lay.micro_batch_size, "compute_dtype": acts.compute_dtype,
                      "optimizer_state_dtype": cfg.train.optimizer_state_dtype,
                      "recompute_modules": list(acts.recompute_modules),
+                     "activation_storage": acts.storage,
                      "description": lay.label(pipeline=True)}
     if lay.fsdp:
         out["layout"].update(dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, efsdp=lay.efsdp,
@@ -375,7 +376,9 @@ def run(args) -> int:
              if "pipeline" in info else "")
     m = Table(title=f"memory per rank{which}: {lay['world']} ranks, {lay['description']}{copies}; "
                     f"recompute {_recompute_label(lay)}, micro-batch "
-                    f"{lay['micro_batch_size']}, compute {lay['compute_dtype']}")
+                    f"{lay['micro_batch_size']}, compute {lay['compute_dtype']}"
+                    + (", saved activations in fp8" if lay.get("activation_storage") == "fp8"
+                       else ""))
     m.add_column("part")
     m.add_column("bytes", justify="right")
     m.add_row("parameters held", _fmt_count(mem["params_per_rank"]))

@@ -636,6 +636,14 @@ class TrainConfig:
     # keeps): norm, router, shared_experts, mlp, moe_act, attention_core, mla_up_proj.
     # Not with activation_checkpointing full/selective (those recompute whole blocks).
     recompute_modules: list[str] = field(default_factory=list)
+    # How the FFNs' saved activations are stored for backward: 'compute' (in the compute
+    # dtype) or 'fp8' (float8_e4m3fn with one fp32 scale per 1 x 128 tile, as DeepSeek-V3
+    # caches them): the rows the routed expert GEMMs read, their SwiGLU inputs (and,
+    # without moe_act, its intermediates), the expert outputs the combine keeps for the
+    # gate gradient, the dense FFNs' and shared experts' hidden activations; restored in
+    # backward (epscale.moe.saved_fp8). Gradients change slightly. Needs
+    # activation_checkpointing: none and the grouped-GEMM experts.
+    activation_storage: str = "compute"
     # torch.compile each transformer block (epscale.parallel.compile): one graph per block
     # (fullgraph) for dense blocks and the local dropless MoE path in bf16; with expert
     # parallelism, graph breaks at the split sizes' host read and the exchanges. The first
@@ -676,6 +684,23 @@ class TrainConfig:
         self._check_optimizer_state()
         self._check_recompute_modules()
         self._check_compile()
+        self._check_activation_storage()
+
+    def _check_activation_storage(self) -> None:
+        choice("train.activation_storage", self.activation_storage, ("compute", "fp8"))
+        if self.activation_storage == "compute":
+            return
+        if self.activation_checkpointing != "none":
+            fail("train.activation_storage", self.activation_storage, "cannot be combined "
+                 f"with train.activation_checkpointing = {self.activation_checkpointing!r} (a "
+                 "recomputed block keeps its own set, not the fp8 one): set "
+                 "train.activation_checkpointing: none (train.recompute_modules may name "
+                 "parts), or train.activation_storage: compute")
+        if self.compile:
+            fail("train.activation_storage", self.activation_storage, "cannot be combined "
+                 "with train.compile = true yet (the saved-tensor hooks are not traced "
+                 "through torch.compile and not tested with it): set train.compile: false or "
+                 "train.activation_storage: compute")
 
     def _check_compile(self) -> None:
         if not isinstance(self.compile, bool):
@@ -777,6 +802,11 @@ class RunConfig:
             fail("train.recompute_modules", self.train.recompute_modules,
                  f"'mla_up_proj' needs model.attention = 'mla' (it is "
                  f"{self.model.attention!r}); use 'attention_core' for this model")
+        if self.train.activation_storage == "fp8" and self.moe.experts_impl == "cpu_fused":
+            fail("train.activation_storage", "fp8", "needs the grouped-GEMM experts (the CPU "
+                 "kernel, moe.experts_impl = 'cpu_fused', keeps its rows in its own buffers): "
+                 "set moe.experts_impl: grouped_mm (or auto: fp8 storage runs it as "
+                 "grouped_mm) or train.activation_storage: compute")
         if self.scale == "full":  # a 'tiny' recipe is checked once it is shrunk
             self._check_pipeline()
 

@@ -27,7 +27,7 @@ from .base import EPDispatcher
 from .comm import Exchange, GroupInfo, exchange_counts
 from .host import host_ints
 from .layout import get_dispatch_layout, select_true
-from .rows import acc_dtype, chunk_bounds, expand_rows, reduce_rows, relative_expert_ids
+from .rows import acc_dtype, add_rows, chunk_bounds, expand_rows, reduce_rows, relative_expert_ids
 
 
 @dataclass(frozen=True)
@@ -117,10 +117,10 @@ class DedupDispatcher(EPDispatcher):
             float64 rows), acc + this part."""
             (ret_ND,) = back.done(ret) if async_op else (ret,)
             if acc_TD is not None:
-                return acc_TD.index_add(0, handle.tok_N, ret_ND.to(acc_TD.dtype))
+                return add_rows(acc_TD, handle.tok_N, ret_ND.to(acc_TD.dtype))
             y_TD = torch.zeros((handle.num_tokens, y_RD.shape[1]), dtype=acc_dtype(out_dtype),
                                device=y_RD.device)
-            return y_TD.index_add(0, handle.tok_N, ret_ND.to(y_TD.dtype)).to(out_dtype)
+            return add_rows(y_TD, handle.tok_N, ret_ND.to(y_TD.dtype)).to(out_dtype)
         return finish
 
     # ------------------------------------------------------------------ public API

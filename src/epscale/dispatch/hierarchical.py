@@ -30,7 +30,7 @@ from .base import EPDispatcher
 from .comm import Exchange, GroupInfo, exchange_counts
 from .host import host_ints
 from .layout import get_dispatch_layout, membership, select_true
-from .rows import acc_dtype, chunk_bounds, expand_rows, reduce_rows, relative_expert_ids
+from .rows import acc_dtype, add_rows, chunk_bounds, expand_rows, reduce_rows, relative_expert_ids
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ class HierarchicalDispatcher(EPDispatcher):
         (back_N2D,) = handle.intra.reversed()(red_M2D)
         red_M1D = torch.zeros((handle.num_forwarder_rows, D), dtype=acc_dtype(out_dtype),
                               device=y_RD.device)
-        red_M1D = red_M1D.index_add(0, handle.row_N2, back_N2D.to(red_M1D.dtype))
+        red_M1D = add_rows(red_M1D, handle.row_N2, back_N2D.to(red_M1D.dtype))
         back = handle.inter.reversed()
         back.async_op = async_op
         (ret,) = back(red_M1D.to(out_dtype))
@@ -160,8 +160,8 @@ class HierarchicalDispatcher(EPDispatcher):
         def finish(acc_TD: torch.Tensor | None = None) -> torch.Tensor:
             (ret_N1D,) = back.done(ret) if async_op else (ret,)
             if acc_TD is not None:
-                return acc_TD.index_add(0, handle.tok_N1, ret_N1D.to(acc_TD.dtype))
+                return add_rows(acc_TD, handle.tok_N1, ret_N1D.to(acc_TD.dtype))
             y_TD = torch.zeros((handle.num_tokens, D), dtype=acc_dtype(out_dtype),
                                device=y_RD.device)
-            return y_TD.index_add(0, handle.tok_N1, ret_N1D.to(y_TD.dtype)).to(out_dtype)
+            return add_rows(y_TD, handle.tok_N1, ret_N1D.to(y_TD.dtype)).to(out_dtype)
         return finish

@@ -98,6 +98,26 @@ class GatherRows(torch.autograd.Function):
         return sum_rows_by_owner(g_RD.contiguous(), order_R, ctx.M, ctx.K), None, None, None
 
 
+def add_rows(acc_MD: torch.Tensor, index_N: torch.Tensor, src_ND: torch.Tensor) -> torch.Tensor:
+    """acc_MD.index_add(0, index_N, src_ND) whose backward keeps only the index: autograd's
+    own index_add keeps ``src`` (its formula reads src's shape), an [N, D] copy per
+    combine hop held until backward (fp32 in the combines that accumulate in fp32)."""
+    return AddRows.apply(acc_MD, index_N, src_ND)
+
+
+class AddRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, acc_MD, index_N, src_ND):
+        ctx.save_for_backward(index_N)
+        return acc_MD.index_add(0, index_N, src_ND)
+
+    @staticmethod
+    def backward(ctx, g_MD):
+        (index_N,) = ctx.saved_tensors
+        g_src = g_MD.index_select(0, index_N) if ctx.needs_input_grad[2] else None
+        return (g_MD if ctx.needs_input_grad[0] else None), None, g_src
+
+
 def unpermute_weighted(y_RD: torch.Tensor, order_R: torch.Tensor,
                        topk_weight_TK: torch.Tensor, ws=None) -> torch.Tensor:
     """y_TD[t] = sum_k w[t, k] * y_RD[row of (t, k)]; missing (dropped) rows count as 0.

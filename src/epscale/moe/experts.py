@@ -28,6 +28,7 @@ from ..config import CpuKernelConfig
 from ..dispatch.host import host_ints
 from ..kernels.cpu import HAS_GROUPED_MM, CpuFusedExperts, Workspace, grouped_mm_fits
 from ..ops import host_shortcuts
+from .saved_fp8 import Fp8Storage
 
 _WARNED_SLOW: set[str] = set()   # the reasons warned about in this process
 
@@ -132,9 +133,12 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim)) if activation == "swiglu" else None
         self.reset_parameters()
-        # how the grouped path runs its activation and down projection: plainly, or
-        # recomputed in backward (set by epscale.parallel.activation: moe_act)
-        self.run_activation: Callable[..., torch.Tensor] = run_plainly
+        # whether the grouped path keeps only the activation's inputs and recomputes it in
+        # backward (set by epscale.parallel.activation: moe_act)
+        self.recompute_activation = False
+        # the fp8 store of the saved rows (train.activation_storage: fp8; set by
+        # epscale.parallel.activation with the region around the MoE layer's forward)
+        self.fp8_storage: Fp8Storage | None = None
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.w1, std=self.dim ** -0.5)
@@ -143,9 +147,11 @@ class GroupedExperts(nn.Module):
             nn.init.normal_(self.w3, std=self.dim ** -0.5)
 
     def impl_for(self, x: torch.Tensor) -> str:
-        """'cpu_fused' or 'grouped_mm': what runs a call on ``x``'s device."""
+        """'cpu_fused' or 'grouped_mm': what runs a call on ``x``'s device ('auto' with fp8
+        storage: grouped_mm, whose saved rows the store can hold)."""
         if self.impl == "auto":
-            return "cpu_fused" if host_shortcuts(x.device) else "grouped_mm"
+            cpu = host_shortcuts(x.device) and self.fp8_storage is None
+            return "cpu_fused" if cpu else "grouped_mm"
         return self.impl
 
     def row_buffers(self) -> Workspace | None:
@@ -203,7 +209,9 @@ class GroupedExperts(nn.Module):
         # rows -> experts -> each row weighted -> each token's rows summed, in fp32 with one
         # rounding (through pos_TK, a zero row for dropped assignments)
         y_RD = self._forward_grouped(x_TD.index_select(0, src_R), tokens_per_expert_e)
-        wy_RD = y_RD.float() * weight_R.float().unsqueeze(1)
+        y32_RD = y_RD.float()
+        self._mark(y32_RD)             # the product keeps it for the weights' gradient
+        wy_RD = y32_RD * weight_R.float().unsqueeze(1)
         if pos_TK is None:
             y_TD = wy_RD.new_zeros((x_TD.shape[0], wy_RD.shape[1])).index_add(0, src_R, wy_RD)
             return y_TD.to(x_TD.dtype)
@@ -229,27 +237,78 @@ class GroupedExperts(nn.Module):
                       if isinstance(tokens_per_expert_e, torch.Tensor)
                       else list(tokens_per_expert_e))  # one host sync per layer forward
             offs_e = None
+        self._mark(x_RD)
         h1_RF = _grouped_linear(x_RD, w1, offs_e, splits)
         h3_RF = _grouped_linear(x_RD, w3, offs_e, splits) if w3 is not None else None
-        return self.run_activation(_activation_down, h1_RF, h3_RF, w2, offs_e, splits)
+        self._mark(h1_RF, h3_RF)
+        if self.recompute_activation and torch.is_grad_enabled():
+            y_RD = _ActivationDown.apply(h1_RF, h3_RF, w2, offs_e, splits)
+        else:
+            y_RD = _grouped_linear(_activation(h1_RF, h3_RF, self._mark), w2, offs_e, splits)
+        self._mark(y_RD)               # the combine keeps it for the gate gradient
+        return y_RD
+
+    def _mark(self, *tensors: torch.Tensor | None) -> None:
+        if self.fp8_storage is not None:
+            self.fp8_storage.mark(*tensors)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, dim={self.dim}, hidden={self.hidden_dim}, "
                 f"act={self.activation}, impl={self.impl}, grouped_mm={self.use_grouped_mm}")
 
 
-def _activation_down(h1_RF: torch.Tensor, h3_RF: torch.Tensor | None, w2_eFD: torch.Tensor,
-                     offs_e: torch.Tensor | None, splits: list[int] | None) -> torch.Tensor:
-    """The experts' activation (silu(h1) * h3, or gelu(h1)) and down projection: one
-    region, so that ``train.recompute_modules: [moe_act]`` can recompute the first and
-    keep the second's output (:mod:`epscale.parallel.activation`)."""
-    h_RF = F.silu(h1_RF) * h3_RF if h3_RF is not None else F.gelu(h1_RF)
-    return _grouped_linear(h_RF, w2_eFD, offs_e, splits)
+def _no_mark(*tensors) -> None:
+    return None
 
 
-def run_plainly(fn, *args) -> torch.Tensor:
-    """``fn(*args)``: the experts' activation region without recomputation."""
-    return fn(*args)
+def _activation(h1_RF: torch.Tensor, h3_RF: torch.Tensor | None,
+                mark: Callable[..., None] = _no_mark) -> torch.Tensor:
+    """The experts' activation: silu(h1) * h3 (SwiGLU), or gelu(h1); ``mark`` is shown the
+    intermediates autograd saves (fp8 storage), each before the operation that saves it."""
+    if h3_RF is None:
+        h_RF = F.gelu(h1_RF)
+        mark(h_RF)
+        return h_RF
+    a_RF = F.silu(h1_RF)
+    mark(a_RF)                 # before the product saves it (the hooks pack at once)
+    h_RF = a_RF * h3_RF
+    mark(h_RF)
+    return h_RF
+
+
+class _ActivationDown(torch.autograd.Function):
+    """``moe_act``: the experts' activation and down projection, keeping only the
+    activation's inputs (h1, h3: what DeepSeek-V3 caches). Backward recomputes the
+    activation, takes the down projection's gradients as its own backward does (the same
+    grouped GEMMs; on the loop path its forward product runs again) and the activation's
+    through autograd: the gradients are those without recomputation, bit for bit."""
+
+    @staticmethod
+    def forward(ctx, h1_RF, h3_RF, w2_eFD, offs_e, splits):
+        ctx.splits = splits
+        ctx.save_for_backward(h1_RF, h3_RF, w2_eFD, offs_e)
+        return _grouped_linear(_activation(h1_RF, h3_RF), w2_eFD, offs_e, splits)
+
+    @staticmethod
+    def backward(ctx, grad_RD):
+        h1_RF, h3_RF, w2_eFD, offs_e = ctx.saved_tensors
+        need_w = ctx.needs_input_grad[2]
+        with torch.enable_grad():
+            h1 = h1_RF.detach().requires_grad_(True)
+            h3 = h3_RF.detach().requires_grad_(True) if h3_RF is not None else None
+            h_RF = _activation(h1, h3)
+            if offs_e is None:     # the loop: autograd over the recomputed products
+                w2 = w2_eFD.detach().requires_grad_(need_w)
+                y_RD = _grouped_linear(h_RF, w2, None, ctx.splits)
+                torch.autograd.backward(y_RD, grad_RD)
+                grad_w = w2.grad
+            else:                  # _GroupedMM's backward, on the recomputed activation
+                grad_RD = grad_RD.contiguous()
+                grad_h = F.grouped_mm(grad_RD, w2_eFD.transpose(1, 2), offs=offs_e)
+                grad_w = (F.grouped_mm(h_RF.detach().t(), grad_RD, offs=offs_e)
+                          if need_w else None)
+                torch.autograd.backward(h_RF, grad_h)
+        return h1.grad, (h3.grad if h3 is not None else None), grad_w, None, None
 
 
 class FeedForward(nn.Module):
@@ -261,8 +320,21 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False) if activation == "swiglu" else None
+        # the fp8 store of its hidden activations (train.activation_storage: fp8; set by
+        # epscale.parallel.activation); its input is the caller's
+        self.fp8_storage: Fp8Storage | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mark = self.fp8_storage.mark if self.fp8_storage is not None else _no_mark
         h = self.w1(x)
-        h = F.silu(h) * self.w3(x) if self.w3 is not None else F.gelu(h)
+        mark(h)
+        if self.w3 is None:
+            h = F.gelu(h)
+        else:
+            a = F.silu(h)
+            mark(a)
+            u = self.w3(x)
+            mark(u)
+            h = a * u
+        mark(h)
         return self.w2(h)

@@ -25,11 +25,12 @@ without recomputation.
 * ``shared_experts`` / ``mlp``: the shared experts' FFN / the dense layers' FFN, recomputed
   whole from their input.
 * ``moe_act``: the routed experts' activation (grouped-GEMM path): the activation and the
-  down projection run as one region that keeps the down projection's output, so backward
-  recomputes the activation only and the activation's output and the down projection's
-  input are not kept (what Megatron's output-discarding checkpoint saves). The CPU
-  kernel (``moe.experts_impl: cpu_fused``) keeps only its up projections' outputs
-  already: nothing more to drop there.
+  down projection run as one function that keeps the activation's inputs only, so
+  backward recomputes the activation and the activation's output and the down
+  projection's input are not kept (what Megatron's output-discarding checkpoint saves;
+  ``epscale.moe.experts._ActivationDown``). The CPU kernel (``moe.experts_impl:
+  cpu_fused``) keeps only its up projections' outputs already: nothing more to drop
+  there.
 * ``attention_core``: the attention (Megatron's ``core_attn``): the attention module
   keeps its input and its projections' outputs; the attention kernel and the element-wise
   work between the projections (RoPE, q/k norms) run again in backward.
@@ -38,9 +39,14 @@ without recomputation.
   kernel's output and its output projection's, not the per-head q, k, v.
 
 Norms, router, shared experts and dense FFN are plain non-reentrant checkpoints of their
-module; the other three are selective checkpoints (torch's
+module; the two attention ones are selective checkpoints (torch's
 ``create_selective_checkpoint_contexts``) of one region whose policy keeps the named
 products' outputs. None of them contains a dispatcher exchange or a host read.
+
+FP8 storage (``train.activation_storage: fp8``, :func:`apply_activation_storage`): each
+MoE layer's forward runs inside its experts' :class:`epscale.moe.saved_fp8.Fp8Storage`
+region, so the rows the experts mark are saved for backward in fp8 (the checkpointed
+parts inside the layer, router and shared experts, keep their own sets as above).
 """
 
 from __future__ import annotations
@@ -54,8 +60,10 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
 from ..dispatch.host import recompute_contexts
-from ..moe.experts import run_plainly
 from ..moe.layer import moe_layers
+from ..moe.saved_fp8 import FP8_DTYPE, Fp8Storage
+
+STORAGE = ("compute", "fp8")      # train.activation_storage
 
 MODES = ("none", "full", "selective")
 RECOMPUTE_MODULES = ("norm", "router", "shared_experts", "mlp", "moe_act", "attention_core",
@@ -156,8 +164,7 @@ def recompute_parts(block: torch.nn.Module, modules: set[str]) -> None:
         _set_forward(moe.router, "router" in modules)
         if moe.shared_experts is not None:
             _set_forward(moe.shared_experts, "shared_experts" in modules)
-        moe.experts.run_activation = (_run_act_kept_product if "moe_act" in modules
-                                      else run_plainly)
+        moe.experts.recompute_activation = "moe_act" in modules
     _set_attention(block.attention, "attention_core" in modules, "mla_up_proj" in modules)
 
 
@@ -189,18 +196,6 @@ def _keep_outputs(policy: Callable[..., bool]):
     def decide(ctx, op, *args, **kwargs) -> CheckpointPolicy:
         return CheckpointPolicy.MUST_SAVE if policy(op) else CheckpointPolicy.PREFER_RECOMPUTE
     return partial(create_selective_checkpoint_contexts, decide)
-
-
-def _run_act_kept_product(fn: Callable[..., torch.Tensor], *args) -> torch.Tensor:
-    """``moe_act``: the activation and the down projection in one region keeping the
-    projection's output (its grouped GEMM, or the loop's matrix products)."""
-    if not torch.is_grad_enabled():
-        return fn(*args)
-    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False,
-                      context_fn=_KEEP_PRODUCTS)
-
-
-_KEEP_PRODUCTS = _keep_outputs(lambda op: op in PRODUCTS)
 
 
 class _Inside:
@@ -240,3 +235,43 @@ def _set_attention(attn: torch.nn.Module, core: bool, up_proj: bool) -> None:
             return False
         return op in PRODUCTS or (op in ATTENTION_OPS and not core)
     _set_forward(attn, core or up_proj, _keep_outputs(keep))
+
+
+def apply_activation_storage(model: torch.nn.Module, storage: str) -> None:
+    """Store the FFNs' saved activations as ``storage`` says (``train.activation_storage``:
+    'compute' as computed, 'fp8' in fp8 with 1 x 128 tile scales): each MoE layer's
+    forward runs inside one fp8 store holding its routed experts' rows and its shared
+    experts' hidden activations, each dense FFN's inside its own (after
+    :func:`apply_activation_checkpointing`, whose recomputed parts keep their own sets;
+    applying again replaces, never stacks)."""
+    if storage not in STORAGE:
+        raise ValueError(f"train.activation_storage = {storage!r}; allowed: {', '.join(STORAGE)}")
+    if storage == "fp8" and FP8_DTYPE is None:
+        raise ValueError(f"train.activation_storage = 'fp8' needs torch.float8_e4m3fn, which "
+                         f"this torch ({torch.__version__}) lacks: set train.activation_storage:"
+                         " compute")
+    for moe in moe_layers(model):
+        parts = [moe.experts] + ([moe.shared_experts] if moe.shared_experts is not None else [])
+        _set_storage(moe, parts, storage == "fp8")
+    for block in transformer_blocks(model):
+        if not getattr(block, "is_moe", False):
+            _set_storage(block.ffn, [block.ffn], storage == "fp8")
+
+
+def _set_storage(module: torch.nn.Module, parts: list[torch.nn.Module], fp8: bool) -> None:
+    """``module.forward`` run inside a new fp8 store that ``parts`` mark into (``fp8``), or
+    as it was."""
+    plain = module.__dict__.pop("_unstored_forward", None)
+    if plain is not None:
+        module.forward = plain
+    store = Fp8Storage() if fp8 else None
+    for part in parts:
+        part.fp8_storage = store
+    if store is not None:
+        module._unstored_forward = module.forward
+        module.forward = partial(_stored_forward, store, module.forward)
+
+
+def _stored_forward(store: Fp8Storage, forward: Callable, *args, **kwargs):
+    with store.region():
+        return forward(*args, **kwargs)

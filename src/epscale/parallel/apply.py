@@ -39,7 +39,7 @@ from ..model import Transformer
 from ..moe.layer import moe_layers
 from ..placement.eplb import Placement
 from ..placement.spill import apply_spill
-from .activation import apply_activation_checkpointing
+from .activation import apply_activation_checkpointing, apply_activation_storage
 from .compile import compile_blocks
 from .dims import ParallelDims
 from .fsdp import apply_fsdp
@@ -119,6 +119,7 @@ def parallelize_model(model: Transformer, dims: ParallelDims, cfg: RunConfig,
 
     # 3. activation checkpointing
     apply_activation_checkpointing(model, train.activation_checkpointing, train.recompute_modules)
+    apply_activation_storage(model, train.activation_storage)
 
     # 4. compile, per transformer block
     if train.compile:

@@ -5,7 +5,8 @@ power of two that gives every pipeline rank at least two layers and stages that 
 whole nodes or divide one; schedules 1f1b and dualpipev, and the recipe's own), each
 ``ep`` the simulator accepts (it divides the experts and a stage's ranks, and divides a
 node or spans whole nodes), replicated data parallelism and FSDP with every
-``dp_replicate`` that leaves ``ep | dp_shard``, and each recomputation mode. Every layout
+``dp_replicate`` that leaves ``ep | dp_shard``, and each recomputation mode, light
+recomputation before whole blocks (:func:`recompute_choices`). Every layout
 keeps the recipe's global batch (``train.global_batch_size``, else its data-parallel ranks
 x grad_accum x micro_batch_size at the cluster's world): a pipeline of pp ranks runs pp
 times the micro-batches per step; layouts whose micro-batch count the schedule cannot run
@@ -133,6 +134,23 @@ def pipelines(cfg: RunConfig, cluster: ClusterSpec) -> list[tuple[int, str, int]
     return out
 
 
+def light_modules(cfg: RunConfig) -> list[str]:
+    """DeepSeek-V3's light recomputation for this model (``train.recompute_modules``): the
+    norms, the routed experts' activation, and MLA's up projections."""
+    return ["norm", "moe_act"] + (["mla_up_proj"] if cfg.model.attention == "mla" else [])
+
+
+def recompute_choices(cfg: RunConfig) -> list[tuple[str, list[str]]]:
+    """(train.activation_checkpointing, train.recompute_modules) --fit tries, the lightest
+    first: none with the recipe's modules, none with :func:`light_modules` (when the
+    recipe names other modules), selective, full."""
+    own = list(cfg.train.recompute_modules)
+    out = [("none", own)]
+    if sorted(light_modules(cfg)) != sorted(own):
+        out.append(("none", light_modules(cfg)))
+    return out + [(ac, []) for ac in AC_MODES if ac != "none"]
+
+
 def candidates(cfg: RunConfig, cluster: ClusterSpec) -> list[RunConfig]:
     """The recipe at every layout of the cluster's world (see the module docstring)."""
     world, E = cluster.world, cfg.moe.num_experts
@@ -153,12 +171,11 @@ def candidates(cfg: RunConfig, cluster: ClusterSpec) -> list[RunConfig]:
         accum = {} if cfg.train.global_batch_size is not None else {"grad_accum": m}
         zero = 1 if own.zero == 2 and pp > 1 else own.zero   # a pipeline refuses ZeRO-2
         for ep in (d for d in _divisors(E) if _sim_accepts(d, cluster, E, W)):
-            for ac in AC_MODES:
-                # the recipe's light recomputation goes with 'none' (whole-block modes
-                # replace it)
-                mods = cfg.train.recompute_modules if ac == "none" else []
+            for ac, mods in recompute_choices(cfg):
+                # the recipe's fp8 storage goes with 'none' (whole-block modes replace it)
+                storage = cfg.train.activation_storage if ac == "none" else "compute"
                 train = replace(cfg.train, activation_checkpointing=ac, recompute_modules=mods,
-                                **accum)
+                                activation_storage=storage, **accum)
                 red = own.redundant_experts   # kept where the slots divide over ep
                 red = red if ep > 1 and (E + red) % ep == 0 and pp == 1 else 0
                 spill = own.spill_threshold if pp == 1 else None   # a pipeline refuses both

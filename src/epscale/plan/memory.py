@@ -35,7 +35,12 @@ Held for the whole step (what ``benchmarks/memory.py`` measures):
   (:func:`recompute_dropped_per_token`; ``recompute`` then counts a block's whole drop,
   an upper bound: its regions are rebuilt one after another). What a forward keeps is
   ``activations``; ``recompute`` is the rest of one block's set, rebuilt during its
-  backward (the largest block's; 0 without recomputation).
+  backward (the largest block's; 0 without recomputation). The expert output rows kept
+  for the gate gradient are fp32 on the local path (it weights them in fp32) and in the
+  compute dtype under expert parallelism (the combine's). ``train.activation_storage:
+  fp8`` keeps the routed experts' saved rows (:func:`fp8_saved_tensors`) and the dense
+  FFNs' and shared experts' hidden activations (:func:`fp8_ffn_tensors`) at 1 byte per
+  element plus an fp32 scale per 1 x 128 tile (:mod:`epscale.moe.saved_fp8`).
 
 ZeRO levels under FSDP (``parallel.zero``, :func:`zero_state_bytes`; measured exactly by
 tests/test_zero.py). Level 3 without a pipeline is the above. Levels 1 and 2 keep every
@@ -64,7 +69,8 @@ where it has them), plus the stage output the schedule keeps until that micro-ba
 backward (T x D in the residual stream's dtype: the compute dtype under FSDP, fp32 under
 autocast; fp32 logits T x V on the last stage); a stage that
 receives its input keeps no copy of it under full recomputation (the block's saved input
-is the receive buffer). The rank keeps several micro-batches' sets at once: the peak of
+is the receive buffer; nor does it with the norms recomputed, which keep their input as
+it is). The rank keeps several micro-batches' sets at once: the peak of
 its schedule's order (:func:`epscale.plan.pipeline.schedule_actions`, torch's own order),
 a forward holding its set until the backward of that micro-batch and stage; a backward
 split in two (the zero-bubble schedules) frees it at its weight half (assumed: the input
@@ -94,6 +100,8 @@ from ..config.schema import PP_SCHEDULES
 from .layout import Layout
 from .pipeline import in_flight, layers_per_stage, schedule_actions, stage_layers, stage_placement
 
+ACTIVATION_STORAGE = ("compute", "fp8")   # train.activation_storage
+FP8_TILE = 128                            # channels per fp8 scale (1 x 128 tiles)
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
                "float8": 1, "fp8": 1}
 
@@ -108,11 +116,15 @@ class Activations:
     compute_dtype: str = "float32"
     experts_impl: str = "grouped_mm"
     recompute_modules: tuple[str, ...] = ()    # train.recompute_modules (with 'none' only)
+    storage: str = "compute"                   # train.activation_storage: 'compute' or 'fp8'
 
     def __post_init__(self) -> None:
         if self.compute_dtype not in DTYPE_BYTES:
             raise ConfigError(f"compute dtype {self.compute_dtype!r} is invalid: must be one of "
                               f"{', '.join(sorted(DTYPE_BYTES))}")
+        if self.storage not in ACTIVATION_STORAGE:
+            raise ConfigError(f"activation storage {self.storage!r} is invalid: must be one of "
+                              f"{', '.join(ACTIVATION_STORAGE)}")
 
     @staticmethod
     def of(cfg: RunConfig, activation_checkpointing: str | None = None,
@@ -124,7 +136,7 @@ class Activations:
         impl = experts_impl or ("cpu_fused" if cfg.moe.experts_impl == "cpu_fused" else "grouped_mm")
         ac = activation_checkpointing or train.activation_checkpointing
         modules = tuple(train.recompute_modules) if ac == "none" else ()
-        return Activations(ac, dtype, impl, modules)
+        return Activations(ac, dtype, impl, modules, train.activation_storage)
 
 
 def with_pipeline(cfg: RunConfig, pp: int | None = None, schedule: str | None = None,
@@ -344,8 +356,11 @@ def _attention_saved_per_token(model: ModelConfig) -> tuple[float, float]:
 
 
 def _dense_saved_per_token(model: ModelConfig, moe: MoEConfig, moe_layer: bool,
-                           impl: str) -> tuple[float, float, float]:
-    """(compute-dtype, fp32, int64) elements one block saves per token (no recomputation)."""
+                           impl: str, local: bool = True) -> tuple[float, float, float]:
+    """(compute-dtype, fp32, int64) elements one block saves per token (no recomputation).
+    ``local``: the experts run without expert parallelism (the local dispatcher weights
+    their output rows in fp32, keeping an fp32 copy); under EP the combine keeps them in
+    the compute dtype (:class:`epscale.dispatch.rows.WeightedRowSum`)."""
     D, K = model.dim, moe.top_k
     m = 3 if moe.activation == "swiglu" else 2
     acts = 4 if moe.activation == "swiglu" else 2      # per hidden unit: see the dense FFN
@@ -363,8 +378,11 @@ def _dense_saved_per_token(model: ModelConfig, moe: MoEConfig, moe_layer: bool,
         ints += 4 * K
         fp32 += K
     else:                                                  # autograd over grouped GEMMs
-        experts = K * (D + acts * F)                       # the output rows are weighted in
-        fp32 += K * D                                      # fp32: the product keeps them so
+        experts = K * (D + acts * F)                       # the output rows, for the gates'
+        if local:                                          # gradient: in fp32 (the local
+            fp32 += K * D                                  # path weights them in fp32) or
+        else:                                              # as computed (the combine's)
+            experts += K * D
         ints += 2 * K
     shared = acts * moe.shared_width if moe.num_shared_experts else 0   # input: the router's
     return D + attn + experts + shared, fp32 + router_fp32, ints
@@ -467,6 +485,53 @@ def _autocast_copies_per_token(model: ModelConfig, moe: MoEConfig, moe_layer: bo
     return extra
 
 
+def fp8_saved_tensors(model: ModelConfig, moe: MoEConfig, acts: Activations, local: bool,
+                      modules: tuple[str, ...], dispatcher: str = "dedup"
+                      ) -> list[tuple[int, int, int]]:
+    """(rows per token, channels, bytes per element as computed) of each tensor a MoE
+    layer's fp8 store holds (``train.activation_storage: fp8``, grouped-GEMM experts,
+    :mod:`epscale.moe.saved_fp8`): the rows the expert GEMMs read, the activation's
+    saved tensors (h1 and h3, with silu(h1) and the down projection's input unless
+    ``moe_act`` is in ``modules``; GELU: h1, and its output), and the output rows the
+    combine keeps (fp32 on the local path) where it keeps the experts' own: not
+    ``alltoall``'s, which weights the rows it received back (kept as they are)."""
+    K, D, F = moe.top_k, model.dim, moe.hidden_dim
+    cb = DTYPE_BYTES[acts.compute_dtype]
+    swiglu = moe.activation == "swiglu"
+    hidden = (2 if swiglu else 1) if "moe_act" in modules else (4 if swiglu else 2)
+    out = [(K, D, cb), (K * hidden, F, cb)]
+    if local or dispatcher != "alltoall":
+        out.append((K, D, 4 if local else cb))
+    return out
+
+
+def fp8_ffn_tensors(width: int, moe: MoEConfig, acts: Activations) -> list[tuple[int, int, int]]:
+    """The same for a dense FFN of ``width`` (the dense layers', the shared experts'): its
+    hidden activations (h1, silu(h1), h3 and the down projection's input; GELU: h1 and its
+    output), one row each per token; its input is its caller's."""
+    return [(4 if moe.activation == "swiglu" else 2, width, DTYPE_BYTES[acts.compute_dtype])]
+
+
+def fp8_saving_per_token(model: ModelConfig, moe: MoEConfig, acts: Activations, local: bool,
+                         modules: tuple[str, ...], dispatcher: str = "dedup",
+                         moe_layer: bool = True) -> float:
+    """Bytes per token a layer keeps less with fp8 storage than without, ``modules``
+    recomputed: each tensor of :func:`fp8_saved_tensors` (a MoE layer's routed experts)
+    and :func:`fp8_ffn_tensors` (its shared experts unless ``shared_experts`` is
+    recomputed; a dense layer's FFN unless ``mlp`` is) at 1 byte per element plus one fp32
+    scale per tile of 128 channels, instead of its own dtype."""
+    if acts.storage != "fp8" or acts.experts_impl == "cpu_fused":
+        return 0.0
+    if not moe_layer:
+        tensors = fp8_ffn_tensors(model.dense_hidden_dim, moe, acts) if "mlp" not in modules else []
+    else:
+        tensors = fp8_saved_tensors(model, moe, acts, local, modules, dispatcher)
+        if moe.num_shared_experts and "shared_experts" not in modules:
+            tensors += fp8_ffn_tensors(moe.shared_width, moe, acts)
+    return sum(rows * (channels * nbytes - channels - 4 * math.ceil(channels / FP8_TILE))
+               for rows, channels, nbytes in tensors)
+
+
 def _autocast_weight_copies(cfg: RunConfig, lay: Layout) -> tuple[dict[int, int], int]:
     """({block: elements}, head elements) of the weights autocast casts to the compute
     dtype in a forward and autograd keeps for backward: every matrix a product reads (a
@@ -502,9 +567,12 @@ def _activation_parts(cfg: RunConfig, lay: Layout, acts: Activations
         c, f, i = parts
         return T * (c * cb + f * 4 + i * 8)
 
+    local, disp = lay.ep == 1, cfg.parallel.dispatcher
     blocks = []
     for i in range(model.num_layers):
-        full = nbytes(_dense_saved_per_token(model, moe, model.is_moe_layer(i), acts.experts_impl))
+        full = nbytes(_dense_saved_per_token(model, moe, model.is_moe_layer(i), acts.experts_impl,
+                                             local))
+        full -= T * fp8_saving_per_token(model, moe, acts, local, (), disp, model.is_moe_layer(i))
         if autocast:
             full += (T * _autocast_copies_per_token(model, moe, model.is_moe_layer(i))
                      + copies.get(i, 0)) * cb
@@ -520,8 +588,17 @@ def _activation_parts(cfg: RunConfig, lay: Layout, acts: Activations
         kept = [nbytes(_selective_per_token(model, moe, model.is_moe_layer(i), acts.experts_impl))
                 + T * model.dim * (rb - cb) for i in range(model.num_layers)]
     elif acts.recompute_modules:
+        mods = acts.recompute_modules
+
+        def fp8(moe_layer: bool) -> float:
+            """fp8 storage holds fewer tensors where a recomputed part drops some: what
+            the dropped ones weighed in fp8 beyond their computed dtype's share."""
+            return T * (fp8_saving_per_token(model, moe, acts, local, (), disp, moe_layer)
+                        - fp8_saving_per_token(model, moe, acts, local, mods, disp, moe_layer))
+        # the norms keep their inputs in the residual stream's dtype
+        norms = T * 2 * model.dim * (rb - cb) if "norm" in mods else 0
         kept = [b - nbytes(recompute_dropped_per_token(model, moe, model.is_moe_layer(i), acts))
-                for i, b in enumerate(blocks)]
+                + fp8(model.is_moe_layer(i)) + norms for i, b in enumerate(blocks)]
     else:
         kept = blocks
     return embed, blocks, kept, head
@@ -647,8 +724,8 @@ def pipeline_memory(cfg: RunConfig, lay: Layout, acts: Activations | None = None
             out += head + T * model.vocab_size * 4   # and the fp32 logits the schedule keeps
         else:
             out += act                               # the output the schedule keeps
-        if s > 0 and acts.activation_checkpointing == "full":
-            out -= act                             # the first block's input is the receive buffer
+        if s > 0 and (acts.activation_checkpointing == "full" or "norm" in acts.recompute_modules):
+            out -= act    # the first block keeps its input as it is: the receive buffer
         return out
 
     sets = {s: stage_set(s) for s in range(n)}

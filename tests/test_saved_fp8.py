@@ -1,0 +1,111 @@
+"""fp8 storage of saved activations (``train.activation_storage: fp8``,
+:mod:`epscale.moe.saved_fp8`): the 1 x 128 tile quantizer's rounding bound, the store's
+rules (only marked tensors, each copied once, the original freed), and the config's
+refusals. Memory against the estimate: tests/test_memory.py; training against one
+process and against compute-dtype storage: tests/test_light_memory.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from epscale.moe.saved_fp8 import FP8_DTYPE, Fp8Storage, quantize, stored_bytes
+
+pytestmark = pytest.mark.skipif(FP8_DTYPE is None, reason="this torch has no float8_e4m3fn")
+
+
+@pytest.mark.parametrize("shape", [(7, 256), (5, 200), (3, 4, 64), (2, 1)])
+def test_round_trip_is_within_e4m3_rounding_of_each_tile(shape):
+    """Each value comes back within 2^-4 of itself (3 mantissa bits: half a step is 2^-4
+    of the value at most) or within the tile's subnormal step near zero; a tile of zeros
+    stays zero; the bytes are the payload plus one fp32 per tile."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g, dtype=torch.float64) * torch.logspace(
+        -3, 3, shape[-1], dtype=torch.float64)
+    x[0] = 0.0
+    saved = quantize(x)
+    back = saved.restore()
+    assert back.dtype == x.dtype and back.shape == x.shape
+    C = shape[-1]
+    tiles = x.reshape(-1, C).split(128, dim=1)
+    amax = torch.cat([t.abs().amax(1, keepdim=True).expand_as(t) for t in tiles], 1).view(shape)
+    bound = x.abs() * 2.0 ** -4 + amax / 448 * 2.0 ** -9
+    assert ((back - x).abs() <= bound * (1 + 1e-6)).all()
+    assert (back.reshape(-1, C)[0] == 0).all()
+    N = x.numel() // C
+    assert saved.nbytes == stored_bytes(N, C) == N * C + 4 * N * (-(-C // 128))
+
+
+def test_only_marked_tensors_are_stored_once_and_restored():
+    """Two operations saving one marked tensor share its one fp8 copy; an unmarked saved
+    tensor is kept as it is; outside a region marks are ignored. The gradient through
+    the restored copy is the rounded one."""
+    store = Fp8Storage()
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(16, 128, generator=g, dtype=torch.float64, requires_grad=True)
+    w1 = torch.randn(128, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    w2 = torch.randn(128, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    packed = []
+    with store.region():
+        x = a * 1.0
+        store.mark(x)
+        out = (x @ w1).sum() + (x @ w2).sum()
+        packed = list(store._copies.values())
+    assert len(packed) == 1 and packed[0].q_NC.dtype == FP8_DTYPE
+    out.backward()
+    xq = packed[0].restore()
+    assert torch.equal(w1.grad, xq.t() @ torch.ones(16, 8, dtype=torch.float64))
+    assert not torch.equal(w1.grad, x.detach().t() @ torch.ones(16, 8, dtype=torch.float64))
+    ref = torch.ones(16, 8, dtype=torch.float64) @ (w1 + w2).detach().t()
+    assert torch.allclose(a.grad, ref, rtol=1e-12, atol=0)        # w: unmarked, as it was
+    store.mark(x)                                                  # no region: ignored
+    assert not store._marked and not store._copies
+
+
+def test_fp8_storage_is_validated_by_key(tmp_path):
+    from epscale.config import ConfigError
+    from test_train import tiny_cfg
+
+    with pytest.raises(ConfigError, match=r"train.activation_storage' = 'fp8' is invalid: "
+                                          r"cannot be combined with train.activation_checkpointing"
+                                          r" = 'full'"):
+        tiny_cfg(tmp_path, **{"train.activation_storage": "fp8",
+                              "train.activation_checkpointing": "full"})
+    with pytest.raises(ConfigError, match=r"needs the grouped-GEMM experts.*cpu_fused"):
+        tiny_cfg(tmp_path, **{"train.activation_storage": "fp8", "moe.experts_impl": "cpu_fused"})
+    with pytest.raises(ConfigError, match=r"train.compile = true"):
+        tiny_cfg(tmp_path, **{"train.activation_storage": "fp8", "train.compile": True})
+    with pytest.raises(ConfigError, match=r"activation_storage' = 'fp4'.*'compute', 'fp8'"):
+        tiny_cfg(tmp_path, **{"train.activation_storage": "fp4"})
+    cfg = tiny_cfg(tmp_path, **{"train.activation_storage": "fp8",
+                                "train.recompute_modules": "[moe_act]"})
+    assert cfg.train.activation_storage == "fp8"
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_moe_act_keeps_the_gradients_on_the_loop_path(activation):
+    """moe_act (the activation recomputed from its kept inputs) on the per-expert loop
+    (moe.use_grouped_mm: never; the grouped-GEMM path is tests/test_memory.py's): the
+    gradients are those without recomputation, bit for bit."""
+    from epscale.config import load_config
+    from epscale.model import build_model
+    from epscale.parallel.activation import apply_activation_checkpointing
+
+    cfg = load_config(None, ["model.dim=32", "model.num_layers=2", "model.num_heads=2",
+                             "model.seq_len=16", "model.vocab_size=64", "moe.hidden_dim=24",
+                             "moe.num_experts=4", "moe.top_k=2", "moe.experts_impl=grouped_mm",
+                             "moe.use_grouped_mm=never", f"moe.activation={activation}"])
+    torch.manual_seed(0)
+    net = build_model(cfg)
+    assert net.moe_layers() and not any(m.experts.use_grouped_mm for m in net.moe_layers())
+    g = torch.Generator().manual_seed(1)
+    x, y = (torch.randint(0, 64, (2, 16), generator=g) for _ in range(2))
+    grads = []
+    for mods in ([], ["moe_act"]):
+        apply_activation_checkpointing(net, "none", mods)
+        (net.loss(x, y) + net.aux_loss()).backward()
+        grads.append({n: p.grad.clone() for n, p in net.named_parameters()})
+        net.zero_grad(set_to_none=True)
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[0]:
+        assert torch.equal(grads[0][n], grads[1][n]), n
