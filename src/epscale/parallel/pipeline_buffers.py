@@ -16,13 +16,16 @@ Legend: m micro-batches per step.
 torch API this depends on (``torch.distributed.pipelining.stage``, checked by
 :func:`hold_receive_buffers_in_flight`, which fails if any is missing):
 ``get_fwd_recv_ops`` / ``get_bwd_recv_ops`` (post a micro-batch's receives),
-``forward_one_chunk``, ``backward_one_chunk(mb, full_backward=...)`` and
+``set_local_fwd_input`` / ``set_local_bwd_input`` (a V schedule's pass between its two
+stages on one rank), ``forward_one_chunk``, ``backward_one_chunk(mb, full_backward=...)`` and
 ``backward_weight_one_chunk`` (compute), and the private ``_prepare_forward_infra`` /
 ``_prepare_backward_infra`` (allocate the buffers), ``args_recv_info`` /
 ``grad_recv_info`` ({micro-batch: tuple of ``_RecvInfo``}) and ``_RecvInfo.buffer`` /
-``_RecvInfo.is_root_arg``. Inputs a V schedule passes between two stages of one rank
-replace ``_RecvInfo.buffer`` without a receive; they are not receive buffers and are left
-alone.
+``_RecvInfo.is_root_arg``. Tensors a V schedule passes between its two stages on one rank
+replace ``_RecvInfo.buffer`` without a receive; torch would keep them referenced there
+until the next step: they are not freed (others share them) but their references are
+dropped once the micro-batch is done, and a passed output gradient is counted as a
+gradient buffer.
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ import functools
 import torch
 
 WRAPPED = ("_prepare_forward_infra", "_prepare_backward_infra", "get_fwd_recv_ops",
-           "get_bwd_recv_ops", "forward_one_chunk", "backward_one_chunk",
-           "backward_weight_one_chunk")
+           "get_bwd_recv_ops", "set_local_fwd_input", "set_local_bwd_input",
+           "forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 KINDS = ("act", "grad")  # input activations (args_recv_info), output gradients (grad_recv_info)
 
 
@@ -51,32 +54,54 @@ class ReceiveBuffers:
     ever did at once: ``peak[kind]`` buffers (kind ``act`` or ``grad``), ``peak_bytes``."""
 
     def __init__(self) -> None:
-        self.live: dict[tuple[int, str, int], list[torch.Tensor]] = {}
+        self.live: dict[tuple[int, str, int], list[tuple[torch.Tensor, object]]] = {}
+        self.passed: dict[tuple[int, int], list] = {}   # inputs passed on the rank
         self.count = dict.fromkeys(KINDS, 0)
         self.peak = dict.fromkeys(KINDS, 0)
         self.bytes = self.peak_bytes = 0
 
     def take(self, stage: int, kind: str, mb: int, infos) -> None:
         """Give micro-batch ``mb``'s buffers of ``kind`` on ``stage`` their storage back."""
-        self.release(stage, kind, mb)
         bufs = _buffers(infos)
         for buf in bufs:
             assert buf.is_contiguous() and buf.storage_offset() == 0
             buf.untyped_storage().resize_(buf.numel() * buf.element_size())
-        self.live[(stage, kind, mb)] = bufs
-        self.count[kind] += len(bufs)
-        self.bytes += sum(b.untyped_storage().nbytes() for b in bufs)
+        self._hold(stage, kind, mb, [(buf, None) for buf in bufs])
+
+    def keep(self, stage: int, kind: str, mb: int, infos) -> None:
+        """Count the tensors a V schedule passed to ``stage`` on this rank as micro-batch
+        ``mb``'s ``kind`` (an output gradient is held here, like a received one; an input
+        is the previous stage's output, already counted there: ``kind`` None), and drop
+        the stage's references to them when the micro-batch is done."""
+        infos = [i for i in infos if not i.is_root_arg and isinstance(i.buffer, torch.Tensor)]
+        if kind is None:
+            self.passed[(stage, mb)] = self.passed.get((stage, mb), []) + infos
+        else:
+            self._hold(stage, kind, mb, [(i.buffer, i) for i in infos])
+
+    def _hold(self, stage: int, kind: str, mb: int, held: list) -> None:
+        self.release(stage, kind, mb)
+        self.live[(stage, kind, mb)] = held
+        self.count[kind] += len(held)
+        self.bytes += sum(b.untyped_storage().nbytes() for b, _ in held)
         self.peak[kind] = max(self.peak[kind], self.count[kind])
         self.peak_bytes = max(self.peak_bytes, self.bytes)
 
     def release(self, stage: int, kind: str, mb: int) -> None:
         """Free micro-batch ``mb``'s buffers of ``kind`` on ``stage`` (and drop the input
-        gradient torch leaves on an activation buffer: the send holds its own reference)."""
-        for buf in self.live.pop((stage, kind, mb), []):
+        gradient torch leaves on an activation buffer: the send holds its own
+        reference); for tensors passed on the rank, drop the stage's reference."""
+        for buf, info in self.live.pop((stage, kind, mb), []):
             self.count[kind] -= 1
             self.bytes -= buf.untyped_storage().nbytes()
             buf.grad = None
-            _free(buf)
+            if info is None:
+                _free(buf)
+            else:
+                info.buffer = buf.new_empty(0)
+        for info in self.passed.pop((stage, mb), []) if kind == "act" else []:
+            info.buffer.grad = None
+            info.buffer = info.buffer.new_empty(0)
 
     def release_all(self, stage: int, recv_info: dict) -> None:
         """Free every buffer of ``stage`` in ``recv_info`` (as just allocated by torch)."""
@@ -136,6 +161,8 @@ def _wrap(stage, pool: ReceiveBuffers) -> None:
     before("get_fwd_recv_ops", lambda mb: pool.take(s, "act", mb, stage.args_recv_info[mb]))
     before("get_bwd_recv_ops", lambda mb: pool.take(s, "grad", mb, stage.grad_recv_info[mb])
            if stage.has_backward and not stage.is_last else None)
+    after("set_local_fwd_input", lambda out, mb: pool.keep(s, None, mb, stage.args_recv_info[mb]))
+    after("set_local_bwd_input", lambda out, mb: pool.keep(s, "grad", mb, stage.grad_recv_info[mb]))
     after("forward_one_chunk", forward_done)
     after("backward_one_chunk", backward_done)
     after("backward_weight_one_chunk", lambda mb, last_backward=False: done(mb))

@@ -870,8 +870,9 @@ def _with_receives(schedule: str, p: int, m: int, v: int) -> list[list[tuple[int
                 out[r].append((s, kind, mb))
                 done[r].add((s, kind, mb))
                 to = s + 1 if kind == "F" else s - 1
-                if kind in ("F", "B", "I") and 0 <= to < n and owner[to] != r and (
-                        kind == "F" or s > 0):
+                # a gradient a V passes between its two stages on one rank is held
+                # like a received one; a passed input is counted in the stage sets
+                if kind in ("F", "B", "I") and 0 <= to < n and (owner[to] != r or kind != "F"):
                     recv = (to, "RF" if kind == "F" else "RB", mb)
                     out[owner[to]].append(recv)
                     done[owner[to]].add(recv)
@@ -884,8 +885,9 @@ def receive_buffers_in_flight(cfg: RunConfig, lay: Layout, rank: int) -> dict[st
     """The most receive buffers pipeline rank ``rank`` holds at once when each holds its
     storage only while its micro-batch is in flight (parallel/pipeline_buffers.py): an
     input activation buffer (``act``) from its receive's posting to that micro-batch's
-    backward on the stage (B, or W of a split one), an output gradient buffer (``grad``)
-    from its receive's posting to the same point."""
+    backward on the stage (B, or W of a split one), an output gradient buffer (``grad``:
+    received, or passed by the next stage on the same rank under a V) from its receive's
+    posting (or the pass) to the same point."""
     return dict(_receive_peaks(lay.pp_schedule, lay.pp, lay.micro_batches,
                                lay.pp_virtual_stages)[rank])
 
