@@ -57,6 +57,7 @@ CASES = {
 }
 REFERENCES = {2: {"train.micro_batch_size": 2, "train.grad_accum": 4},
               1: {"train.micro_batch_size": 1, "train.grad_accum": 8}}
+TORCH_BUFFERS = "pp2 ep2 dualpipev, torch's receive buffers"
 RESUME = {**PP2, "parallel.ep": 2, "train.grad_accum": 2, "train.steps": 4}
 
 
@@ -92,6 +93,17 @@ def _worker(rank, world, corpus_dir, tmp):
         with runner.case(name):
             out[name] = _run(corpus_dir, tmp / name.replace(" ", "_"), world, over,
                              seen=out.setdefault(f"{name} recv", {}))
+    with runner.case(TORCH_BUFFERS):  # torch's own buffers, all m held all step
+        import epscale.parallel.pipeline as pipeline_module
+        from epscale.parallel.pipeline_buffers import ReceiveBuffers
+
+        hold = pipeline_module.hold_receive_buffers_in_flight
+        pipeline_module.hold_receive_buffers_in_flight = lambda stages: ReceiveBuffers()
+        try:
+            out[TORCH_BUFFERS] = _run(corpus_dir, tmp / "torch_buffers", world,
+                                      CASES["pp2 ep2 dualpipev"])
+        finally:
+            pipeline_module.hold_receive_buffers_in_flight = hold
     with runner.case("resume and reshard"):
         full = tmp / "uninterrupted"
         out["uninterrupted"] = _run(corpus_dir, full, world, {**RESUME, "train.ckpt_every": 2})
@@ -159,6 +171,14 @@ def test_pipeline_receive_buffers_held_only_in_flight(runs, name):
         assert [one["measured"]["grad"] for one in seen] == [1, 1, 1, 0]
     v = 1 if PP_SCHEDULES[over.get("parallel.pp_schedule", "1f1b")] == "single" else 2
     assert 0 < max(one["measured"]["act"] for one in seen) <= m * v
+
+
+def test_freeing_receive_buffers_changes_no_bit(runs):
+    """DualPipeV (receives, passes on the rank, overlapped and split backwards) trains bit
+    for bit as with torch's own receive buffers."""
+    _, got = runs
+    assert len(got[TORCH_BUFFERS]) == STEPS
+    assert got[TORCH_BUFFERS] == got["pp2 ep2 dualpipev"]
 
 
 @pytest.mark.parametrize("name", ["pp2 ep2 1f1b", "pp2 fsdp2 ep2 interleaved ac-full", "pp4 1f1b"])
