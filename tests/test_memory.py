@@ -305,13 +305,15 @@ def test_fp8_storage_keeps_what_the_estimate_says():
 def test_deepseek_v3_at_its_layout_counts_dualpipev_sets_buffers_and_fp8():
     """DeepSeek-V3 at its layout (PP16 DualPipeV, FSDP 128 at ZeRO-1 with EP64, bf16): a
     middle rank holds 2 p + 1 = 33 stage sets (DualPipeV's PP + 1 at 32 stages, DeepSeek's
-    own figure) and torch's receive buffers for all 64 micro-batches of both its stages'
-    inputs and output gradients; fp8 storage takes from a stage of two MoE layers exactly
+    own figure) and the receive buffers in flight: one input more than the sets (the
+    next receive is posted before a backward frees one) and the output gradients torch
+    posts ahead, far fewer than torch's 64 per stage for inputs and output gradients; fp8 storage takes from a stage of two MoE layers exactly
     twice the per-token saving of its rows. DeepSeek's light recomputation keeps more here
     than selective recomputation, and less with fp8 storage; the recipe itself (full
     recomputation) fits 80 GiB."""
     from epscale.config import load_recipe
-    from epscale.plan.memory import fp8_saving_per_token, pipeline_memory
+    from epscale.plan.memory import (fp8_saving_per_token, pipeline_memory,
+                                     receive_buffers_in_flight)
 
     cfg = load_recipe("deepseek-v3")
     lay = Layout.from_config(cfg)
@@ -324,7 +326,9 @@ def test_deepseek_v3_at_its_layout_counts_dualpipev_sets_buffers_and_fp8():
     ranks = {name: pipeline_memory(cfg, lay, a) for name, a in acts.items()}
     r3 = ranks["light"][3]
     assert r3.stages == (3, 28) and r3.in_flight == 33
-    assert r3.memory.p2p_buffers == 4 * 64 * T * D * 2
+    recv = receive_buffers_in_flight(cfg, lay, 3)
+    assert recv == {"act": 34, "grad": 5}
+    assert r3.memory.p2p_buffers == 39 * T * D * 2
     saving = fp8_saving_per_token(cfg.model, cfg.moe, acts["fp8"], False, light, "hierarchical")
     assert saving > 0
     assert r3.stage_activations[0] - ranks["fp8"][3].stage_activations[0] == 2 * T * saving
@@ -335,7 +339,8 @@ def test_deepseek_v3_at_its_layout_counts_dualpipev_sets_buffers_and_fp8():
 
 
 # A pipeline's memory, measured in the trainer at pp=2 (two gloo ranks, one stage each):
-# torch's receive buffers, exactly, and the set one micro-batch keeps on each stage
+# torch's receive buffers at their peak (each held while its micro-batch is in flight),
+# exactly, and the set one micro-batch keeps on each stage
 # (within 10%), for fp32, bf16 autocast (fp32 stage outputs and receive buffers) and bf16
 # under FSDP (bf16 ones; its stage sets are measured in one process above: here FSDP's
 # root would leave its gathered bf16 weights, the estimate's ``gathered``, in the count).
@@ -352,20 +357,6 @@ PIPE_CASES = {  # name -> overrides
                                            "train.activation_checkpointing=selective"],
     "bf16 FSDP": ["train.dtype=bfloat16", "parallel.fsdp=true"],
 }
-
-
-def _receive_buffer_bytes(schedule) -> int:
-    """Bytes of the receive buffers torch's PipelineStage(s) of this rank allocated (the
-    activations from the previous stage, the gradients from the next)."""
-    stages = getattr(schedule, "_stages", None) or [schedule._stage]
-    seen = {}
-    for stage in stages:
-        for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]:
-            for info in infos:
-                buf = getattr(info, "buffer", None)
-                if isinstance(buf, torch.Tensor):
-                    seen[buf.untyped_storage().data_ptr()] = buf.untyped_storage().nbytes()
-    return sum(seen.values())
 
 
 def _stage_kept_bytes(t, cfg) -> int:
@@ -443,7 +434,7 @@ def _pipeline_worker(rank, world, corpus, tmp):
                             inspect=inspect)
             t = got["trainer"]
             mine = pipeline_memory(cfg, Layout.from_config(cfg, world))[rank]
-            out[name] = {"recv": _receive_buffer_bytes(t.stepper.pipeline.schedule),
+            out[name] = {"recv": t.stepper.pipeline.receive_buffers.peak_bytes,
                          "recv_estimate": mine.memory.p2p_buffers,
                          "stage": None if cfg.parallel.fsdp else _stage_kept_bytes(t, cfg),
                          "stage_estimate": mine.stage_activations[0]}

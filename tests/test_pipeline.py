@@ -19,6 +19,7 @@ import torch
 
 from dist_utils import CaseRunner, assert_no_failures, copy_checkpoint, run_distributed, run_trainer
 from epscale.config import ConfigError, load_config
+from epscale.config.schema import PP_SCHEDULES
 from epscale.parallel.pipeline import AuxLossIntoBackward, keep_stages, stage_layers, stage_placement
 from epscale.plan.pipeline import bubble_fraction, layers_per_stage, micro_batch_problem
 from epscale.plan.layout import Layout
@@ -56,6 +57,7 @@ CASES = {
 }
 REFERENCES = {2: {"train.micro_batch_size": 2, "train.grad_accum": 4},
               1: {"train.micro_batch_size": 1, "train.grad_accum": 8}}
+TORCH_BUFFERS = "pp2 ep2 dualpipev, torch's receive buffers"
 RESUME = {**PP2, "parallel.ep": 2, "train.grad_accum": 2, "train.steps": 4}
 
 
@@ -66,8 +68,22 @@ def _summary(records) -> list[dict]:
             for r in records]
 
 
-def _run(corpus_dir: Path, run_dir: Path, world: int, over: dict) -> list[dict]:
-    return _summary(run_trainer(tiny_cfg(corpus_dir, **{**BASE, **over}), run_dir, world))
+def _run(corpus_dir: Path, run_dir: Path, world: int, over: dict, seen: dict | None = None
+         ) -> list[dict]:
+    """``seen``, if given, gets this rank's receive buffers counted over the run (peaks)
+    and the counts the memory model gives them."""
+    cfg = tiny_cfg(corpus_dir, **{**BASE, **over})
+    got = {}
+    records = run_trainer(cfg, run_dir, world, inspect=lambda t: got.setdefault("t", t))
+    if seen is not None:
+        from epscale.plan.memory import receive_buffers_in_flight
+
+        t = got["t"]
+        pool = t.stepper.pipeline.receive_buffers
+        seen.update(measured=dict(pool.peak), live=sum(pool.count.values()),
+                    model=receive_buffers_in_flight(cfg, Layout.from_config(cfg, world),
+                                                    t.dims.pp_rank))
+    return _summary(records)
 
 
 def _worker(rank, world, corpus_dir, tmp):
@@ -75,7 +91,19 @@ def _worker(rank, world, corpus_dir, tmp):
     runner, out = CaseRunner(rank), {}
     for name, over in CASES.items():
         with runner.case(name):
-            out[name] = _run(corpus_dir, tmp / name.replace(" ", "_"), world, over)
+            out[name] = _run(corpus_dir, tmp / name.replace(" ", "_"), world, over,
+                             seen=out.setdefault(f"{name} recv", {}))
+    with runner.case(TORCH_BUFFERS):  # torch's own buffers, all m held all step
+        import epscale.parallel.pipeline as pipeline_module
+        from epscale.parallel.pipeline_buffers import ReceiveBuffers
+
+        hold = pipeline_module.hold_receive_buffers_in_flight
+        pipeline_module.hold_receive_buffers_in_flight = lambda stages: ReceiveBuffers()
+        try:
+            out[TORCH_BUFFERS] = _run(corpus_dir, tmp / "torch_buffers", world,
+                                      CASES["pp2 ep2 dualpipev"])
+        finally:
+            pipeline_module.hold_receive_buffers_in_flight = hold
     with runner.case("resume and reshard"):
         full = tmp / "uninterrupted"
         out["uninterrupted"] = _run(corpus_dir, full, world, {**RESUME, "train.ckpt_every": 2})
@@ -100,7 +128,10 @@ def runs(tmp_path_factory):
     refs["resume"] = _run(corpus_dir, tmp1 / "ref_resume",  1, {**REFERENCES[2], "train.steps": 4})
     results = run_distributed(_worker, 4, args=(str(corpus_dir), str(tmp)), timeout_s=600)
     assert_no_failures([f for f, _ in results])
-    return refs, results[0][1]
+    got = results[0][1]
+    got["recv by rank"] = [{k: v for k, v in out.items() if k.endswith(" recv")}
+                           for _, out in results]
+    return refs, got
 
 
 def _by_step(records, key):
@@ -120,6 +151,34 @@ def test_pipeline_layout_trains_like_one_process(runs, name):
         assert_losses_close(_by_step(records, key), _by_step(ref, key), same_weights=(1,))
     assert records[-1]["val_loss"] == pytest.approx(ref[-1]["val_loss"], rel=5e-4)
     assert records[0]["num_tokens"] == ref[0]["num_tokens"]  # counted once, not per stage
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_pipeline_receive_buffers_held_only_in_flight(runs, name):
+    """Each receive buffer holds storage only while its micro-batch is in flight (the
+    losses above are those of one process with it): on every rank the most buffers held
+    at once are the memory model's count, fewer than torch's one per micro-batch where
+    the schedule keeps fewer in flight, and none once the step (and validation) is done."""
+    _, got = runs
+    over = {**BASE, **CASES[name]}
+    m = over["train.grad_accum"]
+    seen = [ranks[f"{name} recv"] for ranks in got["recv by rank"]]
+    for rank, one in enumerate(seen):
+        assert one["measured"] == one["model"], (rank, one)
+        assert one["live"] == 0, (rank, one)   # all freed after the step and validation
+    if name == "pp4 1f1b":  # torch held m = 4 on every receiving rank; in flight: pp - r
+        assert [one["measured"]["act"] for one in seen] == [0, 3, 2, 1]
+        assert [one["measured"]["grad"] for one in seen] == [1, 1, 1, 0]
+    v = 1 if PP_SCHEDULES[over.get("parallel.pp_schedule", "1f1b")] == "single" else 2
+    assert 0 < max(one["measured"]["act"] for one in seen) <= m * v
+
+
+def test_freeing_receive_buffers_changes_no_bit(runs):
+    """DualPipeV (receives, passes on the rank, overlapped and split backwards) trains bit
+    for bit as with torch's own receive buffers."""
+    _, got = runs
+    assert len(got[TORCH_BUFFERS]) == STEPS
+    assert got[TORCH_BUFFERS] == got["pp2 ep2 dualpipev"]
 
 
 @pytest.mark.parametrize("name", ["pp2 ep2 1f1b", "pp2 fsdp2 ep2 interleaved ac-full", "pp4 1f1b"])

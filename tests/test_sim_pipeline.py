@@ -190,8 +190,9 @@ def test_1f1b_ranks_keep_p_to_one_micro_batches():
     assert ranks[0].memory.activations == 4 * sets[0]
     assert ranks[1].memory.activations == 3 * sets[1]
     assert ranks[3].memory.activations == sets[3] > sets[1]
-    # receive buffers: gradients on the first, inputs on the last, both between
-    assert [r.memory.p2p_buffers for r in ranks] == [m * act, 2 * m * act, 2 * m * act, m * act]
+    # receive buffers, each held while its micro-batch is in flight: one gradient on all
+    # but the last, the p - r inputs in flight on all but the first (torch holds m each)
+    assert [r.memory.p2p_buffers for r in ranks] == [act, 4 * act, 3 * act, act]
     assert [r.p2p_send_bytes for r in ranks] == [m * act, 2 * m * act, 2 * m * act, m * act]
     # the embedding on the first, the norm and head on the last
     emb = V * D

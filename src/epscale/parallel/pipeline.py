@@ -36,6 +36,7 @@ from ..config import ConfigError
 from ..config.schema import PP_SCHEDULES
 from ..moe.layer import MoE
 from ..plan.pipeline import stage_layers, stage_placement
+from .pipeline_buffers import hold_receive_buffers_in_flight
 
 SCHEDULE_CLASSES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe",
                     "interleaved_1f1b": "ScheduleInterleaved1F1B",
@@ -142,6 +143,7 @@ class Pipeline:
             stages.append(pipelining.PipelineStage(c, c.index, c.num_stages, device,
                                                    input_args=(inp,), output_args=(out,),
                                                    group=dims.pp_group))
+        self.receive_buffers = hold_receive_buffers_in_flight(stages)
         cls = getattr(pipelining, SCHEDULE_CLASSES[schedule], None)
         if cls is None:
             raise ConfigError(f"parallel.pp_schedule = {schedule!r} needs torch's "

@@ -81,9 +81,12 @@ min(m, p - r); GPipe all m; interleaved 1F1B with v stages per rank (m a multipl
 layers, Korthikanti et al.'s figure); interleaved zero-bubble v p; ZB-V 2p on every rank
 (p micro-batches of both its stages, as 1F1B's first rank); DualPipeV 2p + 1. p2p buffers:
 torch's PipelineStage allocates a receive buffer (T x D, the residual stream's dtype) for every
-micro-batch of the step: for the input of each stage past the first and for the output
-gradient of each stage before the last, m x T x D each, held all step (also between the
-two stages a V puts on one rank, which pass tensors locally). The rank that
+micro-batch of the step, for the input of a stage whose previous stage is on another rank
+and for the output gradient of one whose next stage is; parallel/pipeline_buffers.py
+frees each one's storage except while its micro-batch is in flight, from the posting of
+its receive to the end of that micro-batch's backward on the stage
+(:func:`receive_buffers_in_flight`: the peak of the rank's order with the receives placed
+where torch places them; 1F1B rank r: p - r inputs and one gradient). The rank that
 needs the most is what ``estimate`` reports; :func:`pipeline_memory` gives every rank.
 p2p traffic per step: m x T x D (the residual stream's dtype) forward and as much backward across each
 stage boundary between two ranks, per GPU of the stage.
@@ -169,7 +172,7 @@ class MemoryEstimate:
     gathered: float             # FSDP: gathered weights and unsharded grads of the largest block
     comm: float                 # the dispatcher's row buffers
     params_per_rank: float      # parameter count held by the rank (not bytes)
-    p2p_buffers: float = 0      # pipeline: the receive buffers of every micro-batch
+    p2p_buffers: float = 0      # pipeline: the receive buffers of the micro-batches in flight
     unsharded: float = 0        # weights kept gathered for the step (ZeRO-1/2, pipelines)
 
     @property
@@ -741,7 +744,8 @@ def pipeline_memory(cfg: RunConfig, lay: Layout, acts: Activations | None = None
         mine = set(keys)
         states = zero_state_bytes((p for p in cached_param_shapes(model, cfg.moe)
                                    if block_of(p) in mine), lay, cb)
-        receives = sum((s > 0) + (s < n - 1) for s in stages)
+        receives = sum(_receive_peaks(lay.pp_schedule, lay.pp, m, lay.pp_virtual_stages)[rank][i][1]
+                       for i in range(2))   # in flight only (parallel/pipeline_buffers.py)
         sends = sum((s < n - 1 and owner[s + 1] != rank) + (s > 0 and owner[s - 1] != rank)
                     for s in stages)
         mem = MemoryEstimate(
@@ -751,7 +755,7 @@ def pipeline_memory(cfg: RunConfig, lay: Layout, acts: Activations | None = None
             recompute=max((rebuilt[i] for i in layers), default=0.0) if recomputes else 0.0,
             gathered=max(full[k] for k in keys if k in full) * cb if lay.fsdp else 0.0,
             comm=2 * T * cfg.moe.top_k * model.dim * cb if lay.ep > 1 and moe_here else 0.0,
-            params_per_rank=count, p2p_buffers=receives * m * act,
+            params_per_rank=count, p2p_buffers=receives * act,
             unsharded=states["unsharded"])
         out.append(RankMemory(rank, tuple(stages), tuple((r.start, r.stop) for r in
                                                          (ranges[s] for s in stages)),
@@ -779,3 +783,129 @@ def memory_per_rank(run_cfg: RunConfig, **layout) -> MemoryEstimate:
     """Memory per rank of ``run_cfg`` at its own layout, or with the keywords of
     :func:`resolve` replacing its keys."""
     return estimate(*resolve(run_cfg, **layout))
+
+
+
+def _runtime_items(schedule: str, p: int, m: int, v: int, rank: int) -> list[tuple]:
+    """Rank ``rank``'s list as torch's runtime schedules lower it before placing
+    receives: its compute actions (a DualPipeV overlapped forward + backward pair as one
+    item of two), with the no-op items that take a turn each (an UNSHARD per stage before
+    it runs, at most 3 active, a RESHARD per stage evicted or left at the end, a
+    REDUCE_GRAD after each stage's m-th B or W: torch's ``_add_unshard_reshard`` and
+    ``_add_reduce_grad``)."""
+    flat = schedule_actions(schedule, p, m, v, rank)
+    items: list[tuple] = []
+    first_pair = rank == p - 1
+    i = 0
+    while i < len(flat):
+        a, b = flat[i], flat[i + 1] if i + 1 < len(flat) else None
+        pair = (schedule == "dualpipev" and b is not None and a[1] == "F" and b[1] == "B"
+                and a[0] != b[0])
+        if pair and first_pair:       # the last rank runs its first such pair apart
+            pair, first_pair = False, False
+        items.append((a, b) if pair else (a,))
+        i += 2 if pair else 1
+    out: list[tuple] = []
+    active: list[int] = []
+    backwards: dict[int, int] = {}
+    for j, item in enumerate(items):
+        upcoming: list[int] = []                  # the next 3 stages to run (torch's rule)
+        for later in items[j:]:
+            upcoming += [a[0] for a in later if a[0] not in upcoming]
+            if len(upcoming) >= 3:
+                break
+        out += [()] * sum(s not in upcoming for s in active)      # RESHARD
+        active = [s for s in active if s in upcoming]
+        out += [()] * sum(s not in active for s in upcoming)      # UNSHARD
+        active += [s for s in upcoming if s not in active]
+        out.append(item)
+        for a in item:
+            if a[1] in ("B", "W"):
+                backwards[a[0]] = backwards.get(a[0], 0) + 1
+                out += [()] * (backwards[a[0]] == m)              # REDUCE_GRAD
+    out += [()] * len(active)
+    return out
+
+
+def _with_receives(schedule: str, p: int, m: int, v: int) -> list[list[tuple[int, str, int]]]:
+    """Every pipeline rank's actions with the receives it posts ("RF": a forward input,
+    "RB": an output gradient) where torch places them: a single-stage schedule just
+    before the compute that needs it; a runtime one (``_add_send_recv``, ranks in turn,
+    a rank's next item once its inputs are received or local) when the sender's compute
+    is placed."""
+    if PP_SCHEDULES[schedule] == "single":
+        n = p
+        out = []
+        for r in range(p):
+            acts = []
+            for a in schedule_actions(schedule, p, m, v, r):
+                if a[1] == "F" and r > 0:
+                    acts.append((r, "RF", a[2]))
+                if a[1] in ("B", "I") and r < n - 1:
+                    acts.append((r, "RB", a[2]))
+                acts.append(a)
+            out.append(acts)
+        return out
+    placement = stage_placement(schedule, p, v)
+    owner = {s: r for r, held in enumerate(placement) for s in held}
+    n = len(owner)
+    todo = [_runtime_items(schedule, p, m, v, r) for r in range(p)]
+    done: list[set] = [set() for _ in range(p)]
+    out = [[] for _ in range(p)]
+
+    def ready(r, a):
+        s, kind, mb = a
+        if kind == "F" and s > 0:
+            return bool({(s, "RF", mb), (s - 1, "F", mb)} & done[r])
+        if kind in ("B", "I") and s < n - 1:
+            return bool({(s, "RB", mb), (s + 1, "I", mb), (s + 1, "B", mb)} & done[r])
+        return True
+
+    while any(todo):
+        progress = False
+        for r in range(p):
+            if not todo[r] or not all(ready(r, a) for a in todo[r][0]):
+                continue
+            for s, kind, mb in todo[r].pop(0):
+                out[r].append((s, kind, mb))
+                done[r].add((s, kind, mb))
+                to = s + 1 if kind == "F" else s - 1
+                # a gradient a V passes between its two stages on one rank is held
+                # like a received one; a passed input is counted in the stage sets
+                if kind in ("F", "B", "I") and 0 <= to < n and (owner[to] != r or kind != "F"):
+                    recv = (to, "RF" if kind == "F" else "RB", mb)
+                    out[owner[to]].append(recv)
+                    done[owner[to]].add(recv)
+            progress = True
+        assert progress, "a schedule torch could not lower"
+    return out
+
+
+def receive_buffers_in_flight(cfg: RunConfig, lay: Layout, rank: int) -> dict[str, int]:
+    """The most receive buffers pipeline rank ``rank`` holds at once when each holds its
+    storage only while its micro-batch is in flight (parallel/pipeline_buffers.py): an
+    input activation buffer (``act``) from its receive's posting to that micro-batch's
+    backward on the stage (B, or W of a split one), an output gradient buffer (``grad``:
+    received, or passed by the next stage on the same rank under a V) from its receive's
+    posting (or the pass) to the same point."""
+    return dict(_receive_peaks(lay.pp_schedule, lay.pp, lay.micro_batches,
+                               lay.pp_virtual_stages)[rank])
+
+
+@lru_cache(maxsize=256)
+def _receive_peaks(schedule: str, p: int, m: int, v: int) -> tuple[tuple[tuple[str, int], ...], ...]:
+    """:func:`receive_buffers_in_flight` of every pipeline rank."""
+    out = []
+    for order in _with_receives(schedule, p, m, v):
+        held: dict[str, set] = {"act": set(), "grad": set()}
+        peak = {"act": 0, "grad": 0}
+        for s, kind, mb in order:
+            if kind in ("RF", "RB"):
+                which = "act" if kind == "RF" else "grad"
+                held[which].add((s, mb))
+                peak[which] = max(peak[which], len(held[which]))
+            elif kind in ("B", "W"):
+                held["act"].discard((s, mb))
+                held["grad"].discard((s, mb))
+        out.append(tuple(peak.items()))
+    return tuple(out)
