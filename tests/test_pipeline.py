@@ -1,6 +1,8 @@
 """Pipeline parallelism in the real trainer on real gloo process groups: pp=2 x ep=2 and
 pp=2 x FSDP dp_shard=2 (ep=2 inside) under 1F1B and interleaved 1F1B, pp=2 x dp=2 under
-GPipe and interleaved zero-bubble, ZB-V and DualPipeV, and pp=4, train the tiny model with
+GPipe and interleaved zero-bubble, ZB-V and DualPipeV (its overlapped forward/backward pairs
+interleaved or, with parallel.overlap none, one after the other; with full recomputation
+too), and pp=4, train the tiny model with
 the losses, gradient norms, validation loss and per-layer expert loads of one process at
 the same global batch; a pp=2 x ep=2 checkpoint resumes bit for bit and continues at pp=1
 (FSDP dp_shard=4 x ep=4) and at pp=4 (ep=1). Bad layouts fail before anything starts, naming the keys.
@@ -30,6 +32,8 @@ BASE = {"train.steps": STEPS, "train.eval_every": 0, "train.ckpt_every": 0,
         "train.micro_batch_size": 2, "train.collective_timeout_s": 0, "train.preflight": False,
         "model.num_layers": 4, "model.tie_embeddings": False, "moe.bias_update_speed": 0.01}
 PP2 = {"parallel.pp": 2}
+DUALPIPEV = {**PP2, "parallel.ep": 2, "parallel.pp_schedule": "dualpipev",
+             "train.micro_batch_size": 1, "train.grad_accum": 4}
 
 # name -> overrides on BASE; "micro" says which one-process reference holds the same
 # micro-batches: 2 sequences each (8 per step), or 1 (the V schedules need m >= 2 pp = 4
@@ -50,8 +54,9 @@ CASES = {
                             "parallel.pp_virtual_stages": 2, "train.grad_accum": 2},
     "pp2 ep2 zbv": {**PP2, "parallel.ep": 2, "parallel.pp_schedule": "zbv",
                     "train.micro_batch_size": 1, "train.grad_accum": 4},
-    "pp2 ep2 dualpipev": {**PP2, "parallel.ep": 2, "parallel.pp_schedule": "dualpipev",
-                          "train.micro_batch_size": 1, "train.grad_accum": 4},
+    "pp2 ep2 dualpipev": DUALPIPEV,  # parallel.overlap auto: the paired F/B interleave
+    "pp2 ep2 dualpipev overlap-none": {**DUALPIPEV, "parallel.overlap": "none"},
+    "pp2 ep2 dualpipev ac-full": {**DUALPIPEV, "train.activation_checkpointing": "full"},
     "pp4 1f1b": {"parallel.pp": 4, "train.grad_accum": 4},
 }
 REFERENCES = {2: {"train.micro_batch_size": 2, "train.grad_accum": 4},
@@ -66,16 +71,21 @@ def _summary(records) -> list[dict]:
             for r in records]
 
 
-def _run(corpus_dir: Path, run_dir: Path, world: int, over: dict) -> list[dict]:
-    return _summary(run_trainer(tiny_cfg(corpus_dir, **{**BASE, **over}), run_dir, world))
+def _run(corpus_dir: Path, run_dir: Path, world: int, over: dict, inspect=None) -> list[dict]:
+    return _summary(run_trainer(tiny_cfg(corpus_dir, **{**BASE, **over}), run_dir, world,
+                                inspect=inspect))
 
 
 def _worker(rank, world, corpus_dir, tmp):
     corpus_dir, tmp = Path(corpus_dir), Path(tmp)
-    runner, out = CaseRunner(rank), {}
+    runner, out = CaseRunner(rank), {"pairs": {}}
     for name, over in CASES.items():
         with runner.case(name):
-            out[name] = _run(corpus_dir, tmp / name.replace(" ", "_"), world, over)
+            held = {}
+            out[name] = _run(corpus_dir, tmp / name.replace(" ", "_"), world, over,
+                             inspect=lambda t: held.update(pipeline=t.stepper.pipeline))
+            stats = held["pipeline"].pair_stats  # DualPipeV's overlapped pairs
+            out["pairs"][name] = None if stats is None else (stats.pairs, stats.switches)
     with runner.case("resume and reshard"):
         full = tmp / "uninterrupted"
         out["uninterrupted"] = _run(corpus_dir, full, world, {**RESUME, "train.ckpt_every": 2})
@@ -120,6 +130,26 @@ def test_pipeline_layout_trains_like_one_process(runs, name):
         assert_losses_close(_by_step(records, key), _by_step(ref, key), same_weights=(1,))
     assert records[-1]["val_loss"] == pytest.approx(ref[-1]["val_loss"], rel=5e-4)
     assert records[0]["num_tokens"] == ref[0]["num_tokens"]  # counted once, not per stage
+
+
+def test_dualpipev_pairs_interleave_and_train_as_one_after_the_other(runs):
+    """parallel.overlap auto runs DualPipeV's paired forward and backward of two
+    micro-batches interleaved at their exchanges (with and without full recomputation),
+    'none' one after the other; the same operations on the same tensors: the same losses
+    and gradient norms at every step (and as one process: the test above)."""
+    _refs, got = runs
+    pairs = got["pairs"]
+    assert pairs["pp2 ep2 dualpipev overlap-none"] is None
+    for name in ("pp2 ep2 dualpipev", "pp2 ep2 dualpipev ac-full"):
+        # m = 4, pp = 2: torch's DualPipeV pairs 3 forwards with backwards per rank and step
+        n, switches = pairs[name]
+        assert n == 3 * STEPS, (name, pairs[name])
+        # at least: the forward hands over at its first exchange, the backward at its first
+        assert switches >= 2 * n, (name, pairs[name])
+        for key in ("loss", "grad_norm"):
+            assert_losses_close(_by_step(got[name], key),
+                                _by_step(got["pp2 ep2 dualpipev overlap-none"], key),
+                                same_weights=range(1, STEPS + 1))
 
 
 @pytest.mark.parametrize("name", ["pp2 ep2 1f1b", "pp2 fsdp2 ep2 interleaved ac-full", "pp4 1f1b"])
@@ -229,6 +259,8 @@ def test_bubble_and_micro_batch_rules():
      "parallel.redundant_experts"),
     ({"parallel.pp": 2, "parallel.spill_threshold": 1.5, "parallel.ep": 2},
      "parallel.spill_threshold"),
+    ({"parallel.pp": 2, "parallel.pp_schedule": "dualpipev", "model.num_layers": 4,
+      "train.compile": True}, "train.compile"),
 ])
 def test_bad_pipeline_configs_name_the_key(tmp_path, over, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

@@ -806,5 +806,11 @@ class RunConfig:
             fail("data.doc_masking", True, "cannot be combined with parallel.pp > 1 yet (the "
                  "later stages do not see the token ids the mask is made from); set "
                  "data.doc_masking: false, or parallel.pp: 1")
+        if self.train.compile and par.pp_schedule == "dualpipev" and par.overlap != "none":
+            fail("train.compile", True, "cannot be combined with parallel.pp_schedule: "
+                 "dualpipev under parallel.overlap: auto yet (its paired forward and backward "
+                 "of two micro-batches run on two threads, and a compiled block's "
+                 "recomputation flag is one per process); set parallel.overlap: none or "
+                 "train.compile: false")
 
 
