@@ -24,9 +24,12 @@ by ``CommClock`` inside the wait, after the hand-off: time the other micro-batch
 computed while a transfer was in flight counts as hidden, the wait that remains (both
 micro-batches waiting) as exposed.
 
-On CUDA both threads issue onto the same compute stream in baton order, so the kernels of
-one land between the issue and the wait of the other's collective on NCCL's stream
-(unrun here: no GPU in this project's CI).
+On CUDA both threads issue onto the same compute stream (the helper takes the caller's
+device and stream) in baton order, so the kernels of one land between the issue and the
+wait of the other's collective on NCCL's stream. There the autograd engine runs a backward
+on its own device thread, which has no hand-off: the backward is issued whole at the
+forward's first hand-off (its kernels then run while that exchange is in flight), and the
+forward's later exchanges hide nothing of it. Unrun here: no GPU in this project's CI.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
 from torch.distributed.pipelining import schedules as pp_schedules
 
 from ..config import ConfigError
@@ -91,8 +95,13 @@ def run_pair(first: Callable[[], Any], second: Callable[[], Any],
     results: list[Any] = [None, None]
     errors: list[BaseException | None] = [None, None]
 
+    stream = torch.cuda.current_stream() if torch.cuda.is_initialized() else None
+
     def body(me: int, fn: Callable[[], Any]) -> None:
         baton.acquire(me)
+        if stream is not None and me == 1:  # CUDA's device and stream are per thread
+            torch.cuda.set_device(stream.device)
+            torch.cuda.set_stream(stream)
         set_handoff(lambda: baton.switch(me))
         try:
             results[me] = fn()
