@@ -99,8 +99,8 @@ class _LoggedClock(CommClock):
     """A CommClock that logs which thread read it (issue, wait start, wait end)."""
 
     def __init__(self, log: list):
-        super().__init__()
         self.log = log
+        super().__init__()
 
     def _now(self):
         self.log.append(threading.current_thread().name)
