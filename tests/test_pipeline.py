@@ -2,7 +2,7 @@
 pp=2 x FSDP dp_shard=2 (ep=2 inside) under 1F1B and interleaved 1F1B, pp=2 x dp=2 under
 GPipe and interleaved zero-bubble, ZB-V and DualPipeV (its overlapped forward/backward pairs
 interleaved or, with parallel.overlap none, one after the other; with full recomputation
-too), and pp=4, train the tiny model with
+too; with FSDP at ZeRO-1: tests/test_zero.py), and pp=4, train the tiny model with
 the losses, gradient norms, validation loss and per-layer expert loads of one process at
 the same global batch; a pp=2 x ep=2 checkpoint resumes bit for bit and continues at pp=1
 (FSDP dp_shard=4 x ep=4) and at pp=4 (ep=1). Bad layouts fail before anything starts, naming the keys.
@@ -261,6 +261,8 @@ def test_bubble_and_micro_batch_rules():
      "parallel.spill_threshold"),
     ({"parallel.pp": 2, "parallel.pp_schedule": "dualpipev", "model.num_layers": 4,
       "train.compile": True}, "train.compile"),
+    ({"parallel.pp": 2, "parallel.pp_schedule": "zbv", "model.num_layers": 4,
+      "parallel.fsdp": True}, "parallel.pp_schedule"),
 ])
 def test_bad_pipeline_configs_name_the_key(tmp_path, over, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
