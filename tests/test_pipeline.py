@@ -261,12 +261,21 @@ def test_bubble_and_micro_batch_rules():
      "parallel.spill_threshold"),
     ({"parallel.pp": 2, "parallel.pp_schedule": "dualpipev", "model.num_layers": 4,
       "train.compile": True}, "train.compile"),
-    ({"parallel.pp": 2, "parallel.pp_schedule": "zbv", "model.num_layers": 4,
-      "parallel.fsdp": True}, "parallel.pp_schedule"),
 ])
 def test_bad_pipeline_configs_name_the_key(tmp_path, over, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         tiny_cfg(tmp_path, **{"model.tie_embeddings": False, **over})
+
+
+def test_split_backward_schedules_with_zero3_fsdp_do_not_start(tmp_path):
+    from epscale.training.prelaunch import check_run
+
+    over = {"model.tie_embeddings": False, "parallel.pp": 2, "model.num_layers": 4,
+            "parallel.fsdp": True, "parallel.pp_schedule": "zbv", "train.micro_batch_size": 1,
+            "train.grad_accum": 4}
+    with pytest.raises(ConfigError, match=r"parallel\.pp_schedule' = 'zbv'.*parallel\.zero: 1"):
+        check_run(tiny_cfg(tmp_path, **over), None, 2)
+    check_run(tiny_cfg(tmp_path, **over, **{"parallel.zero": 1}), None, 2)  # ZeRO-1 trains
 
 
 def test_bad_pipeline_layouts_name_the_keys(tmp_path):

@@ -455,8 +455,6 @@ class ParallelConfig:
 
 
 ZERO_LEVELS = (1, 2, 3)   # parallel.zero
-# the pipeline schedules that split a backward into an input and a weight part
-SPLIT_BACKWARD_SCHEDULES = ("zero_bubble", "zbv", "dualpipev")
 
 
 def check_zero(zero, fsdp: bool, pp: int) -> None:
@@ -810,12 +808,6 @@ class RunConfig:
             fail("data.doc_masking", True, "cannot be combined with parallel.pp > 1 yet (the "
                  "later stages do not see the token ids the mask is made from); set "
                  "data.doc_masking: false, or parallel.pp: 1")
-        if par.fsdp and par.zero == 3 and par.pp_schedule in SPLIT_BACKWARD_SCHEDULES:
-            fail("parallel.pp_schedule", par.pp_schedule, "cannot be combined with "
-                 "parallel.fsdp: true at parallel.zero: 3 yet: its backward in two parts "
-                 "(inputs, then weights) gives wrong gradients with FSDP2's per-micro-batch "
-                 "regathering (torch 2.13); use parallel.zero: 1, or parallel.pp_schedule "
-                 "1f1b, interleaved_1f1b or gpipe")
         if self.train.compile and par.pp_schedule == "dualpipev" and par.overlap != "none":
             fail("train.compile", True, "cannot be combined with parallel.pp_schedule: "
                  "dualpipev under parallel.overlap: auto yet (its paired forward and backward "
