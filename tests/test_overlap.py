@@ -203,6 +203,29 @@ def test_pair_runs_one_thread_at_a_time_switching_at_hand_offs():
     hand_off()  # outside a pair: nothing to hand to
 
 
+def test_pair_sections_time_their_own_thread_only():
+    """A section opened inside a pair closes while the other thread runs and reopens after
+    (two intervals); the other's sections nest in the caller's, not in it."""
+    from epscale.metrics import StepTimers
+
+    timers = StepTimers()
+
+    def first():
+        with timers.section("forward"):
+            hand_off()
+
+    def second():
+        with timers.section("experts"):
+            pass
+
+    with timers.section("backward"):
+        run_pair(first, second, timers=timers)
+    assert [(n, p) for n, p, _d in timers._durations()] == [
+        ("forward", "backward"), ("experts", "backward"), ("forward", "backward"),
+        ("backward", None)]
+    assert timers.num_open() == 0
+
+
 def test_pair_raises_what_either_side_raised():
     done = []
 

@@ -86,12 +86,16 @@ class Baton:
 
 
 def run_pair(first: Callable[[], Any], second: Callable[[], Any],
-             stats: PairStats | None = None) -> tuple[Any, Any]:
+             stats: PairStats | None = None, timers=None) -> tuple[Any, Any]:
     """Run ``first`` on this thread and ``second`` on a helper thread, one at a time,
     switching at every communication hand-off point; returns both results. An exception
     in either is raised here after both have ended. ``stats``: counts the pair and its
-    hand-offs."""
+    hand-offs. ``timers``: the ``StepTimers`` both time their sections with; a thread's
+    sections opened inside the pair are closed while the other runs
+    (``suspend``/``resume``), so a section's time is its own thread's; the caller's open
+    sections hold both."""
     baton = Baton()
+    keep = timers.num_open() if timers is not None else 0
     results: list[Any] = [None, None]
     errors: list[BaseException | None] = [None, None]
 
@@ -102,7 +106,7 @@ def run_pair(first: Callable[[], Any], second: Callable[[], Any],
         if stream is not None and me == 1:  # CUDA's device and stream are per thread
             torch.cuda.set_device(stream.device)
             torch.cuda.set_stream(stream)
-        set_handoff(lambda: baton.switch(me))
+        set_handoff(lambda: _switch(baton, me, timers, keep))
         try:
             results[me] = fn()
         except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
@@ -123,6 +127,20 @@ def run_pair(first: Callable[[], Any], second: Callable[[], Any],
         if e is not None:
             raise e
     return results[0], results[1]
+
+
+def _switch(baton: Baton, me: int, timers, keep: int) -> None:
+    open_ = timers.suspend(keep) if timers is not None else None
+    baton.switch(me)
+    if timers is not None:
+        timers.resume(open_)
+
+
+def _timers_of(stage) -> Any:
+    """The StepTimers a stage's chunk times its sections with (its ``timer`` is the
+    trainer's ``StepTimers.section``), or None."""
+    owner = getattr(getattr(stage.submod, "timer", None), "__self__", None)
+    return owner if hasattr(owner, "suspend") else None
 
 
 def overlapped_f_b(action, ctx, stats: PairStats | None = None) -> None:
@@ -150,7 +168,7 @@ def overlapped_f_b(action, ctx, stats: PairStats | None = None) -> None:
                                           save_forward_output=False),
         lambda: b_stage.backward_one_chunk(b_mb, loss=loss, full_backward=True,
                                            last_backward=last),
-        stats)
+        stats, _timers_of(f_stage))
     sched._maybe_compute_loss(f_stage, output, ctx.target_mbs, f_mb)
     if fwd.stage_index + 1 in stages:
         stages[fwd.stage_index + 1].set_local_fwd_input(output, f_mb)
