@@ -7,6 +7,7 @@ blocking path), side by side in one run, with the ratios.
     .venv/bin/python benchmarks/overlap.py --cases ep2-dedup,ep4-dedup --rounds 3
     .venv/bin/python benchmarks/overlap.py --steps 12 --recipe larger
     .venv/bin/python benchmarks/overlap.py --overhead            # the clock's own cost
+    .venv/bin/python benchmarks/overlap.py --cases pp2-ep2-dualpipev --rounds 3  # micro-batch pairs
 
 Each case trains ``configs/tiny.yaml`` (or ``--recipe larger``) for ``--steps`` steps on
 gloo (``epscale train --nproc N``), once per mode; ``--rounds R`` alternates auto and none
@@ -31,6 +32,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 KINDS = ("dispatch", "fsdp", "dp", "pp")
 CHUNKS = ["parallel.overlap_chunks=2"]
+DUALPIPEV = ["parallel.pp=2", "parallel.ep=2", "parallel.pp_schedule=dualpipev",
+             "model.tie_embeddings=false", "train.micro_batch_size=1", "train.grad_accum=8"]
 # name -> (processes, overrides on the recipe)
 CASES = {
     "ep2-alltoall": (2, ["parallel.ep=2", "parallel.dispatcher=alltoall"]),
@@ -45,6 +48,11 @@ CASES = {
     "ep4-allgather": (4, ["parallel.ep=4", "parallel.dispatcher=allgather"]),
     "fsdp2-ep2-dedup": (2, ["parallel.fsdp=true", "parallel.ep=2", "parallel.dispatcher=dedup",
                             *CHUNKS]),
+    # DualPipeV on 4 ranks: with 'auto' its paired forward and backward of two
+    # micro-batches interleave at their exchanges (parallel/overlap_pair.py); 8
+    # micro-batches of 1 sequence per data rank
+    "pp2-ep2-dualpipev": (4, DUALPIPEV + ["parallel.dispatcher=alltoall"]),
+    "pp2-ep2-dualpipev-dedup": (4, DUALPIPEV + ["parallel.dispatcher=dedup", *CHUNKS]),
 }
 RECIPES = {
     "tiny": [],

@@ -6,6 +6,7 @@ One spawn of two processes runs every case."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,9 @@ import torch.distributed as dist
 
 from dist_utils import CaseRunner, assert_no_failures, run_distributed, run_trainer
 from epscale.config import ConfigError, load_config
+from epscale.dispatch.comm import CommCounter, Exchange, GroupInfo, has_handoff, hand_off
 from epscale.metrics.commclock import CommClock, _union
+from epscale.parallel.overlap_pair import PairStats, run_pair
 from epscale.plan.overlap import COMM_KINDS
 from test_train import assert_losses_close, tiny_overrides
 
@@ -92,10 +95,58 @@ def _clock_cases(runner: CaseRunner, corpus_dir: Path, tmp: Path) -> None:
             assert rec["comm_by_kind"]["dispatch"]["s"] == 0
 
 
+class _LoggedClock(CommClock):
+    """A CommClock that logs which thread read it (issue, wait start, wait end)."""
+
+    def __init__(self, log: list):
+        self.log = log
+        super().__init__()
+
+    def _now(self):
+        self.log.append(threading.current_thread().name)
+        return super()._now()
+
+
+def _pair_case(runner: CaseRunner, rank: int) -> None:
+    """Two micro-batches through run_pair on real gloo all-to-alls: the first's exchange
+    is in flight while the second computes, and the clock's exposed wait of the first
+    starts only after that compute (hidden, not exposed); both exchanges deliver."""
+    with runner.case("overlapped pair: hand-offs and the clock"):
+        log: list = []
+        clock = _LoggedClock(log)
+        info = GroupInfo.of(dist.group.WORLD, 2, CommCounter())
+        info.counter.clock = clock
+        x_N1 = (torch.arange(4.0) + 10 * rank).view(4, 1)
+        log.clear()
+
+        def forward():
+            ex = Exchange(info, [2, 2], [2, 2], async_op=True)
+            (y,) = ex(x_N1)
+            return ex.done(y)[0]       # waits: hands off first
+
+        def backward():
+            log.append("compute")
+            (z,) = Exchange(info, [2, 2], [2, 2])(x_N1 * 2)  # blocking: hands off too
+            return z
+
+        stats = PairStats()
+        y, z = run_pair(forward, backward, stats)
+        me, helper = threading.current_thread().name, "epscale-overlap-pair"
+        # issue F | compute B, issue B | wait F (start, end) | wait B (start, end)
+        assert log == [me, "compute", helper, me, me, helper, helper], log
+        assert stats.pairs == 1 and stats.switches == 2
+        want = torch.tensor([2 * rank, 2 * rank + 1, 10 + 2 * rank, 11 + 2 * rank]).view(4, 1)
+        assert torch.equal(y, want) and torch.equal(z, 2 * want)
+        t = clock.totals()
+        assert t["dispatch"]["n"] == 2 and t["dispatch"]["exposed_s"] <= t["dispatch"]["s"]
+        assert not has_handoff()
+
+
 def _worker(rank, world, corpus_dir, tmp, cases):
     corpus_dir, tmp = Path(corpus_dir), Path(tmp)
     runner = CaseRunner(rank)
     _clock_cases(runner, corpus_dir, tmp)
+    _pair_case(runner, rank)
     out = {}
     for name, over in cases.items():
         for mode in ("auto", "none"):
@@ -127,6 +178,64 @@ def test_overlap_auto_and_none_train_the_same(tmp_path):
 def test_overlap_key_is_checked(tmp_path):
     with pytest.raises(ConfigError, match="parallel.overlap"):
         load_config(None, tiny_overrides(tmp_path, **{"parallel.overlap": "always"}))
+
+
+def test_pair_runs_one_thread_at_a_time_switching_at_hand_offs():
+    log = []
+
+    def first():
+        for step in ("a1", "a2", "a3"):
+            log.append(step)
+            hand_off()
+        return "a"
+
+    def second():
+        log.append("b1")
+        hand_off()
+        log.append("b2")
+        return "b"
+
+    stats = PairStats()
+    assert run_pair(first, second, stats) == ("a", "b")
+    assert log == ["a1", "b1", "a2", "b2", "a3"]  # after b ends, a runs on alone
+    assert (stats.pairs, stats.switches) == (1, 3)
+    assert not has_handoff()
+    hand_off()  # outside a pair: nothing to hand to
+
+
+def test_pair_sections_time_their_own_thread_only():
+    """A section opened inside a pair closes while the other thread runs and reopens after
+    (two intervals); the other's sections nest in the caller's, not in it."""
+    from epscale.metrics import StepTimers
+
+    timers = StepTimers()
+
+    def first():
+        with timers.section("forward"):
+            hand_off()
+
+    def second():
+        with timers.section("experts"):
+            pass
+
+    with timers.section("backward"):
+        run_pair(first, second, timers=timers)
+    assert [(n, p) for n, p, _d in timers._durations()] == [
+        ("forward", "backward"), ("experts", "backward"), ("forward", "backward"),
+        ("backward", None)]
+    assert timers.num_open() == 0
+
+
+def test_pair_raises_what_either_side_raised():
+    done = []
+
+    def fails():
+        hand_off()
+        raise ValueError("backward broke")
+
+    with pytest.raises(ValueError, match="backward broke"):
+        run_pair(lambda: done.append(hand_off()) or "ok", fails)
+    assert done == [None] and not has_handoff()
 
 
 def test_union_of_intervals():

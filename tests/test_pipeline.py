@@ -1,6 +1,8 @@
 """Pipeline parallelism in the real trainer on real gloo process groups: pp=2 x ep=2 and
 pp=2 x FSDP dp_shard=2 (ep=2 inside) under 1F1B and interleaved 1F1B, pp=2 x dp=2 under
-GPipe and interleaved zero-bubble, ZB-V and DualPipeV, and pp=4, train the tiny model with
+GPipe and interleaved zero-bubble, ZB-V and DualPipeV (its overlapped forward/backward pairs
+interleaved or, with parallel.overlap none, one after the other; with full recomputation
+too; with FSDP at ZeRO-1: tests/test_zero.py), and pp=4, train the tiny model with
 the losses, gradient norms, validation loss and per-layer expert loads of one process at
 the same global batch; a pp=2 x ep=2 checkpoint resumes bit for bit and continues at pp=1
 (FSDP dp_shard=4 x ep=4) and at pp=4 (ep=1). Bad layouts fail before anything starts, naming the keys.
@@ -31,6 +33,8 @@ BASE = {"train.steps": STEPS, "train.eval_every": 0, "train.ckpt_every": 0,
         "train.micro_batch_size": 2, "train.collective_timeout_s": 0, "train.preflight": False,
         "model.num_layers": 4, "model.tie_embeddings": False, "moe.bias_update_speed": 0.01}
 PP2 = {"parallel.pp": 2}
+DUALPIPEV = {**PP2, "parallel.ep": 2, "parallel.pp_schedule": "dualpipev",
+             "train.micro_batch_size": 1, "train.grad_accum": 4}
 
 # name -> overrides on BASE; "micro" says which one-process reference holds the same
 # micro-batches: 2 sequences each (8 per step), or 1 (the V schedules need m >= 2 pp = 4
@@ -51,8 +55,9 @@ CASES = {
                             "parallel.pp_virtual_stages": 2, "train.grad_accum": 2},
     "pp2 ep2 zbv": {**PP2, "parallel.ep": 2, "parallel.pp_schedule": "zbv",
                     "train.micro_batch_size": 1, "train.grad_accum": 4},
-    "pp2 ep2 dualpipev": {**PP2, "parallel.ep": 2, "parallel.pp_schedule": "dualpipev",
-                          "train.micro_batch_size": 1, "train.grad_accum": 4},
+    "pp2 ep2 dualpipev": DUALPIPEV,  # parallel.overlap auto: the paired F/B interleave
+    "pp2 ep2 dualpipev overlap-none": {**DUALPIPEV, "parallel.overlap": "none"},
+    "pp2 ep2 dualpipev ac-full": {**DUALPIPEV, "train.activation_checkpointing": "full"},
     "pp4 1f1b": {"parallel.pp": 4, "train.grad_accum": 4},
 }
 REFERENCES = {2: {"train.micro_batch_size": 2, "train.grad_accum": 4},
@@ -68,13 +73,19 @@ def _summary(records) -> list[dict]:
             for r in records]
 
 
-def _run(corpus_dir: Path, run_dir: Path, world: int, over: dict, seen: dict | None = None
-         ) -> list[dict]:
+def _run(corpus_dir: Path, run_dir: Path, world: int, over: dict, seen: dict | None = None,
+         inspect=None) -> list[dict]:
     """``seen``, if given, gets this rank's receive buffers counted over the run (peaks)
-    and the counts the memory model gives them."""
+    and the counts the memory model gives them; ``inspect(trainer)`` as run_trainer's."""
     cfg = tiny_cfg(corpus_dir, **{**BASE, **over})
     got = {}
-    records = run_trainer(cfg, run_dir, world, inspect=lambda t: got.setdefault("t", t))
+
+    def look(t):
+        got.setdefault("t", t)
+        if inspect is not None:
+            inspect(t)
+
+    records = run_trainer(cfg, run_dir, world, inspect=look)
     if seen is not None:
         from epscale.plan.memory import receive_buffers_in_flight
 
@@ -88,11 +99,15 @@ def _run(corpus_dir: Path, run_dir: Path, world: int, over: dict, seen: dict | N
 
 def _worker(rank, world, corpus_dir, tmp):
     corpus_dir, tmp = Path(corpus_dir), Path(tmp)
-    runner, out = CaseRunner(rank), {}
+    runner, out = CaseRunner(rank), {"pairs": {}}
     for name, over in CASES.items():
         with runner.case(name):
+            held = {}
             out[name] = _run(corpus_dir, tmp / name.replace(" ", "_"), world, over,
-                             seen=out.setdefault(f"{name} recv", {}))
+                             seen=out.setdefault(f"{name} recv", {}),
+                             inspect=lambda t: held.update(pipeline=t.stepper.pipeline))
+            stats = held["pipeline"].pair_stats  # DualPipeV's overlapped pairs
+            out["pairs"][name] = None if stats is None else (stats.pairs, stats.switches)
     with runner.case(TORCH_BUFFERS):  # torch's own buffers, all m held all step
         import epscale.parallel.pipeline as pipeline_module
         from epscale.parallel.pipeline_buffers import ReceiveBuffers
@@ -179,6 +194,26 @@ def test_freeing_receive_buffers_changes_no_bit(runs):
     _, got = runs
     assert len(got[TORCH_BUFFERS]) == STEPS
     assert got[TORCH_BUFFERS] == got["pp2 ep2 dualpipev"]
+
+
+def test_dualpipev_pairs_interleave_and_train_as_one_after_the_other(runs):
+    """parallel.overlap auto runs DualPipeV's paired forward and backward of two
+    micro-batches interleaved at their exchanges (with and without full recomputation),
+    'none' one after the other; the same operations on the same tensors: the same losses
+    and gradient norms at every step (and as one process: the test above)."""
+    _refs, got = runs
+    pairs = got["pairs"]
+    assert pairs["pp2 ep2 dualpipev overlap-none"] is None
+    for name in ("pp2 ep2 dualpipev", "pp2 ep2 dualpipev ac-full"):
+        # m = 4, pp = 2: torch's DualPipeV pairs 3 forwards with backwards per rank and step
+        n, switches = pairs[name]
+        assert n == 3 * STEPS, (name, pairs[name])
+        # at least: the forward hands over at its first exchange, the backward at its first
+        assert switches >= 2 * n, (name, pairs[name])
+        for key in ("loss", "grad_norm"):
+            assert_losses_close(_by_step(got[name], key),
+                                _by_step(got["pp2 ep2 dualpipev overlap-none"], key),
+                                same_weights=range(1, STEPS + 1))
 
 
 @pytest.mark.parametrize("name", ["pp2 ep2 1f1b", "pp2 fsdp2 ep2 interleaved ac-full", "pp4 1f1b"])
@@ -288,10 +323,23 @@ def test_bubble_and_micro_batch_rules():
      "parallel.redundant_experts"),
     ({"parallel.pp": 2, "parallel.spill_threshold": 1.5, "parallel.ep": 2},
      "parallel.spill_threshold"),
+    ({"parallel.pp": 2, "parallel.pp_schedule": "dualpipev", "model.num_layers": 4,
+      "train.compile": True}, "train.compile"),
 ])
 def test_bad_pipeline_configs_name_the_key(tmp_path, over, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         tiny_cfg(tmp_path, **{"model.tie_embeddings": False, **over})
+
+
+def test_split_backward_schedules_with_zero3_fsdp_do_not_start(tmp_path):
+    from epscale.training.prelaunch import check_run
+
+    over = {"model.tie_embeddings": False, "parallel.pp": 2, "model.num_layers": 4,
+            "parallel.fsdp": True, "parallel.pp_schedule": "zbv", "train.micro_batch_size": 1,
+            "train.grad_accum": 4}
+    with pytest.raises(ConfigError, match=r"parallel\.pp_schedule' = 'zbv'.*parallel\.zero: 1"):
+        check_run(tiny_cfg(tmp_path, **over), None, 2)
+    check_run(tiny_cfg(tmp_path, **over, **{"parallel.zero": 1}), None, 2)  # ZeRO-1 trains
 
 
 def test_bad_pipeline_layouts_name_the_keys(tmp_path):

@@ -326,8 +326,10 @@ class ParallelConfig:
     ranks_per_node: int | None = None
     overlap_chunks: int = 1
     # Communication behind compute: 'auto' overlaps what the layout allows (async
-    # exchanges, chunked dispatch, FSDP prefetch); 'none' is the plain blocking path (every
-    # exchange synchronous, overlap_chunks treated as 1, no FSDP explicit prefetch), for
+    # exchanges, chunked dispatch, FSDP prefetch, DualPipeV's paired forward and backward
+    # of two micro-batches interleaved at their exchanges); 'none' is the plain blocking
+    # path (every exchange synchronous, overlap_chunks treated as 1, no FSDP explicit
+    # prefetch, DualPipeV's pairs one after the other), for
     # comparison and debugging. The losses are the same either way (to summation order).
     overlap: str = "auto"
     # dispatch payload: 'auto' (the activations' dtype), 'bf16', or 'fp8' (e4m3 with
@@ -836,5 +838,11 @@ class RunConfig:
             fail("data.doc_masking", True, "cannot be combined with parallel.pp > 1 yet (the "
                  "later stages do not see the token ids the mask is made from); set "
                  "data.doc_masking: false, or parallel.pp: 1")
+        if self.train.compile and par.pp_schedule == "dualpipev" and par.overlap != "none":
+            fail("train.compile", True, "cannot be combined with parallel.pp_schedule: "
+                 "dualpipev under parallel.overlap: auto yet (its paired forward and backward "
+                 "of two micro-batches run on two threads, and a compiled block's "
+                 "recomputation flag is one per process); set parallel.overlap: none or "
+                 "train.compile: false")
 
 

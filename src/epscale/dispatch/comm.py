@@ -12,12 +12,21 @@ the floating-point fields in their own dtype.
 An exchange may run asynchronously (``Exchange(..., async_op=True)``): the forward returns
 its outputs at once and the caller must call ``exchange.wait()`` before reading them. This
 is how the dispatchers keep a transfer in flight while experts or shared experts compute.
+
+Hand-off points: a thread may register a hand-off (:func:`set_handoff`, e.g. the
+overlapped forward/backward pair of ``epscale.parallel.overlap_pair``), called once per
+collective of that thread, after the collective is issued and before it is waited for: in
+:meth:`Exchange.wait`, before a backward's gradient exchange is waited for, and in
+:func:`all_to_all_bytes`, whose blocking exchanges then run asynchronously around the
+hand-off. Another micro-batch's compute then runs while the transfer is in flight. A
+thread without one (every thread outside such a pair) runs exactly as before.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -30,6 +39,26 @@ FP8_DTYPE = getattr(torch, "float8_e4m3fn", None)
 FP8_MAX = 448.0          # largest finite e4m3fn value
 FP8_BLOCK = 128          # channels that share one scale (DeepEP's per-128-channel scaling)
 _NULL = contextlib.nullcontext()
+_HANDOFF = threading.local()
+
+
+def set_handoff(fn: Callable[[], None] | None) -> None:
+    """Register ``fn`` as this thread's hand-off (None removes it): called where one of
+    this thread's collectives is in flight and about to be waited for (see the module
+    docstring). It must be called at the same points on every rank of a group, so it
+    must not depend on whether the transfer has finished."""
+    _HANDOFF.fn = fn
+
+
+def hand_off() -> None:
+    """Call this thread's hand-off, if it has one."""
+    fn = getattr(_HANDOFF, "fn", None)
+    if fn is not None:
+        fn()
+
+
+def has_handoff() -> bool:
+    return getattr(_HANDOFF, "fn", None) is not None
 
 
 # --------------------------------------------------------------------------------------
@@ -238,6 +267,7 @@ class Exchange:
 
     def wait(self) -> None:
         if self._work is not None:
+            hand_off()
             self._work.wait()
             self._work = None
         if self._finish is not None:
@@ -254,7 +284,9 @@ class Exchange:
 
 def all_to_all_bytes(info: GroupInfo, send_buf: torch.Tensor, send_splits: list[int],
                      recv_splits: list[int], async_op: bool = False):
-    """all_to_all_single of a [N, B] buffer; returns (recv [M, B], work or None)."""
+    """all_to_all_single of a [N, B] buffer; returns (recv [M, B], work or None).
+    A blocking call from a thread with a hand-off (:func:`set_handoff`) runs
+    asynchronously around it and returns already waited for (work None)."""
     recv = send_buf.new_empty((sum(recv_splits),) + tuple(send_buf.shape[1:]))
     row_bytes = send_buf[0:1].numel() * send_buf.element_size() if send_buf.dim() > 1 else send_buf.element_size()
     info.counter.add(info.ranks, info.my_rank, [n * row_bytes for n in send_splits],
@@ -262,7 +294,9 @@ def all_to_all_bytes(info: GroupInfo, send_buf: torch.Tensor, send_splits: list[
     if info.size == 1:
         recv.copy_(send_buf)
         return recv, None
-    async_op = async_op and not info.counter.blocking
+    blocking = info.counter.blocking
+    handed = not async_op and not blocking and has_handoff()
+    async_op = (async_op or handed) and not blocking
     clock = info.counter.clock
     if clock is None:
         work = dist.all_to_all_single(recv, send_buf, recv_splits, send_splits,
@@ -275,6 +309,10 @@ def all_to_all_bytes(info: GroupInfo, send_buf: torch.Tensor, send_splits: list[
         with clock.blocking("dispatch"):
             work = dist.all_to_all_single(recv, send_buf, recv_splits, send_splits,
                                           group=info.group)
+    if handed:  # the caller asked to block: wait here, after the hand-off
+        hand_off()
+        work.wait()
+        work = None
     return recv, work
 
 
@@ -368,6 +406,7 @@ def _grads_finish(meta: _GradMeta, pending: tuple) -> list:
     if recv is None:
         return out
     if work is not None:
+        hand_off()
         work.wait()
     N = recv.shape[0]
     for i, g in zip(meta.float_fields, unpack_rows(recv, specs)):

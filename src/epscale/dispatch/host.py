@@ -86,15 +86,22 @@ def _recording(record: _Record) -> Iterator[None]:
         _ACTIVE.records.pop()
 
 
-@contextlib.contextmanager
-def _replaying(record: _Record) -> Iterator[None]:
-    record.replay_at = 0  # every recomputation starts from the first value
-    _ACTIVE.records.append(record)
-    try:
-        yield
-    finally:
+class _Replaying:
+    """The recomputation context of one record. Entered again for each recomputation
+    (a split backward, input then weights, as the zero-bubble pipeline schedules run it,
+    recomputes twice); every recomputation starts from the first value."""
+
+    def __init__(self, record: _Record) -> None:
+        self.record = record
+
+    def __enter__(self) -> None:
+        self.record.replay_at = 0
+        _ACTIVE.records.append(self.record)
+
+    def __exit__(self, *exc) -> bool:
         _ACTIVE.records.pop()
-        record.replay_at = None
+        self.record.replay_at = None
+        return False
 
 
 def recompute_contexts() -> tuple[contextlib.AbstractContextManager,
@@ -103,4 +110,4 @@ def recompute_contexts() -> tuple[contextlib.AbstractContextManager,
     ``torch.utils.checkpoint(..., context_fn=...)`` (see
     :func:`epscale.parallel.activation.run`)."""
     record = _Record()
-    return _recording(record), _replaying(record)
+    return _recording(record), _Replaying(record)

@@ -120,6 +120,28 @@ class StepTimers:
         """Forget the sections timed so far (call at the start of each step)."""
         self._intervals.clear()
 
+    def num_open(self) -> int:
+        """How many sections are open (nested) now."""
+        return len(self._stack)
+
+    def suspend(self, keep: int = 0) -> list[tuple["_Section", int]]:
+        """Close the open sections but the ``keep`` outermost (each records its interval
+        so far) and return what :meth:`resume` needs to reopen them: for a thread that
+        stops running while another one times its own sections inside the same outer
+        ones (``epscale.parallel.overlap_pair``), so neither's sections count the other's
+        time."""
+        open_ = [(sec, sec.depth) for sec in self._stack[keep:]]
+        for sec, _depth in reversed(open_):
+            sec.depth = 1
+            sec.__exit__(None, None, None)
+        return open_
+
+    def resume(self, open_: list[tuple["_Section", int]]) -> None:
+        """Reopen the sections :meth:`suspend` closed, outermost first."""
+        for sec, depth in open_:
+            sec.__enter__()
+            sec.depth = depth
+
     # ---------------------------------------------------------------- reading
     def _durations(self) -> list[tuple[str, str | None, float]]:
         if self.use_cuda_events and self._intervals:

@@ -35,6 +35,7 @@ from torch import nn
 from ..config import ConfigError
 from ..config.schema import PP_SCHEDULES
 from ..moe.layer import MoE
+from .overlap_pair import install as install_overlapped_pairs
 from ..plan.pipeline import stage_layers, stage_placement
 from .pipeline_buffers import hold_receive_buffers_in_flight
 
@@ -119,12 +120,17 @@ class Pipeline:
     step's ``micro_batches`` micro-batches (``x``, ``y``: all of them stacked, [m B, S])
     forward and backward and returns the micro-batches' losses on the ranks of the last
     stage ([] elsewhere); ``eval_losses(x, y)`` the same forward only.
+
+    ``overlap`` (``parallel.overlap`` != 'none'): DualPipeV's paired forward and backward
+    of two micro-batches run interleaved at their communication points
+    (:mod:`epscale.parallel.overlap_pair`) instead of one after the other.
     """
 
     def __init__(self, chunks: list[StageChunk], dims, schedule: str, micro_batches: int,
                  micro_batch_shape: tuple[int, int], dim: int, vocab_size: int,
                  activation_dtype: torch.dtype, device: torch.device,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 overlap: bool = False):
         from torch.distributed import pipelining
 
         self.chunks, self.dims, self.name = chunks, dims, schedule
@@ -151,6 +157,9 @@ class Pipeline:
                               f"({torch.__version__}) does not have; choose another schedule")
         single = PP_SCHEDULES[schedule] == "single"
         self.schedule = cls(stages[0] if single else stages, micro_batches, loss_fn=loss_fn)
+        # the counts of DualPipeV's overlapped pairs (None: run one after the other)
+        self.pair_stats = (install_overlapped_pairs(self.schedule)
+                           if overlap and schedule == "dualpipev" else None)
         self.placement = stage_placement(schedule, dims.pp, len(chunks) if not single else 1)
 
     def _inputs(self, x_BS: torch.Tensor, y_BS: torch.Tensor, losses: list) -> tuple[tuple, dict]:

@@ -244,7 +244,8 @@ class Trainer:
         act = torch.bfloat16 if self.use_bf16 and self.fsdp else torch.float32
         pipeline = Pipeline(chunks, self.dims, cfg.parallel.pp_schedule, cfg.train.grad_accum,
                             (cfg.train.micro_batch_size, cfg.model.seq_len), cfg.model.dim,
-                            cfg.model.vocab_size, act, self.device, next_token_loss)
+                            cfg.model.vocab_size, act, self.device, next_token_loss,
+                            overlap=cfg.parallel.overlap != "none")
         return PipelineStep(pipeline, self.device, self.timers, self.dims)
 
     def _build_optimizer(self, placement) -> None:
