@@ -382,6 +382,7 @@ def test_pipeline_traffic_per_gpu_is_the_ranks_mean_whatever_the_overlap():
 def test_fit_tries_each_pipeline_once():
     """deepseek-v3 names dualpipev with pp_virtual_stages 1 (read as 2): --fit lists each
     (pp, schedule) once, and its own layout keeps the recipe's stage split."""
+    from epscale.config.schema import SPLIT_BACKWARD_SCHEDULES
     from epscale.plan.fit import candidates, pipelines, recompute_choices
 
     cfg = load_recipe("deepseek-v3")
@@ -404,3 +405,8 @@ def test_fit_tries_each_pipeline_once():
         ("none", ()), light, ("selective", ()), ("full", ())]
     assert sum(k[-2:] == light for k in keys) == sum(k[-2:] == ("full", ()) for k in keys) > 0
     assert any(c.parallel.pp_layers_per_stage == split for c in candidates(own, cl))
+    # FSDP under a split-backward schedule only at ZeRO-1 (the trainer refuses ZeRO-3 there)
+    zero3 = load_recipe("deepseek-v3", ["parallel.zero=3"])
+    split_fsdp = [c.parallel for c in candidates(zero3, cl) if c.parallel.fsdp
+                  and c.parallel.pp > 1 and c.parallel.pp_schedule in SPLIT_BACKWARD_SCHEDULES]
+    assert split_fsdp and {p.zero for p in split_fsdp} == {1}

@@ -404,3 +404,29 @@ def test_a_blocking_recipe_is_modelled_without_overlap():
                         cluster, dispatchers=("dedup",))[0]
     assert (auto.overlap, blocking.overlap) == ("chunks", "none")
     assert blocking.step_time_s > auto.step_time_s
+
+
+def test_fp8_activation_storage_charges_its_casts_by_bytes():
+    """train.activation_storage: fp8 moves FP8_STORE_BYTES per stored element of each
+    routed row (input and output rows, the activation's inputs, and its output unless
+    moe_act is recomputed) through memory: the expert memory time grows by exactly that."""
+    import numpy as np
+
+    from epscale.config import load_recipe
+    from epscale.plan.cluster import load_cluster
+    from epscale.plan.shapes import FP8_STORE_BYTES, Work, expert_parts
+
+    cl = load_cluster("h100-64")
+    rows, padded, gemms = np.array([4096.0]), np.array([4096.0]), np.array([8.0])
+
+    def memory(*over):
+        cfg = load_recipe("qwen3-30b-a3b", ["train.activation_checkpointing=none", *over])
+        return expert_parts(cfg, cl, rows, padded, gemms, Work())["memory"][0]
+
+    D, F = 2048, 768
+    bw = cl.mem_bw_GBps * 1e9
+    light = ("train.recompute_modules=[moe_act]",)
+    assert memory("train.activation_storage=fp8") - memory() == pytest.approx(
+        4096 * FP8_STORE_BYTES * (2 * D + 2 * F + F) / bw)
+    assert memory("train.activation_storage=fp8", *light) - memory(*light) == pytest.approx(
+        4096 * FP8_STORE_BYTES * (2 * D + 2 * F) / bw)

@@ -478,6 +478,10 @@ def check_zero(zero, fsdp: bool, pp: int) -> None:
 # stages r and 2 pp - 1 - r).
 PP_SCHEDULES = {"1f1b": "single", "gpipe": "single", "interleaved_1f1b": "loop",
                 "zero_bubble": "loop", "zbv": "v", "dualpipev": "v"}
+# the schedules that split a backward into an input and a weight part (torch 2.13 trains
+# them with wrong gradients under FSDP2 at ZeRO-3: training/prelaunch.py refuses that, and
+# describe --fit sizes them at ZeRO-1)
+SPLIT_BACKWARD_SCHEDULES = ("zero_bubble", "zbv", "dualpipev")
 
 
 def pp_stages_per_rank(schedule: str, virtual_stages: int) -> int:

@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, replace
 
 from ..config import ConfigError, RunConfig
-from ..config.schema import pp_stages_per_rank
+from ..config.schema import SPLIT_BACKWARD_SCHEDULES, pp_stages_per_rank
 from .cluster import ClusterSpec
 from .memory import MemoryEstimate, memory_per_rank
 from .pipeline import micro_batch_problem, micro_batches
@@ -169,7 +169,10 @@ def candidates(cfg: RunConfig, cluster: ClusterSpec) -> list[RunConfig]:
         pipe = dict(pp=pp, pp_schedule=schedule, pp_virtual_stages=v,
                     pp_layers_per_stage=own.pp_layers_per_stage if same else None)
         accum = {} if cfg.train.global_batch_size is not None else {"grad_accum": m}
-        zero = 1 if own.zero == 2 and pp > 1 else own.zero   # a pipeline refuses ZeRO-2
+        # a pipeline refuses ZeRO-2; a split backward trains only at ZeRO-1 under FSDP
+        # (training/prelaunch.check_split_backward_fsdp)
+        zero = 1 if pp > 1 and (own.zero == 2 or (own.zero == 3 and schedule in
+                                                   SPLIT_BACKWARD_SCHEDULES)) else own.zero
         for ep in (d for d in _divisors(E) if _sim_accepts(d, cluster, E, W)):
             for ac, mods in recompute_choices(cfg):
                 # the recipe's fp8 storage goes with 'none' (whole-block modes replace it)

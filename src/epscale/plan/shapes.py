@@ -51,6 +51,10 @@ PRECISIONS = ("bf16", "fp8")
 # (Transformer Engine docs, "FP8 Current Scaling" and "Performance considerations:
 # handling transposes": Hopper's fp8 GEMMs take only TN layouts).
 FP8_CAST_BYTES = 6.0
+# train.activation_storage: fp8 (epscale.moe.saved_fp8) per stored element: the forward
+# reads the bf16 value (2) and writes its fp8 copy (1) and 1x128 tile scale (4 / 128); the
+# backward reads that back (1 + 4 / 128) and writes the bf16 value again (2).
+FP8_STORE_BYTES = 2 + 1 + 4 / 128 + 1 + 4 / 128 + 2
 # Flash attention's rates on H100 SXM at head dim 128 and sequence 4k, as fractions of the
 # dense bf16 peak (989 TFLOP/s): cuDNN's forward 609 TFLOP/s and backward 499 TFLOP/s,
 # where the backward counts 2.5 times the forward's FLOPs (it recomputes QK^T): Shah et al.,
@@ -380,9 +384,22 @@ def expert_parts(run_cfg: RunConfig, cluster: ClusterSpec, rows, padded_rows, ge
         if prec == "fp8":
             per_row += FP8_CAST_BYTES * (D + F)
         act = parts["moe_act"] / moe.top_k
-        memory = rows * 3 * per_row / bw
+        memory = rows * (3 * per_row + _fp8_stored_per_row(run_cfg, work)) / bw
         recompute = rows * act * _recomputed(work, run_cfg, "moe_act") / bw
     return dict(fwd=fwd, bwd=bwd, memory=memory, recompute=recompute)
+
+
+def _fp8_stored_per_row(run_cfg: RunConfig, work: Work) -> float:
+    """Bytes moved per routed row to keep its saved activations in fp8 and restore them
+    (``train.activation_storage: fp8``): the input row and the output row the combine
+    keeps (D each), the activation's inputs ((mats - 1) F) and, unless ``moe_act`` is
+    recomputed, its output (F)."""
+    if run_cfg.train.activation_storage != "fp8":
+        return 0.0
+    D, F = run_cfg.model.dim, run_cfg.moe.hidden_dim
+    elements = 2 * D + (_ffn_mats(run_cfg.moe.activation) - 1) * F
+    elements += F * (not _recomputed(work, run_cfg, "moe_act"))
+    return FP8_STORE_BYTES * elements
 
 
 def expert_time(run_cfg: RunConfig, cluster: ClusterSpec, rows, padded_rows, gemms,

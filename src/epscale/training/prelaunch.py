@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, RunConfig
+from ..config.schema import SPLIT_BACKWARD_SCHEDULES
 from ..dispatch.registry import check_choice, check_deepep_ep
 from ..model import Transformer
 from ..plan.layout import Layout
@@ -55,8 +56,6 @@ def check_run(cfg: RunConfig, run_dir: str | Path | None, world_size: int) -> Ch
     return Checked(note, resume_from)
 
 
-# the pipeline schedules that split a backward into an input and a weight part
-SPLIT_BACKWARD_SCHEDULES = ("zero_bubble", "zbv", "dualpipev")
 
 
 def check_split_backward_fsdp(cfg: RunConfig) -> None:
