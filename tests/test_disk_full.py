@@ -14,6 +14,7 @@ import subprocess
 import pytest
 
 from epscale.cli import main as cli_main
+from epscale.metrics import JsonlSink
 from epscale.training import checkpoint as ckpt
 from epscale.training.loop import Trainer, train
 from test_run_faults import IS_ROOT, _mount_tmpfs, _short
@@ -40,18 +41,28 @@ def test_a_full_disk_under_background_saves_and_the_metrics_writer(tmp_path, mon
         # The disk fills after step 3 (the step-2 save still finishing in the background)
         # and gets space again after step 7: steps 4-7 and the saves of steps 4 and 6 run
         # on the full disk.
-        heartbeat = Trainer._heartbeat
+        heartbeat, write_line = Trainer._heartbeat, JsonlSink._line
+        full = {"now": False}
 
         def heartbeat_then_fill_or_free(self):
             heartbeat(self)
-            # topped up at every step while full: a background save that fails deletes
-            # its partial files, which would give the writers space again too early
-            if 3 <= self.step < 7:
+            if self.step == 3:
+                full["now"] = True
                 _fill(filler)
             elif self.step == 7:
+                full["now"] = False
                 filler.unlink()
 
+        def fill_then_write(self, record):
+            # topped up right before each record while the disk should be full: a failing
+            # background save deletes its partial files, which gives space back at a moment
+            # that depends on the machine's load
+            if full["now"]:
+                _fill(filler)
+            write_line(self, record)
+
         monkeypatch.setattr(Trainer, "_heartbeat", heartbeat_then_fill_or_free)
+        monkeypatch.setattr(JsonlSink, "_line", fill_then_write)
         res = train(_short(tmp_path, **{"train.steps": 8, "train.ckpt_every": 2,
                                         "train.async_checkpoint": True,
                                         "train.ckpt_fail_limit": 5}), run)
