@@ -36,3 +36,15 @@ def parse_size(option: str, text: str) -> int:
         raise bad_option(option, text, "give a positive size with a unit, e.g. 80GiB, 141GB "
                                        "or 96G")
     return int(float(m.group(1)) * unit)
+
+
+def add_overlap_calibration(p, title: str) -> None:
+    """``--overlap-from RUN_DIR --overlap-cluster CLUSTER`` (describe and simulate): the step
+    model's hidden communication scaled by what a measured run hid (epscale.plan.overlap)."""
+    cal = p.add_argument_group(title)
+    cal.add_argument("--overlap-from", default=None, metavar="RUN_DIR",
+                     help="a measured run (metrics.jsonl with comm_by_kind, config.yaml): its "
+                          "hidden communication against the step model's at its layout scales "
+                          "the model's")
+    cal.add_argument("--overlap-cluster", default=None, metavar="CLUSTER",
+                     help="the cluster that run ran on (preset or epscale calibrate's YAML)")

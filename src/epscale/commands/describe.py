@@ -25,7 +25,7 @@ from ..plan.memory import DTYPE_BYTES, Activations, estimate, pipeline_memory, r
 from ..plan.overlap import assumption, calibration_from
 from ..plan.pipeline import bubble_fraction, stage_flops
 from ..plan.sizing import model_size
-from .args import parse_size
+from .args import add_overlap_calibration, parse_size
 
 
 def configure_parser(p) -> None:
@@ -59,12 +59,7 @@ def configure_parser(p) -> None:
     fit.add_argument("--nodes", type=int, default=None,
                      help="nodes (default: the cluster's; --gpus N also sets them)")
     fit.add_argument("--top", type=int, default=10, help="layouts to list (default 10)")
-    ov = p.add_argument_group("overlap: the step model's assumption, calibrated from a run")
-    ov.add_argument("--overlap-from", default=None, metavar="RUN_DIR",
-                    help="a measured run (metrics.jsonl with comm_by_kind, config.yaml): its "
-                         "hidden communication against the step model's at its layout")
-    ov.add_argument("--overlap-cluster", default=None, metavar="CLUSTER",
-                    help="the cluster that run ran on (preset or epscale calibrate's YAML)")
+    add_overlap_calibration(p, "overlap: the step model's assumption, calibrated from a run")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="config overrides, e.g. moe.num_experts=64 scale=tiny")
     # key=value overrides may follow options (CONFIG --opt X key=value): plain parse_args

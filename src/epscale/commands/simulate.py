@@ -18,6 +18,7 @@ from ..plan.overlap import assumption, calibration_from, simulate_pair
 from ..plan.routing import RoutingSpec
 from ..plan.shapes import CONFIG_RECOMPUTE, PRECISIONS, RECOMPUTE_MODULES, Work
 from ..plan.step_model import DISPATCHERS, OVERLAPS, SimResult, simulate
+from .args import add_overlap_calibration
 
 
 def configure_parser(p) -> None:
@@ -54,12 +55,7 @@ def configure_parser(p) -> None:
                       help="SMs the overlapped dispatch kernels hold (GPU clusters)")
     work.add_argument("--p2p-overlap", action="store_true",
                       help="a looped or V pipeline hides its p2p even without overlap")
-    cal = p.add_argument_group("overlap calibration (epscale.plan.overlap)")
-    cal.add_argument("--overlap-from", default=None, metavar="RUN_DIR",
-                     help="scale the model's hidden communication by what this run measured "
-                          "(metrics.jsonl with comm_by_kind, config.yaml)")
-    cal.add_argument("--overlap-cluster", default=None, metavar="CLUSTER",
-                     help="the cluster that run ran on (preset or epscale calibrate's YAML)")
+    add_overlap_calibration(p, "overlap calibration (epscale.plan.overlap)")
     p.add_argument("--layers", action="store_true",
                    help="also print the per-MoE-layer breakdown of the fastest configuration")
     p.add_argument("--seed", type=int, default=0)
