@@ -35,6 +35,11 @@ CASES = [
     ("small experts, rows padded", dict(num_experts=16, top_k=4), None, None),
 ]
 BF16_CASES = ("top2 shared aux", "top8", "capacity probs", "small experts, rows padded")
+# Cases run again with the experts applying the gate weights (moe_act on the grouped-GEMM
+# path: Dispatcher.run_experts hands each received row's weight to the experts and the
+# combine only sums), in fp32 against the same unparallelized layer.
+GATE_IN_EXPERTS_CASES = ("top2 shared aux", "capacity probs", "group-limited", "uneven batches",
+                         "zero tokens on a rank")
 # Cases whose received rows always run padded into batched chunks (experts.py, row mode
 # through gathered mode): at EP 2 and 4 each rank holds 8 or 4 of the 16 experts.
 PADDED_ROW_CASES = ("small experts, rows padded",)
@@ -67,20 +72,26 @@ def _layer_cases(runner, rank, world, dims, backends, tag):
             payload = opts.get("payload", "auto")
             dtypes = [torch.float32] + ([torch.bfloat16] if name in BF16_CASES and chunks == 1
                                         and payload == "auto" else [])
-            for dtype in dtypes:
-                label = f"{tag} {backend}{opts} {name} {dtype}"
+            runs = [(dtype, False) for dtype in dtypes]
+            if name in GATE_IN_EXPERTS_CASES and payload == "auto":
+                runs.append((torch.float32, True))
+            for dtype, gate_in_experts in runs:
+                label = f"{tag} {backend}{opts} {name} {dtype}" + " gate-in-experts" * gate_in_experts
                 with runner.case(label):
                     torch.manual_seed(11)
                     # padded rows: the per-expert loop replaced by batched chunks, always
                     cpu = (CpuKernelConfig(gemm="loop", batch_pad_waste=100.0)
                            if name in PADDED_ROW_CASES else CpuKernelConfig())
-                    cfg = epscale.MoEConfig(dim=32, hidden_dim=16, **over, cpu=cpu)
+                    impl = {"experts_impl": "grouped_mm"} if gate_in_experts else {}
+                    cfg = epscale.MoEConfig(dim=32, hidden_dim=16, **over, cpu=cpu, **impl)
                     full = epscale.MoE(cfg)
                     if bias_kind:
                         full.router.expert_bias.copy_(_bias(bias_kind, cfg.num_experts, dims.ep))
                     full = full.to(dtype)
                     par = epscale.parallelize(copy.deepcopy(full), dims, dispatcher=backend,
                                               overlap_chunks=chunks, payload=payload)
+                    par.experts.recompute_activation = gate_in_experts
+                    weighted_calls = _count_weighted_calls(par.experts)
                     tokens = [tokens_fn(r, world) if tokens_fn else 12 for r in range(world)]
                     xs, gs = make_inputs(world, tokens, 32, dtype, seed=3)
                     ref_y, ref_dx, ref_pg = reference_grads(full, xs, gs)
@@ -89,6 +100,9 @@ def _layer_cases(runner, rank, world, dims, backends, tag):
                     y, dx = parallel_step(par, dims, xs[rank], gs[rank])
                     if tokens[rank] == 0:
                         assert y.shape == (0, 32) and dx.shape == (0, 32)
+                    # every backend but alltoall (which weights at the source) hands the
+                    # weights to the experts when they take them
+                    assert bool(weighted_calls) == (gate_in_experts and backend != "alltoall")
                     if dtype == torch.float32 and payload == "auto":
                         torch.testing.assert_close(y, ref_y[rank], atol=2e-5, rtol=1e-4)
                         torch.testing.assert_close(dx, ref_dx[rank], atol=2e-5, rtol=1e-4)
@@ -104,6 +118,18 @@ def _layer_cases(runner, rank, world, dims, backends, tag):
                                 e = p.shape[0]
                                 ref = ref[dims.ep_rank * e:(dims.ep_rank + 1) * e]
                             assert _rel_err(p.grad, ref) < tol, (pname, _rel_err(p.grad, ref))
+
+
+def _count_weighted_calls(experts) -> list[int]:
+    """Record (on the returned list) each call of ``experts`` given gate weights."""
+    calls, forward = [], experts.forward
+
+    def counted(x_RD, counts_e, weight_R=None):
+        if weight_R is not None:
+            calls.append(weight_R.numel())
+        return forward(x_RD, counts_e, weight_R)
+    experts.forward = counted
+    return calls
 
 
 def _contract_cases(runner, rank, world, dims, backends, tag):

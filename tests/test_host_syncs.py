@@ -246,18 +246,20 @@ def test_recomputation_adds_no_sync(mode, capacity):
 def test_light_recomputation_adds_no_sync(impl):
     """train.recompute_modules (every part at once; moe_act acts on the grouped-GEMM
     path): the forward's syncs are the plain run's, backward has none, and the gradients
-    are the plain run's."""
+    are the plain run's (without moe_act, which moves the gate weights before the down
+    projection: another order of roundings, tests/test_saved_fp8.py)."""
     from epscale.parallel.activation import RECOMPUTE_MODULES, apply_activation_checkpointing
 
     tokens = torch.randint(0, 64, (2, 12))
     plain = _LossOf(_model("none", experts_impl=impl))
     want_fwd, _ = count_step(plain, tokens, steps=2)
-    model = _model("none", experts_impl=impl)
-    apply_activation_checkpointing(model, "none", [m for m in RECOMPUTE_MODULES
-                                                   if m != "mla_up_proj"])
-    fwd, bwd = count_step(_LossOf(model), tokens, steps=2)
-    assert len(fwd) == len(want_fwd), (_names(fwd), _names(want_fwd))
-    assert bwd == [], _names(bwd)
+    for exact in (False, True):
+        model = _model("none", experts_impl=impl)
+        apply_activation_checkpointing(model, "none", [
+            m for m in RECOMPUTE_MODULES if m != "mla_up_proj" and not (exact and m == "moe_act")])
+        fwd, bwd = count_step(_LossOf(model), tokens, steps=2)
+        assert len(fwd) == len(want_fwd), (_names(fwd), _names(want_fwd))
+        assert bwd == [], _names(bwd)
     _assert_same_grads(_LossOf(model), plain)
 
 

@@ -399,10 +399,14 @@ def test_fit_tries_each_pipeline_once():
              c.train.activation_checkpointing, tuple(c.train.recompute_modules))
             for c in candidates(own, cl)]
     assert len(keys) == len(set(keys))
-    # light recomputation (DeepSeek's modules) is tried, before whole-block recomputation
-    light = ("none", ("norm", "moe_act", "mla_up_proj"))
+    # light recomputation (DeepSeek's modules: the recipe's own) is tried first, before
+    # whole-block recomputation; a recipe without modules tries none, then the light ones
+    light = ("none", ("norm", "mla_up_proj", "moe_act"))
     assert [(ac, tuple(m)) for ac, m in recompute_choices(own)] == [
-        ("none", ()), light, ("selective", ()), ("full", ())]
+        light, ("selective", ()), ("full", ())]
+    plain = load_recipe("deepseek-v3", ["train.recompute_modules=[]"])
+    assert [(ac, sorted(m)) for ac, m in recompute_choices(plain)] == [
+        ("none", []), ("none", sorted(light[1])), ("selective", []), ("full", [])]
     assert sum(k[-2:] == light for k in keys) == sum(k[-2:] == ("full", ()) for k in keys) > 0
     assert any(c.parallel.pp_layers_per_stage == split for c in candidates(own, cl))
     # FSDP under a split-backward schedule only at ZeRO-1 (the trainer refuses ZeRO-3 there)

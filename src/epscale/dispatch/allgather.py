@@ -27,8 +27,9 @@ from .rows import expand_rows, reduce_rows
 @dataclass(frozen=True)
 class AllGatherHandle:
     order_R: torch.Tensor     # flat (row*K + k) over the gathered rows, expert-major
-    w_all_PK: torch.Tensor    # gathered gate weights [P*Tm, K]
+    recv_w_MK: torch.Tensor   # gathered gate weights [P*Tm, K]
     num_tokens: int
+    rows_weighted: bool = False  # the experts applied the gate weights (run_experts)
 
 
 class AllGatherDispatcher(EPDispatcher):
@@ -68,6 +69,7 @@ class AllGatherDispatcher(EPDispatcher):
         return recv_x_RD, local_e, AllGatherHandle(order_R, w_all, T)
 
     def _combine_start(self, y_RD, handle: AllGatherHandle, async_op):
-        partial_PD = reduce_rows(y_RD, handle.order_R, handle.w_all_PK, self.workspace)
+        partial_PD = reduce_rows(y_RD, handle.order_R, handle.recv_w_MK, self.workspace,
+                                 handle.rows_weighted)
         mine_TD = ReduceScatterRows.apply(self.info, partial_PD)[:handle.num_tokens]
         return lambda: mine_TD

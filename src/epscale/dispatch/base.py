@@ -10,7 +10,12 @@ A dispatcher is stateless between calls: ``dispatch`` returns a handle (everythi
   dropped (capacity) and must be neither sent nor computed.
 * ``topk_weight_TK`` (float) are the gate weights. Combine multiplies each expert output
   by its weight and sums over the K choices, so gradients reach the router through the
-  weights kept in the handle.
+  weights kept in the handle. Where a backend has the weights on the experts' rank
+  (:meth:`Dispatcher.row_weights`) and the experts take them
+  (``experts.takes_gate_weights(rows)``: ``moe_act`` recomputation, which weights the
+  activation before the down projection as DeepSeek-V3 and Megatron do), the experts apply
+  them and the combine sums the rows as they are (:meth:`Dispatcher.run_experts`): no
+  [R, D] expert output is kept for the gate gradient.
 * ``recv_x_RD`` rows are grouped by local expert in ascending order;
   ``tokens_per_local_expert_e`` (int64 tensor, on the input's device) gives the group sizes.
 * Autograd: the backward of dispatch is a combine with the same handle, the backward of
@@ -31,12 +36,14 @@ buffers, as accelerators want.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from abc import ABC, abstractmethod
 from typing import Any, Callable, ContextManager
 
 import torch
 
 from .comm import CommCounter, GroupInfo
+from .rows import row_gate_weights
 
 Timer = Callable[[str], ContextManager]
 SideWork = Callable[[], torch.Tensor]
@@ -94,10 +101,32 @@ class Dispatcher(ABC):
             recv_x_RD, tokens_per_local_expert_e, handle = self.dispatch(
                 x_TD, topk_idx_TK, topk_weight_TK)
         with timer("experts"):
-            recv_y_RD = experts(recv_x_RD, tokens_per_local_expert_e)
+            recv_y_RD, handle = self.run_experts(experts, recv_x_RD, tokens_per_local_expert_e,
+                                                 handle)
         with timer("combine"):
             y_TD, side_TD = self.combine_overlapped(recv_y_RD, handle, side_work)
         return y_TD + side_TD if side_TD is not None else y_TD
+
+    def row_weights(self, handle: Any) -> torch.Tensor | None:
+        """w_R: the gate weight of each received row on this rank (differentiable), where
+        this backend keeps them here: its handle has ``order_R`` (row*K + k of each
+        expanded row) and ``recv_w_MK``; None otherwise (the weights stay at the source)."""
+        w_MK = getattr(handle, "recv_w_MK", None)
+        return None if w_MK is None else row_gate_weights(w_MK, handle.order_R)
+
+    def run_experts(self, experts: Callable[..., torch.Tensor], recv_x_RD: torch.Tensor,
+                    tokens_per_local_expert_e: torch.Tensor, handle: Any
+                    ) -> tuple[torch.Tensor, Any]:
+        """(recv_y_RD, handle) from ``experts`` on the received rows. Where the experts
+        take gate weights (``experts.takes_gate_weights(recv_x_RD)``) and this backend has
+        them here (:meth:`row_weights`), the experts weight the rows and the returned
+        handle says so (``rows_weighted``), so that the combine only sums."""
+        takes = getattr(experts, "takes_gate_weights", None)
+        w_R = self.row_weights(handle) if takes is not None and takes(recv_x_RD) else None
+        if w_R is None:
+            return experts(recv_x_RD, tokens_per_local_expert_e), handle
+        return (experts(recv_x_RD, tokens_per_local_expert_e, w_R),
+                dataclasses.replace(handle, rows_weighted=True))
 
     def bytes_sent(self) -> int:
         """Bytes this rank sent since construction (0 for purely local backends)."""

@@ -37,6 +37,7 @@ class DedupHandle:
     recv_w_MK: torch.Tensor      # received gate weights (carry the router's gradient)
     exchange: Exchange           # the dispatch exchange; combine runs it reversed
     num_tokens: int
+    rows_weighted: bool = False  # the experts applied the gate weights (run_experts)
 
 
 @dataclass
@@ -107,7 +108,8 @@ class DedupDispatcher(EPDispatcher):
 
     def _combine_start(self, y_RD, handle: DedupHandle, async_op: bool):
         out_dtype = y_RD.dtype
-        red_MD = reduce_rows(y_RD, handle.order_R, handle.recv_w_MK, self.workspace)
+        red_MD = reduce_rows(y_RD, handle.order_R, handle.recv_w_MK, self.workspace,
+                             handle.rows_weighted)
         back = handle.exchange.reversed()
         back.async_op = async_op
         (ret,) = back(red_MD)

@@ -119,6 +119,7 @@ class DeepEPHandle:
     order_R: torch.Tensor
     recv_w_MK: torch.Tensor
     out_dtype: torch.dtype
+    rows_weighted: bool = False  # the experts applied the gate weights (run_experts)
 
 
 class _Dispatch(torch.autograd.Function):
@@ -191,7 +192,7 @@ class DeepEPDispatcher(EPDispatcher):
         return recv_x_RD, counts_e, DeepEPHandle(state, order_R, recv_w, x_TD.dtype)
 
     def _combine_start(self, y_RD, handle: DeepEPHandle, async_op):
-        red_MD = reduce_rows(y_RD, handle.order_R, handle.recv_w_MK,
-                             self.workspace).to(torch.bfloat16)
+        red_MD = reduce_rows(y_RD, handle.order_R, handle.recv_w_MK, self.workspace,
+                             handle.rows_weighted).to(torch.bfloat16)
         out_TD = _Combine.apply(self, handle.state, red_MD).to(handle.out_dtype)
         return lambda: out_TD

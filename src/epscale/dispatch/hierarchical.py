@@ -43,6 +43,7 @@ class HierarchicalHandle:
     order_R: torch.Tensor      # flat (row*K + k) of each expanded row, expert-major
     recv_w_MK: torch.Tensor    # stage-2 received gate weights
     num_tokens: int
+    rows_weighted: bool = False  # the experts applied the gate weights (run_experts)
 
 
 @dataclass
@@ -148,7 +149,8 @@ class HierarchicalDispatcher(EPDispatcher):
 
     def _combine_start(self, y_RD, handle: HierarchicalHandle, async_op):
         out_dtype, D = y_RD.dtype, y_RD.shape[1]
-        red_M2D = reduce_rows(y_RD, handle.order_R, handle.recv_w_MK, self.workspace)
+        red_M2D = reduce_rows(y_RD, handle.order_R, handle.recv_w_MK, self.workspace,
+                              handle.rows_weighted)
         (back_N2D,) = handle.intra.reversed()(red_M2D)
         red_M1D = torch.zeros((handle.num_forwarder_rows, D), dtype=acc_dtype(out_dtype),
                               device=y_RD.device)

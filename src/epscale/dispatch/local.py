@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import Dispatcher, no_timer
-from .rows import assignment_rows, gather_rows, sort_by_expert, unpermute_weighted
+from .rows import assignment_rows, gather_rows, reduce_rows, row_gate_weights, sort_by_expert
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,7 @@ class LocalHandle:
     order_R: torch.Tensor        # flat (token*K + k) index of each received row
     topk_weight_TK: torch.Tensor
     num_tokens: int
+    rows_weighted: bool = False  # the experts applied the gate weights (run_experts)
 
 
 class LocalDispatcher(Dispatcher):
@@ -61,7 +62,11 @@ class LocalDispatcher(Dispatcher):
         return recv_x_RD, tokens_per_expert_E, LocalHandle(order_R, topk_weight_TK, T)
 
     def combine(self, y_RD, handle: LocalHandle):
-        return unpermute_weighted(y_RD, handle.order_R, handle.topk_weight_TK, self.workspace)
+        return reduce_rows(y_RD, handle.order_R, handle.topk_weight_TK, self.workspace,
+                           handle.rows_weighted)
+
+    def row_weights(self, handle: LocalHandle) -> torch.Tensor:
+        return row_gate_weights(handle.topk_weight_TK, handle.order_R)
 
     def dispatch_compute_combine(self, x_TD, topk_idx_TK, topk_weight_TK, experts,
                                  timer=None, side_work=None):

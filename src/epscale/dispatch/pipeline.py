@@ -85,7 +85,7 @@ def run_pipelined(backend, num_chunks: int, x_TD: torch.Tensor, topk_idx_TK: tor
             recv_x_RD, counts_e, handle = backend._receive(sent[c], plan, c, x_TD.dtype, T)
             sent[c] = None
         with timer("experts"):
-            recv_y_RD = experts(recv_x_RD, counts_e)
+            recv_y_RD, handle = backend.run_experts(experts, recv_x_RD, counts_e, handle)
         with timer("combine"):
             finishes.append(backend._combine_start(recv_y_RD, handle, True))
     with timer("combine"):

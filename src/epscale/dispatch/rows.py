@@ -211,10 +211,37 @@ def expand_rows(recv_x_MD: torch.Tensor, recv_lidx_MK: torch.Tensor, num_local_e
 
 
 def reduce_rows(y_RD: torch.Tensor, order_R: torch.Tensor, recv_w_MK: torch.Tensor,
-                ws=None) -> torch.Tensor:
+                ws=None, rows_weighted: bool = False) -> torch.Tensor:
     """Sum over a received row's local experts of gate weight * expert output:
-    returns [M, D] in y's dtype. ``order_R[i]`` = row*K + k of expanded row i."""
+    returns [M, D] in y's dtype. ``order_R[i]`` = row*K + k of expanded row i.
+    ``rows_weighted``: the experts already applied the weights (:func:`row_gate_weights`):
+    a plain sum, which keeps only ``order_R`` for backward (no [R, D] rows)."""
+    if rows_weighted:
+        return SumRows.apply(y_RD, order_R, recv_w_MK.shape[0], recv_w_MK.shape[1])
     return WeightedRowSum.apply(y_RD, order_R, recv_w_MK, ws)
+
+
+def row_gate_weights(recv_w_MK: torch.Tensor, order_R: torch.Tensor) -> torch.Tensor:
+    """w_R: the gate weight of each expanded row (``order_R[i]`` = row*K + k), in the
+    weights' dtype, differentiable (its gradient goes back to ``recv_w_MK``)."""
+    return recv_w_MK.reshape(-1).index_select(0, order_R)
+
+
+class SumRows(torch.autograd.Function):
+    """out[m] = sum of the rows i with ``order_R[i] // K == m`` (:func:`sum_rows_by_owner`,
+    fp32 accumulation, one rounding); backward gathers each row's owner gradient and keeps
+    only ``order_R``: the transpose of :class:`GatherRows`."""
+
+    @staticmethod
+    def forward(ctx, y_RD, order_R, M, K):
+        ctx.save_for_backward(order_R)
+        ctx.K = K
+        return sum_rows_by_owner(y_RD, order_R, M, K)
+
+    @staticmethod
+    def backward(ctx, g_MD):
+        (order_R,) = ctx.saved_tensors
+        return g_MD.index_select(0, order_R // ctx.K), None, None, None
 
 
 def relative_expert_ids(topk_idx_NK: torch.Tensor, base_N: torch.Tensor, span: int) -> torch.Tensor:

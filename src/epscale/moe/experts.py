@@ -181,10 +181,24 @@ class GroupedExperts(nn.Module):
         else:
             self._host_counts(tokens_per_expert_e, num_rows)
 
-    def forward(self, x_RD: torch.Tensor, tokens_per_expert_e: torch.Tensor) -> torch.Tensor:
+    def takes_gate_weights(self, x: torch.Tensor) -> bool:
+        """Whether a call on rows like ``x`` applies the rows' gate weights itself (the
+        ``weight_R`` of :meth:`forward`): under ``moe_act`` on the grouped-GEMM path, where
+        the weight scales the activation before the down projection (DeepSeek-V3's and
+        Megatron's weighted SwiGLU), so the weights' gradient needs only the activation's
+        inputs, which are kept anyway, and no [R, D] output row is kept for it."""
+        return self.recompute_activation and self.impl_for(x) == "grouped_mm"
+
+    def forward(self, x_RD: torch.Tensor, tokens_per_expert_e: torch.Tensor,
+                weight_R: torch.Tensor | None = None) -> torch.Tensor:
+        """y_RD [R, D] in x's dtype: row r through its expert; times ``weight_R[r]`` (float
+        [R], differentiable) when given, which needs :meth:`takes_gate_weights`."""
+        if weight_R is not None and not self.takes_gate_weights(x_RD):
+            raise ValueError("GroupedExperts: gate weights are applied inside the experts only "
+                             "under moe_act on the grouped-GEMM path (takes_gate_weights)")
         if self.impl_for(x_RD) == "grouped_mm":
             self._check_groups(tokens_per_expert_e, x_RD.shape[0])
-            return self._forward_grouped(x_RD, tokens_per_expert_e)
+            return self._forward_grouped(x_RD, tokens_per_expert_e, weight_R)
         counts = self._host_counts(tokens_per_expert_e, x_RD.shape[0])
         return self.cpu_kernel.forward_rows(x_RD, counts, self.w1, self.w3, self.w2)
 
@@ -207,11 +221,16 @@ class GroupedExperts(nn.Module):
                                                    self.w1, self.w3, self.w2)
         self._check_groups(tokens_per_expert_e, src_R.shape[0])
         # rows -> experts -> each row weighted -> each token's rows summed, in fp32 with one
-        # rounding (through pos_TK, a zero row for dropped assignments)
-        y_RD = self._forward_grouped(x_TD.index_select(0, src_R), tokens_per_expert_e)
-        y32_RD = y_RD.float()
-        self._mark(y32_RD)             # the product keeps it for the weights' gradient
-        wy_RD = y32_RD * weight_R.float().unsqueeze(1)
+        # rounding (through pos_TK, a zero row for dropped assignments); under moe_act the
+        # experts weight the activation (takes_gate_weights) and the rows are only summed
+        if self.takes_gate_weights(x_TD):
+            wy_RD = self._forward_grouped(x_TD.index_select(0, src_R), tokens_per_expert_e,
+                                          weight_R).float()
+        else:
+            y32_RD = self._forward_grouped(x_TD.index_select(0, src_R), tokens_per_expert_e
+                                           ).float()
+            self._mark(y32_RD)             # the product keeps it for the weights' gradient
+            wy_RD = y32_RD * weight_R.float().unsqueeze(1)
         if pos_TK is None:
             y_TD = wy_RD.new_zeros((x_TD.shape[0], wy_RD.shape[1])).index_add(0, src_R, wy_RD)
             return y_TD.to(x_TD.dtype)
@@ -219,10 +238,12 @@ class GroupedExperts(nn.Module):
         return F.embedding_bag(pos_TK, rows_RD, mode="sum").to(x_TD.dtype)
 
     def _forward_grouped(self, x_RD: torch.Tensor,
-                         tokens_per_expert_e: torch.Tensor | list[int]) -> torch.Tensor:
+                         tokens_per_expert_e: torch.Tensor | list[int],
+                         weight_R: torch.Tensor | None = None) -> torch.Tensor:
         """Plain autograd: one grouped GEMM per weight, offsets a device tensor (no host
         sync), where torch's fast grouped GEMM runs; else a loop over experts with the
-        group sizes read on the host once (kept for recomputation), with a warning."""
+        group sizes read on the host once (kept for recomputation), with a warning.
+        ``weight_R``: scales each row's activation before the down projection."""
         w3 = self.w3.to(x_RD.dtype) if self.w3 is not None else None
         w1, w2 = self.w1.to(x_RD.dtype), self.w2.to(x_RD.dtype)
         slow = slow_grouped_mm_reason(x_RD, self.hidden_dim) if self.use_grouped_mm else "never"
@@ -242,10 +263,15 @@ class GroupedExperts(nn.Module):
         h3_RF = _grouped_linear(x_RD, w3, offs_e, splits) if w3 is not None else None
         self._mark(h1_RF, h3_RF)
         if self.recompute_activation and torch.is_grad_enabled():
-            y_RD = _ActivationDown.apply(h1_RF, h3_RF, w2, offs_e, splits)
+            y_RD = _ActivationDown.apply(h1_RF, h3_RF, w2, offs_e, splits, weight_R)
         else:
-            y_RD = _grouped_linear(_activation(h1_RF, h3_RF, self._mark), w2, offs_e, splits)
-        self._mark(y_RD)               # the combine keeps it for the gate gradient
+            h_RF = _activation(h1_RF, h3_RF, self._mark)
+            if weight_R is not None:
+                h_RF = _weighted(h_RF, weight_R)
+                self._mark(h_RF)
+            y_RD = _grouped_linear(h_RF, w2, offs_e, splits)
+        if weight_R is None:
+            self._mark(y_RD)           # the combine keeps it for the gate gradient
         return y_RD
 
     def _mark(self, *tensors: torch.Tensor | None) -> None:
@@ -277,38 +303,55 @@ def _activation(h1_RF: torch.Tensor, h3_RF: torch.Tensor | None,
 
 
 class _ActivationDown(torch.autograd.Function):
-    """``moe_act``: the experts' activation and down projection, keeping only the
-    activation's inputs (h1, h3: what DeepSeek-V3 caches). Backward recomputes the
-    activation, takes the down projection's gradients as its own backward does (the same
-    grouped GEMMs; on the loop path its forward product runs again) and the activation's
-    through autograd: the gradients are those without recomputation, bit for bit."""
+    """``moe_act``: the experts' activation (times the rows' gate weights ``weight_R`` when
+    given) and down projection, keeping only the activation's inputs (h1, h3: what
+    DeepSeek-V3 caches) and the weights. Backward recomputes the activation, takes the down
+    projection's gradients as its own backward does (the same grouped GEMMs; on the loop
+    path its forward product runs again), the weights' as row-wise dot products summed in
+    fp32, and the activation's through autograd: without weights the gradients are those
+    without recomputation, bit for bit."""
 
     @staticmethod
-    def forward(ctx, h1_RF, h3_RF, w2_eFD, offs_e, splits):
+    def forward(ctx, h1_RF, h3_RF, w2_eFD, offs_e, splits, weight_R):
         ctx.splits = splits
-        ctx.save_for_backward(h1_RF, h3_RF, w2_eFD, offs_e)
-        return _grouped_linear(_activation(h1_RF, h3_RF), w2_eFD, offs_e, splits)
+        ctx.save_for_backward(h1_RF, h3_RF, w2_eFD, offs_e, weight_R)
+        return _grouped_linear(_weighted(_activation(h1_RF, h3_RF), weight_R), w2_eFD,
+                               offs_e, splits)
 
     @staticmethod
     def backward(ctx, grad_RD):
-        h1_RF, h3_RF, w2_eFD, offs_e = ctx.saved_tensors
-        need_w = ctx.needs_input_grad[2]
+        h1_RF, h3_RF, w2_eFD, offs_e, weight_R = ctx.saved_tensors
+        need_w2 = ctx.needs_input_grad[2]
         with torch.enable_grad():
             h1 = h1_RF.detach().requires_grad_(True)
             h3 = h3_RF.detach().requires_grad_(True) if h3_RF is not None else None
             h_RF = _activation(h1, h3)
-            if offs_e is None:     # the loop: autograd over the recomputed products
-                w2 = w2_eFD.detach().requires_grad_(need_w)
-                y_RD = _grouped_linear(h_RF, w2, None, ctx.splits)
-                torch.autograd.backward(y_RD, grad_RD)
-                grad_w = w2.grad
-            else:                  # _GroupedMM's backward, on the recomputed activation
-                grad_RD = grad_RD.contiguous()
-                grad_h = F.grouped_mm(grad_RD, w2_eFD.transpose(1, 2), offs=offs_e)
-                grad_w = (F.grouped_mm(h_RF.detach().t(), grad_RD, offs=offs_e)
-                          if need_w else None)
-                torch.autograd.backward(h_RF, grad_h)
-        return h1.grad, (h3.grad if h3 is not None else None), grad_w, None, None
+        hw_RF = _weighted(h_RF.detach(), weight_R)     # the down projection's input
+        if offs_e is None:     # the loop: autograd over the recomputed products
+            with torch.enable_grad():
+                hw = hw_RF.requires_grad_(True)
+                w2 = w2_eFD.detach().requires_grad_(need_w2)
+                torch.autograd.backward(_grouped_linear(hw, w2, None, ctx.splits), grad_RD)
+            grad_hw, grad_w2 = hw.grad, w2.grad
+        else:                  # _GroupedMM's backward, on the recomputed activation
+            grad_RD = grad_RD.contiguous()
+            grad_hw = F.grouped_mm(grad_RD, w2_eFD.transpose(1, 2), offs=offs_e)
+            grad_w2 = F.grouped_mm(hw_RF.t(), grad_RD, offs=offs_e) if need_w2 else None
+        grad_weight = None
+        if weight_R is not None:
+            if ctx.needs_input_grad[5]:
+                grad_weight = torch.sum(grad_hw * h_RF.detach(), 1,
+                                        dtype=torch.promote_types(grad_hw.dtype, torch.float32)
+                                        ).to(weight_R.dtype)
+            grad_hw = grad_hw * weight_R.to(grad_hw.dtype).unsqueeze(1)
+        torch.autograd.backward(h_RF, grad_hw)
+        return (h1.grad, (h3.grad if h3 is not None else None), grad_w2, None, None,
+                grad_weight)
+
+
+def _weighted(h_RF: torch.Tensor, weight_R: torch.Tensor | None) -> torch.Tensor:
+    """h scaled row by row by the gate weights (cast to h's dtype), or h."""
+    return h_RF if weight_R is None else h_RF * weight_R.to(h_RF.dtype).unsqueeze(1)
 
 
 class FeedForward(nn.Module):

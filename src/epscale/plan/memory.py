@@ -411,15 +411,32 @@ def _attention_region_kept(model: ModelConfig, core: bool, up_proj: bool) -> tup
     return D + products + kernel[0] + D, kernel[1]
 
 
+def gate_weights_in_experts(modules, experts_impl: str, dispatcher: str) -> bool:
+    """Whether the routed experts apply the gate weights themselves, before their down
+    projection (:meth:`epscale.moe.experts.GroupedExperts.takes_gate_weights`): under
+    ``moe_act`` on the grouped-GEMM path, with a dispatcher that has the weights on the
+    experts' rank (every one but ``alltoall``, which weights the rows back at the
+    source). Then the combine only sums and keeps no output rows for the gates' gradient;
+    the experts keep each row's weight (fp32)."""
+    return ("moe_act" in modules and experts_impl != "cpu_fused"
+            and dispatcher not in GATE_AT_SOURCE)
+
+
+GATE_AT_SOURCE = ("alltoall",)      # dispatchers whose combine weights the rows at the source
+
+
 def recompute_dropped_per_token(model: ModelConfig, moe: MoEConfig, moe_layer: bool,
-                                acts: Activations) -> tuple[float, float, float]:
+                                acts: Activations, local: bool = True,
+                                dispatcher: str = "dedup") -> tuple[float, float, float]:
     """(compute-dtype, fp32, int64) elements per token a block keeps less under
     ``acts.recompute_modules`` than without recomputation (see
     :mod:`epscale.parallel.activation`): a norm keeps its input instead of its fp32 input,
     output and statistics; the router none of its fp32 scores and chosen ids; the shared
     experts and a dense FFN none of their hidden activations; ``moe_act`` (grouped-GEMM
-    path) not the activation's output and the down projection's input; the attention
-    regions what :func:`_attention_region_kept` leaves out."""
+    path) not the activation's output and the down projection's input, nor the output rows
+    the combine kept (fp32 on the ``local`` path) where the experts take the gate weights
+    (:func:`gate_weights_in_experts`); the attention regions what
+    :func:`_attention_region_kept` leaves out."""
     mods, D, K = set(acts.recompute_modules), model.dim, moe.top_k
     hidden = 4 if moe.activation == "swiglu" else 2       # saved per hidden unit (no recompute)
     ups = 2 if moe.activation == "swiglu" else 1          # the up projections' outputs
@@ -439,6 +456,8 @@ def recompute_dropped_per_token(model: ModelConfig, moe: MoEConfig, moe_layer: b
         cd += hidden * moe.shared_width
     if "moe_act" in mods and acts.experts_impl != "cpu_fused":
         cd += K * (hidden - ups) * moe.hidden_dim
+    if gate_weights_in_experts(mods, acts.experts_impl, "local" if local else dispatcher):
+        cd, fp32 = (cd, fp32 + K * D - K) if local else (cd + K * D, fp32 - K)
     return cd, fp32, ints
 
 
@@ -497,13 +516,16 @@ def fp8_saved_tensors(model: ModelConfig, moe: MoEConfig, acts: Activations, loc
     saved tensors (h1 and h3, with silu(h1) and the down projection's input unless
     ``moe_act`` is in ``modules``; GELU: h1, and its output), and the output rows the
     combine keeps (fp32 on the local path) where it keeps the experts' own: not
-    ``alltoall``'s, which weights the rows it received back (kept as they are)."""
+    ``alltoall``'s, which weights the rows it received back (kept as they are), and none
+    where the experts apply the gate weights (:func:`gate_weights_in_experts`)."""
     K, D, F = moe.top_k, model.dim, moe.hidden_dim
     cb = DTYPE_BYTES[acts.compute_dtype]
     swiglu = moe.activation == "swiglu"
     hidden = (2 if swiglu else 1) if "moe_act" in modules else (4 if swiglu else 2)
     out = [(K, D, cb), (K * hidden, F, cb)]
-    if local or dispatcher != "alltoall":
+    where = "local" if local else dispatcher
+    if where not in GATE_AT_SOURCE and not gate_weights_in_experts(modules, acts.experts_impl,
+                                                                   where):
         out.append((K, D, 4 if local else cb))
     return out
 
@@ -600,7 +622,8 @@ def _activation_parts(cfg: RunConfig, lay: Layout, acts: Activations
                         - fp8_saving_per_token(model, moe, acts, local, mods, disp, moe_layer))
         # the norms keep their inputs in the residual stream's dtype
         norms = T * 2 * model.dim * (rb - cb) if "norm" in mods else 0
-        kept = [b - nbytes(recompute_dropped_per_token(model, moe, model.is_moe_layer(i), acts))
+        kept = [b - nbytes(recompute_dropped_per_token(model, moe, model.is_moe_layer(i), acts,
+                                                       local, disp))
                 + fp8(model.is_moe_layer(i)) + norms for i, b in enumerate(blocks)]
     else:
         kept = blocks
