@@ -62,6 +62,39 @@ def test_only_marked_tensors_are_stored_once_and_restored():
     assert not store._marked and not store._copies
 
 
+def test_held_tensors_give_their_memory_back_until_the_output_gradient():
+    """:meth:`Fp8Storage.hold` on the GPU flash kernel's layout (the kernel's output
+    [B, H, S, h] written as [B, S, H, h], the output projection's input a view of it): one
+    fp8 copy for the shared memory, quantized per head's h channels (the storage's last
+    dim), the memory given back when the region's forward ends and refilled with the
+    rounded values when the output's gradient arrives, the version unchanged (autograd's
+    check passes); a tensor that does not have its storage to itself (a slice) and a name
+    not in ``held`` are not held; nothing outside a region."""
+    B, S, H, h, D = 2, 3, 2, 64, 8
+    g = torch.Generator().manual_seed(2)
+    base = torch.randn(B, S, H, h, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(H * h, D, generator=g, dtype=torch.float64, requires_grad=True)
+    store = Fp8Storage(("kernel_out", "proj_input"))
+    with store.region():
+        o_BHSh = (base * 1.0).transpose(1, 2)
+        o_BSD = o_BHSh.transpose(1, 2).reshape(B, S, H * h)
+        assert o_BSD.untyped_storage().data_ptr() == o_BHSh.untyped_storage().data_ptr()
+        part = (base * 2.0)[:, :, 0]
+        store.hold(kernel_out=o_BHSh, proj_input=o_BSD, other=base * 3.0)
+        store.hold(proj_input=part)
+        assert len(store._held) == 1
+        out = o_BSD @ w + part.sum()
+        store.swap(out)
+    assert o_BSD.untyped_storage().nbytes() == 0 and part.untyped_storage().nbytes() > 0
+    expected = quantize(base.detach()).restore().reshape(B * S, H * h)
+    out.sum().backward()
+    assert o_BSD.untyped_storage().nbytes() == o_BSD.numel() * 8
+    assert torch.equal(o_BSD.detach().reshape(B * S, H * h), expected)
+    assert torch.equal(w.grad, expected.t() @ torch.ones(B * S, D, dtype=torch.float64))
+    store.hold(kernel_out=o_BHSh)                                  # no region: ignored
+    assert not store._held
+
+
 def test_fp8_storage_is_validated_by_key(tmp_path):
     from epscale.config import ConfigError
     from test_train import tiny_cfg
