@@ -70,7 +70,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
 from ..dispatch.host import recompute_contexts
-from ..moe.layer import moe_layers
+from ..moe.layer import is_recomputing, moe_layers
 from ..moe.saved_fp8 import FP8_DTYPE, Fp8Storage
 
 STORAGE = ("compute", "fp8")      # train.activation_storage
@@ -302,7 +302,11 @@ def _set_storage(module: torch.nn.Module, parts: list[torch.nn.Module], fp8: boo
 
 
 def _stored_forward(store: Fp8Storage, forward: Callable, *args, **kwargs):
+    """``forward`` inside ``store``'s region; what it held swapped for fp8 copies, but in a
+    recomputation (backward reads what it keeps right away, and no gradient of its output
+    would arrive to refill them)."""
     with store.region():
         out = forward(*args, **kwargs)
-        store.swap(out)
+        if not is_recomputing():
+            store.swap(out)
         return out
