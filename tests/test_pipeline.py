@@ -1,8 +1,8 @@
 """Pipeline parallelism in the real trainer on real gloo process groups: pp=2 x ep=2 and
 pp=2 x FSDP dp_shard=2 (ep=2 inside) under 1F1B and interleaved 1F1B, pp=2 x dp=2 under
 GPipe and interleaved zero-bubble, ZB-V and DualPipeV (its overlapped forward/backward pairs
-interleaved or, with parallel.overlap none, one after the other; with full recomputation
-too; with FSDP at ZeRO-1: tests/test_zero.py), and pp=4, train the tiny model with
+interleaved or, with parallel.overlap none, one after the other; with full, selective and
+light recomputation too; with FSDP at ZeRO-1: tests/test_zero.py), and pp=4, train the tiny model with
 the losses, gradient norms, validation loss and per-layer expert loads of one process at
 the same global batch; a pp=2 x ep=2 checkpoint resumes bit for bit and continues at pp=1
 (FSDP dp_shard=4 x ep=4) and at pp=4 (ep=1). Bad layouts fail before anything starts, naming the keys.
@@ -58,6 +58,13 @@ CASES = {
     "pp2 ep2 dualpipev": DUALPIPEV,  # parallel.overlap auto: the paired F/B interleave
     "pp2 ep2 dualpipev overlap-none": {**DUALPIPEV, "parallel.overlap": "none"},
     "pp2 ep2 dualpipev ac-full": {**DUALPIPEV, "train.activation_checkpointing": "full"},
+    # selective recomputation: the split backward (I, W) recomputes a block twice
+    "pp2 ep2 dualpipev ac-selective": {**DUALPIPEV,
+                                       "train.activation_checkpointing": "selective"},
+    # light recomputation; moe_act acts on the grouped-GEMM experts only
+    "pp2 ep2 dualpipev recompute norm moe_act": {
+        **DUALPIPEV, "train.recompute_modules": "[norm,moe_act]",
+        "moe.experts_impl": "grouped_mm"},
     "pp4 1f1b": {"parallel.pp": 4, "train.grad_accum": 4},
 }
 REFERENCES = {2: {"train.micro_batch_size": 2, "train.grad_accum": 4},
@@ -198,13 +205,16 @@ def test_freeing_receive_buffers_changes_no_bit(runs):
 
 def test_dualpipev_pairs_interleave_and_train_as_one_after_the_other(runs):
     """parallel.overlap auto runs DualPipeV's paired forward and backward of two
-    micro-batches interleaved at their exchanges (with and without full recomputation),
-    'none' one after the other; the same operations on the same tensors: the same losses
-    and gradient norms at every step (and as one process: the test above)."""
+    micro-batches interleaved at their exchanges (without recomputation, with full,
+    selective or light recomputation: a recomputed forward hands over at its exchanges
+    too), 'none' one after the other; the same operations on the same tensors: the same
+    losses and gradient norms at every step (and as one process: the test above; the light
+    recomputation case runs the grouped-GEMM experts: the same up to rounding)."""
     _refs, got = runs
     pairs = got["pairs"]
     assert pairs["pp2 ep2 dualpipev overlap-none"] is None
-    for name in ("pp2 ep2 dualpipev", "pp2 ep2 dualpipev ac-full"):
+    for name in ("pp2 ep2 dualpipev", "pp2 ep2 dualpipev ac-full",
+                 "pp2 ep2 dualpipev ac-selective", "pp2 ep2 dualpipev recompute norm moe_act"):
         # m = 4, pp = 2: torch's DualPipeV pairs 3 forwards with backwards per rank and step
         n, switches = pairs[name]
         assert n == 3 * STEPS, (name, pairs[name])
@@ -299,6 +309,38 @@ def test_aux_loss_reaches_the_objective_in_backward():
     x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     ((3 * x2).sum() + (w2 * x2).sum() * 0.1).backward()
     assert torch.allclose(x.grad, x2.grad) and torch.allclose(w.grad, w2.grad)
+
+
+@pytest.mark.parametrize("contexts", ["selective", "attention_core"])
+def test_selective_recomputation_runs_again_for_a_split_backward(contexts):
+    """The split backward of the zero-bubble and V schedules (inputs, then weights: two
+    graph tasks over one retained graph) recomputes a selectively checkpointed region
+    twice: the second recomputation gets the kept products and host values again (torch's
+    own contexts hand them out once) and the gradients are those without recomputation,
+    bit for bit (the same operations in float64)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from epscale.dispatch.host import host_ints
+    from epscale.parallel import activation
+
+    context_fn = (activation._selective_contexts if contexts == "selective"
+                  else activation._keep_outputs(lambda op: op in activation.PRODUCTS))
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(4, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    x = torch.randn(3, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    reads = []
+
+    def region(x_TD):
+        reads.append(host_ints(torch.tensor([len(reads)])))
+        return torch.tanh(x_TD @ w).sin()
+
+    y = checkpoint(region, x, use_reentrant=False, context_fn=context_fn)
+    (dx,) = torch.autograd.grad(y.sum(), x, retain_graph=True)   # inputs: recomputes
+    (dw,) = torch.autograd.grad(y.sum(), w)                       # weights: again
+    want_dx, want_dw = torch.autograd.grad(region(x).sum(), (x, w))
+    assert torch.equal(dx, want_dx) and torch.equal(dw, want_dw)
+    if contexts == "selective":  # read once, replayed twice, then the plain call's read
+        assert reads == [[0], [0], [0], [3]], reads
 
 
 def test_bubble_and_micro_batch_rules():

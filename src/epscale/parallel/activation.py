@@ -12,7 +12,9 @@ split sizes their first forward read on the host (:mod:`epscale.dispatch.host`: 
 recomputation adds no host sync), and the token counters skip it
 (``epscale.moe.layer.is_recomputing``), so no token is counted twice. The CPU kernel's
 products run into preallocated buffers (``out=`` forms), which cannot be kept this way;
-under ``selective`` they are recomputed like the rest.
+under ``selective`` they are recomputed like the rest. A split backward (inputs, then
+weights: the zero-bubble and V pipeline schedules) recomputes a block once per part;
+both get the first forward's kept products and host values (:func:`selective_contexts`).
 
 Light recomputation by module (``train.recompute_modules``, Megatron-Core's
 ``--recompute-modules``; either it or a whole-block mode above, not both): only the named
@@ -61,7 +63,6 @@ when the attention's output gradient arrives
 
 from __future__ import annotations
 
-import contextlib
 from functools import partial
 from typing import Callable
 
@@ -99,18 +100,73 @@ def _keep_products(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in KEEP else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def selective_contexts(policy: Callable[..., CheckpointPolicy]) -> tuple:
+    """torch's selective-checkpoint contexts for ``policy``, whose recomputation context
+    can be entered more than once. torch's hands each kept output back once and then
+    marks it consumed ("Trying to backward an extra time"); a split backward (inputs,
+    then weights: the zero-bubble and V pipeline schedules) recomputes a region twice, in
+    two graph tasks. Here each recomputation starts from the kept outputs again, so the
+    kept outputs are held until the region's autograd graph is freed (its last backward
+    node has run) rather than released one by one during its recomputation."""
+    caching, cached = create_selective_checkpoint_contexts(policy)
+    return caching, _Replayable(cached)
+
+
+class _Replayable:
+    """A selective checkpoint's recomputation context (torch's ``_CachedTorchDispatchMode``,
+    which looks its kept outputs up in ``storage``), entered afresh for each
+    recomputation with the kept outputs as the forward left them."""
+
+    def __init__(self, cached) -> None:
+        if not isinstance(getattr(cached, "storage", None), dict):
+            raise RuntimeError(f"torch {torch.__version__}'s selective checkpoint keeps its "
+                               "outputs somewhere other than .storage; epscale's replay of "
+                               "them (split-backward pipeline schedules) needs updating")
+        self.cached = cached
+        self.kept: dict | None = None
+
+    def __enter__(self):
+        storage = self.cached.storage
+        if self.kept is None:      # the first recomputation: the forward's entries
+            self.kept = {key: dict(entries) for key, entries in storage.items()}
+        else:                      # again: as they were before the first consumed them
+            for key, entries in self.kept.items():
+                storage[key] = dict(entries)
+        return self.cached.__enter__()
+
+    def __exit__(self, *exc) -> bool | None:
+        return self.cached.__exit__(*exc)
+
+
 def _selective_contexts():
     """The selective policy's contexts, each entered together with the host-value
     record's (:func:`epscale.dispatch.host.recompute_contexts`)."""
-    keep_fwd, keep_rec = create_selective_checkpoint_contexts(_keep_products)
+    keep_fwd, keep_rec = selective_contexts(_keep_products)
     host_fwd, host_rec = recompute_contexts()
-    return _both(keep_fwd, host_fwd), _both(keep_rec, host_rec)
+    return _Both(keep_fwd, host_fwd), _Both(keep_rec, host_rec)
 
 
-@contextlib.contextmanager
-def _both(first, second):
-    with first, second:
-        yield
+class _Both:
+    """Two contexts entered as one; re-enterable (a split backward enters the
+    recomputation context once per part) where both are."""
+
+    def __init__(self, first, second) -> None:
+        self.first, self.second = first, second
+
+    def __enter__(self) -> None:
+        self.first.__enter__()
+        try:
+            self.second.__enter__()
+        except BaseException:
+            self.first.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc) -> bool:
+        try:
+            self.second.__exit__(*exc)
+        finally:
+            self.first.__exit__(*exc)
+        return False
 
 
 def run(fn: Callable[..., torch.Tensor], mode: str, *args) -> torch.Tensor:
@@ -208,7 +264,7 @@ def _keep_outputs(policy: Callable[..., bool]):
     names and recompute the rest."""
     def decide(ctx, op, *args, **kwargs) -> CheckpointPolicy:
         return CheckpointPolicy.MUST_SAVE if policy(op) else CheckpointPolicy.PREFER_RECOMPUTE
-    return partial(create_selective_checkpoint_contexts, decide)
+    return partial(selective_contexts, decide)
 
 
 class _Inside:
