@@ -67,8 +67,19 @@ CASES = {
         "moe.experts_impl": "grouped_mm"},
     "pp4 1f1b": {"parallel.pp": 4, "train.grad_accum": 4},
 }
+# the deepseek-v3 recipe's modes: MLA, DeepSeek's light recomputation (the experts apply
+# the gate weights), fp8 storage (the attention's output included), FSDP at ZeRO-1 under
+# DualPipeV with its overlapped pairs: against one process in the same modes
+DSV3_MODES = {"model.attention": "mla", "model.q_lora_rank": 16, "model.kv_lora_rank": 16,
+              "model.qk_nope_head_dim": 8, "model.qk_rope_head_dim": 8, "model.v_head_dim": 8,
+              "train.recompute_modules": "[norm,mla_up_proj,moe_act]",
+              "train.activation_storage": "fp8", "moe.experts_impl": "grouped_mm"}
+DSV3_CASE = "pp2 fsdp2 ep2 dualpipev zero1, deepseek-v3 recomputation and fp8 storage"
+CASES[DSV3_CASE] = {**DUALPIPEV, "parallel.fsdp": True, "parallel.zero": 1, **DSV3_MODES}
 REFERENCES = {2: {"train.micro_batch_size": 2, "train.grad_accum": 4},
-              1: {"train.micro_batch_size": 1, "train.grad_accum": 8}}
+              1: {"train.micro_batch_size": 1, "train.grad_accum": 8},
+              "dsv3": {"train.micro_batch_size": 1, "train.grad_accum": 8, **DSV3_MODES}}
+REFERENCE_OF = {DSV3_CASE: "dsv3"}   # else by micro-batch size
 TORCH_BUFFERS = "pp2 ep2 dualpipev, torch's receive buffers"
 RESUME = {**PP2, "parallel.ep": 2, "train.grad_accum": 2, "train.steps": 4}
 
@@ -166,7 +177,7 @@ def test_pipeline_layout_trains_like_one_process(runs, name):
     one) as one process at the same global batch; step 1 starts from the same weights."""
     refs, got = runs
     over = {**BASE, **CASES[name]}
-    ref = refs[over["train.micro_batch_size"]]
+    ref = refs[REFERENCE_OF.get(name, over["train.micro_batch_size"])]
     records = got[name]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for key in ("loss", "grad_norm"):
