@@ -105,7 +105,9 @@ def grads_needed(ctx) -> tuple[bool, ...]:
     both parts, and built-in ops then compute only the half each part needs. Here the
     engine says which of the next nodes it will run (``torch._C._will_engine_execute_node``,
     what torch's own ``register_multi_grad_hook`` asks); a plain ``backward()`` runs
-    them all."""
+    them all. Under torch.compile (a traced backward) the static answer."""
+    if torch.compiler.is_compiling():        # a traced backward: the graph is not the engine's
+        return tuple(ctx.needs_input_grad)
     tensors = getattr(ctx, "tensor_inputs", None) or (True,) * len(ctx.needs_input_grad)
     edges = iter(ctx.next_functions)         # one per tensor input, in order
     out = []
@@ -129,6 +131,8 @@ def through_node(w: torch.Tensor) -> torch.Tensor:
     """``w`` itself, or, for a leaf that requires grad (a parameter used as it is), a view
     of it: an autograd node of its own between a custom Function and the parameter's
     gradient accumulator, which :func:`grads_needed` can ask the engine about."""
+    if torch.compiler.is_compiling():        # traced: no engine node to ask about
+        return w
     return w.view_as(w) if w.requires_grad and w.grad_fn is None else w
 
 
