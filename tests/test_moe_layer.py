@@ -492,3 +492,52 @@ def test_count_ids_without_bincount_matches_bincount():
     assert torch.equal(index_add_counts(ids.reshape(-1), 12), want)
     assert torch.equal(count_ids(ids, 12), want)
     assert count_ids(ids[:0], 3).tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize("moe_act", [False, True])
+def test_split_backward_computes_each_gradient_once(moe_act, monkeypatch):
+    """The zero-bubble and V pipeline schedules split a stage's backward in two parts
+    over one graph: the inputs' gradients, then the weights' (torch's own
+    ``stage_backward_input`` / ``stage_backward_weight``). The experts' grouped GEMMs,
+    the moe_act step and the router's fp32 product are custom autograd functions: each
+    part computes only its own gradients (as many grouped GEMMs in both parts together as
+    in one plain backward, not twice as many), and the gradients are the plain ones."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    import epscale
+
+    torch.manual_seed(0)
+    cfg = epscale.MoEConfig(dim=32, hidden_dim=16, num_experts=4, top_k=2,
+                            experts_impl="grouped_mm")
+    moe = epscale.MoE(cfg)
+    moe.experts.recompute_activation = moe_act
+    x = torch.randn(24, 32, requires_grad=True)
+    g = torch.randn(24, 32)
+    params = list(moe.parameters())
+    calls = []
+    grouped_mm = torch.nn.functional.grouped_mm
+    monkeypatch.setattr(torch.nn.functional, "grouped_mm",
+                        lambda *a, **k: calls.append(1) or grouped_mm(*a, **k))
+
+    def backward_gemms(run):
+        y = moe(x) * 1.0           # a stage output of its own (torch detaches it in place)
+        del calls[:]
+        run(y)
+        return len(calls)
+
+    plain = backward_gemms(lambda y: y.backward(g))
+    want = [x.grad.clone()] + [p.grad.clone() for p in params]
+    x.grad = None
+    moe.zero_grad(set_to_none=True)
+    parts = {}
+
+    def split(y):
+        (dx,), groups = stage_backward_input([y], [g], [x], iter(params))
+        parts["input"] = len(calls)
+        stage_backward_weight(iter(params), groups)
+        x.grad = dx
+    total = backward_gemms(split)
+    assert plain == 6 and total == plain and parts["input"] == 3, (plain, total, parts)
+    got = [x.grad] + [p.grad for p in params]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

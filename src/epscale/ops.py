@@ -94,3 +94,50 @@ def rows_per_block(num_rows: int, row_bytes: int, device: torch.device) -> int:
     """Rows of ``row_bytes`` each in one block on ``device`` (at least 1, at most num_rows)."""
     budget = CPU_BLOCK_BYTES if host_shortcuts(device) else ACCELERATOR_BLOCK_BYTES
     return max(1, min(num_rows, budget // max(1, row_bytes)))
+
+
+def grads_needed(ctx) -> tuple[bool, ...]:
+    """For a custom autograd Function's backward: whether this backward pass uses each
+    input's gradient. ``ctx.needs_input_grad`` says only which inputs require grad; a pass
+    that asks for some gradients only (``torch.autograd.grad(..., inputs=...)``: the
+    split backward of the zero-bubble and V pipeline schedules, first the stage inputs'
+    gradients, then the weights' from the same graph) runs the Function's backward in
+    both parts, and built-in ops then compute only the half each part needs. Here the
+    engine says which of the next nodes it will run (``torch._C._will_engine_execute_node``,
+    what torch's own ``register_multi_grad_hook`` asks); a plain ``backward()`` runs
+    them all. Under torch.compile (a traced backward) the static answer."""
+    if torch.compiler.is_compiling():        # a traced backward: the graph is not the engine's
+        return tuple(ctx.needs_input_grad)
+    tensors = getattr(ctx, "tensor_inputs", None) or (True,) * len(ctx.needs_input_grad)
+    edges = iter(ctx.next_functions)         # one per tensor input, in order
+    out = []
+    for need, is_tensor in zip(ctx.needs_input_grad, tensors):
+        fn = next(edges)[0] if is_tensor else None
+        out.append(bool(need and fn is not None and _engine_runs(fn)))
+    return tuple(out)
+
+
+def _engine_runs(fn) -> bool:
+    """Whether the running backward pass will run node ``fn``. torch cannot say for a
+    leaf's gradient accumulator under ``torch.autograd.grad``: then True (computed, as
+    without this check); :func:`through_node` gives a weight a node of its own."""
+    try:
+        return torch._C._will_engine_execute_node(fn)
+    except RuntimeError:
+        return True
+
+
+def through_node(w: torch.Tensor) -> torch.Tensor:
+    """``w`` itself, or, for a leaf that requires grad (a parameter used as it is), a view
+    of it: an autograd node of its own between a custom Function and the parameter's
+    gradient accumulator, which :func:`grads_needed` can ask the engine about."""
+    if torch.compiler.is_compiling():        # traced: no engine node to ask about
+        return w
+    return w.view_as(w) if w.requires_grad and w.grad_fn is None else w
+
+
+def mark_tensor_inputs(ctx, *args) -> None:
+    """In a custom Function's forward whose arguments are not all tensors (None, lists):
+    which are, so that :func:`grads_needed` pairs its inputs with the graph's edges."""
+    ctx.tensor_inputs = tuple(isinstance(a, torch.Tensor) for a in args)
+

@@ -27,7 +27,7 @@ from torch import nn
 from ..config import CpuKernelConfig
 from ..dispatch.host import host_ints
 from ..kernels.cpu import HAS_GROUPED_MM, CpuFusedExperts, Workspace, grouped_mm_fits
-from ..ops import host_shortcuts
+from ..ops import grads_needed, host_shortcuts, mark_tensor_inputs, through_node
 from .saved_fp8 import Fp8Storage
 
 _WARNED_SLOW: set[str] = set()   # the reasons warned about in this process
@@ -90,11 +90,12 @@ class _GroupedMM(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_RF):
         x_RD, w_eDF, offs_e = ctx.saved_tensors
+        need_x, need_w, _ = grads_needed(ctx)   # a split backward asks for one at a time
         grad_RF = grad_RF.contiguous()
         grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
+        if need_x:
             grad_x = F.grouped_mm(grad_RF, w_eDF.transpose(1, 2), offs=offs_e)
-        if ctx.needs_input_grad[1]:
+        if need_w:
             grad_w = F.grouped_mm(x_RD.t(), grad_RF, offs=offs_e)
         return grad_x, grad_w, None
 
@@ -244,8 +245,10 @@ class GroupedExperts(nn.Module):
         sync), where torch's fast grouped GEMM runs; else a loop over experts with the
         group sizes read on the host once (kept for recomputation), with a warning.
         ``weight_R``: scales each row's activation before the down projection."""
-        w3 = self.w3.to(x_RD.dtype) if self.w3 is not None else None
-        w1, w2 = self.w1.to(x_RD.dtype), self.w2.to(x_RD.dtype)
+        # each weight through a node of its own, which a split backward's two parts ask
+        # about (epscale.ops.grads_needed)
+        w3 = through_node(self.w3.to(x_RD.dtype)) if self.w3 is not None else None
+        w1, w2 = through_node(self.w1.to(x_RD.dtype)), through_node(self.w2.to(x_RD.dtype))
         slow = slow_grouped_mm_reason(x_RD, self.hidden_dim) if self.use_grouped_mm else "never"
         if slow is None:
             counts_e = (tokens_per_expert_e if isinstance(tokens_per_expert_e, torch.Tensor)
@@ -314,6 +317,7 @@ class _ActivationDown(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h1_RF, h3_RF, w2_eFD, offs_e, splits, weight_R):
         ctx.splits = splits
+        mark_tensor_inputs(ctx, h1_RF, h3_RF, w2_eFD, offs_e, splits, weight_R)
         ctx.save_for_backward(h1_RF, h3_RF, w2_eFD, offs_e, weight_R)
         return _grouped_linear(_weighted(_activation(h1_RF, h3_RF), weight_R), w2_eFD,
                                offs_e, splits)
@@ -321,30 +325,37 @@ class _ActivationDown(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_RD):
         h1_RF, h3_RF, w2_eFD, offs_e, weight_R = ctx.saved_tensors
-        need_w2 = ctx.needs_input_grad[2]
+        need = grads_needed(ctx)   # a split backward: the inputs' part, then the weights'
+        need_h, need_w2, need_weight = need[0] or need[1], need[2], need[5]
         with torch.enable_grad():
-            h1 = h1_RF.detach().requires_grad_(True)
-            h3 = h3_RF.detach().requires_grad_(True) if h3_RF is not None else None
+            h1 = h1_RF.detach().requires_grad_(need_h)
+            h3 = h3_RF.detach().requires_grad_(need_h) if h3_RF is not None else None
             h_RF = _activation(h1, h3)
         hw_RF = _weighted(h_RF.detach(), weight_R)     # the down projection's input
+        need_hw = need_h or need_weight
+        grad_hw = grad_w2 = None
         if offs_e is None:     # the loop: autograd over the recomputed products
             with torch.enable_grad():
-                hw = hw_RF.requires_grad_(True)
+                hw = hw_RF.requires_grad_(need_hw)
                 w2 = w2_eFD.detach().requires_grad_(need_w2)
-                torch.autograd.backward(_grouped_linear(hw, w2, None, ctx.splits), grad_RD)
+                if need_hw or need_w2:
+                    torch.autograd.backward(_grouped_linear(hw, w2, None, ctx.splits), grad_RD)
             grad_hw, grad_w2 = hw.grad, w2.grad
         else:                  # _GroupedMM's backward, on the recomputed activation
             grad_RD = grad_RD.contiguous()
-            grad_hw = F.grouped_mm(grad_RD, w2_eFD.transpose(1, 2), offs=offs_e)
-            grad_w2 = F.grouped_mm(hw_RF.t(), grad_RD, offs=offs_e) if need_w2 else None
+            if need_hw:
+                grad_hw = F.grouped_mm(grad_RD, w2_eFD.transpose(1, 2), offs=offs_e)
+            if need_w2:
+                grad_w2 = F.grouped_mm(hw_RF.t(), grad_RD, offs=offs_e)
         grad_weight = None
-        if weight_R is not None:
-            if ctx.needs_input_grad[5]:
+        if weight_R is not None and grad_hw is not None:
+            if need_weight:
                 grad_weight = torch.sum(grad_hw * h_RF.detach(), 1,
                                         dtype=torch.promote_types(grad_hw.dtype, torch.float32)
                                         ).to(weight_R.dtype)
             grad_hw = grad_hw * weight_R.to(grad_hw.dtype).unsqueeze(1)
-        torch.autograd.backward(h_RF, grad_hw)
+        if need_h:
+            torch.autograd.backward(h_RF, grad_hw)
         return (h1.grad, (h3.grad if h3 is not None else None), grad_w2, None, None,
                 grad_weight)
 

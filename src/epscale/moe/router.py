@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..config import MoEConfig
-from ..ops import count_ids, rows_per_block
+from ..ops import count_ids, grads_needed, rows_per_block, through_node
 
 
 @dataclass
@@ -52,7 +52,7 @@ class TopKRouter(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> RouterOutput:
         cfg = self.cfg
-        logits_TE = GateLinear.apply(x_TD, self.gate.weight)
+        logits_TE = GateLinear.apply(x_TD, through_node(self.gate.weight))
         if cfg.score_func == "softmax":
             scores_TE = logits_TE.softmax(dim=-1)
         else:
@@ -102,9 +102,10 @@ class GateLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_TE: torch.Tensor):
         x_TD, w_ED = ctx.saved_tensors
+        need_x, need_w = grads_needed(ctx)     # a split backward asks for one at a time
         g_TE = g_TE.to(x_TD.dtype)
-        gx = torch.mm(g_TE, w_ED.to(x_TD.dtype)) if ctx.needs_input_grad[0] else None
-        gw = torch.mm(g_TE.t(), x_TD).to(w_ED.dtype) if ctx.needs_input_grad[1] else None
+        gx = torch.mm(g_TE, w_ED.to(x_TD.dtype)) if need_x else None
+        gw = torch.mm(g_TE.t(), x_TD).to(w_ED.dtype) if need_w else None
         return gx, gw
 
 
