@@ -114,7 +114,7 @@ def test_moe_act_keeps_the_gradients_on_the_loop_path(activation):
     for n in grads[0]:
         scale = grads[0][n].abs().max().item()
         assert scale > 0, n
-        assert torch.allclose(grads[0][n], grads[1][n], rtol=0, atol=1e-6 * scale), n
+        assert torch.allclose(grads[0][n], grads[1][n], rtol=1e-6, atol=1e-6 * scale), n
 
 
 @pytest.mark.parametrize("use_grouped_mm", ["auto", "never"])
@@ -144,7 +144,7 @@ def test_moe_act_gradients_bitwise_without_weights_and_weighted_in_float64(activ
             assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[1]))
         else:
             for a, b in zip(outs[0], outs[2]):
-                assert torch.allclose(a, b, rtol=0, atol=1e-12 * a.abs().max().item())
+                assert torch.allclose(a, b, rtol=1e-10, atol=1e-12 * a.abs().max().item())
     ex.recompute_activation = False
     with pytest.raises(ValueError, match="takes_gate_weights"):
         ex(x, counts_e, w_R)
