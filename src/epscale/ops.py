@@ -20,6 +20,10 @@ device to wait for), so the CPU path may branch on them (:func:`host_shortcuts`)
 accelerator every such read is a synchronisation. :func:`device_code_path` turns the
 shortcuts off for CPU tensors, so that tests/test_host_syncs.py counts, on CPU, the
 synchronisations of the code CUDA runs.
+
+Split backward: the zero-bubble and V pipeline schedules run a backward in two parts (the
+inputs' gradients, then the weights'); a custom autograd Function asks
+:func:`grads_needed` which of its gradients the running part wants.
 """
 
 from __future__ import annotations

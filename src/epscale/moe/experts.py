@@ -224,12 +224,11 @@ class GroupedExperts(nn.Module):
         # rows -> experts -> each row weighted -> each token's rows summed, in fp32 with one
         # rounding (through pos_TK, a zero row for dropped assignments); under moe_act the
         # experts weight the activation (takes_gate_weights) and the rows are only summed
+        rows_RD = x_TD.index_select(0, src_R)
         if self.takes_gate_weights(x_TD):
-            wy_RD = self._forward_grouped(x_TD.index_select(0, src_R), tokens_per_expert_e,
-                                          weight_R).float()
+            wy_RD = self._forward_grouped(rows_RD, tokens_per_expert_e, weight_R).float()
         else:
-            y32_RD = self._forward_grouped(x_TD.index_select(0, src_R), tokens_per_expert_e
-                                           ).float()
+            y32_RD = self._forward_grouped(rows_RD, tokens_per_expert_e).float()
             self._mark(y32_RD)             # the product keeps it for the weights' gradient
             wy_RD = y32_RD * weight_R.float().unsqueeze(1)
         if pos_TK is None:
@@ -353,7 +352,7 @@ class _ActivationDown(torch.autograd.Function):
                 grad_weight = torch.sum(grad_hw * h_RF.detach(), 1,
                                         dtype=torch.promote_types(grad_hw.dtype, torch.float32)
                                         ).to(weight_R.dtype)
-            grad_hw = grad_hw * weight_R.to(grad_hw.dtype).unsqueeze(1)
+            grad_hw = _weighted(grad_hw, weight_R)
         if need_h:
             torch.autograd.backward(h_RF, grad_hw)
         return (h1.grad, (h3.grad if h3 is not None else None), grad_w2, None, None,
