@@ -19,7 +19,10 @@ from epscale.config import (ConfigError, ModelConfig, MoEConfig, ParallelConfig,
 from epscale.plan import ClusterSpec, simulate
 from epscale.plan.layout import Layout
 from epscale.plan.memory import DTYPE_BYTES, Activations, estimate, memory_per_rank, pipeline_memory
-from epscale.plan.pipeline import bubble_fraction, bubble_time, in_flight, schedule_actions
+from epscale.plan.pipeline import (balance_ranks, block_flops, bubble_fraction, bubble_time,
+                                   head_flops, in_flight, layers_per_stage, mtp_flops, rank_costs,
+                                   schedule_actions, stage_flops, with_mtp)
+from epscale.plan.shapes import Work, nonexpert_parts, train_gemms_time
 from epscale.plan.routing import RoutingSpec
 from epscale.plan.sizing import model_size
 
@@ -414,3 +417,71 @@ def test_fit_tries_each_pipeline_once():
     split_fsdp = [c.parallel for c in candidates(zero3, cl) if c.parallel.fsdp
                   and c.parallel.pp > 1 and c.parallel.pp_schedule in SPLIT_BACKWARD_SCHEDULES]
     assert split_fsdp and {p.zero for p in split_fsdp} == {1}
+
+
+# ------------------------------------------------------------ multi-token prediction (step model)
+
+def test_balance_ranks_balances_each_ranks_stages_as_a_whole():
+    """DualPipeV's rank 0 holds the first stage and the last (with the head): balanced by
+    rank, its first stage gives a block away; one stage per rank is left as it is."""
+    v_placement = [[0, 3], [1, 2]]
+    before = [2, 2, 2, 2]
+    assert rank_costs(before, [1.0] * 8, 2.0, v_placement) == [6.0, 4.0]
+    after = balance_ranks(before, [1.0] * 8, 2.0, v_placement)
+    assert sum(after) == 8 and min(after) >= 1 and after[0] < before[0]
+    assert rank_costs(after, [1.0] * 8, 2.0, v_placement) == [5.0, 5.0]
+    assert balance_ranks([3, 5], [1.0] * 8, 9.0, [[0], [1]]) == [3, 5]
+    # the last stage keeps min_last blocks (the MTP modules' own)
+    assert balance_ranks([1, 1, 1, 2], [1.0] * 5, 6.0, v_placement, min_last=2)[-1] >= 2
+
+
+def test_mtp_modules_sit_on_the_last_stage_with_their_head_passes():
+    """Work.mtp_depth's run: depth more (MoE) blocks on the last stage, and per module a
+    2 D -> D projection and one more head pass there (DeepSeek-V3's MTP, depth 1)."""
+    cfg = _cfg(pp=2, schedule="dualpipev", virtual=2, layers=8, dense=1)
+    assert with_mtp(cfg, 0) is cfg
+    with pytest.raises(ConfigError, match="mtp_depth = -1 is invalid"):
+        with_mtp(cfg, -1)
+    c = with_mtp(cfg, 1)
+    split = layers_per_stage(c)
+    assert c.model.num_layers == 9 and sum(split) == 9 and c.model.is_moe_layer(8)
+    D, V = cfg.model.dim, cfg.model.vocab_size
+    assert mtp_flops(cfg, 1) == 2 * 2 * D * D + 2 * D * V
+    last = block_flops(c)[9 - split[-1]:]
+    assert stage_flops(c, 1)[-1] == pytest.approx(sum(last) + head_flops(c) + mtp_flops(c, 1))
+    # balanced by rank: the worst rank is no worse than with the block simply appended
+    placement = [[0, 3], [1, 2]]
+    plain = layers_per_stage(cfg)
+    appended = plain[:-1] + [plain[-1] + 1]
+    extra = head_flops(cfg) + mtp_flops(cfg, 1)
+    assert (rank_costs(split, block_flops(c), extra, placement)[0]
+            <= rank_costs(appended, block_flops(c), extra, placement)[0])
+    # a given split keeps its stages, the modules join the last one
+    given = _cfg(pp=2, layers=8, pp_layers_per_stage=[3, 5])
+    assert layers_per_stage(with_mtp(given, 2)) == [3, 7]
+
+
+def test_mtp_slows_the_rank_with_the_head_and_charges_its_head_passes():
+    m, T, D = 4, 64, 32
+    cl = ClusterSpec(nodes=2, gpus_per_node=8, inter_bw_GBps=10, intra_bw_GBps=100)
+    cfg = RunConfig(model=ModelConfig(vocab_size=4096, dim=D, num_layers=4, num_heads=4,
+                                      seq_len=T, tie_embeddings=False),
+                    moe=MoEConfig(dim=D, hidden_dim=48, num_experts=8, top_k=2),
+                    parallel=ParallelConfig(pp=2, ep=8),
+                    train=TrainConfig(micro_batch_size=1, grad_accum=m))
+    def run(depth):
+        return simulate(cfg, cl, RoutingSpec.parse("uniform"), strategies=("none",),
+                        dispatchers=("dedup",), overlap="none", step_samples=2,
+                        work=Work(mtp_depth=depth))[0]
+    plain, mtp = run(0), run(1)
+    assert mtp.step_time_s > plain.step_time_s
+    assert sum(mtp.breakdown.values()) == pytest.approx(mtp.step_time_s, rel=1e-12)
+    assert mtp.tokens_per_s_per_gpu == pytest.approx(m * T / 2 / mtp.step_time_s)
+    # a module's head pass and projection in the non-expert parts (its block is a layer)
+    flat = RunConfig(model=cfg.model, moe=cfg.moe, parallel=ParallelConfig(ep=8),
+                     train=cfg.train)
+    h100 = ClusterSpec(sm_count=132, mem_bw_GBps=3350.0, layer_overhead_us=0.0)
+    one, two = (nonexpert_parts(flat, h100, T, Work(mtp_depth=d)) for d in (0, 1))
+    assert two["gemm"] - one["gemm"] == pytest.approx(
+        train_gemms_time(h100, T, 4096, D, "bf16") + train_gemms_time(h100, T, D, 2 * D, "bf16"))
+    assert two["memory"] > one["memory"]

@@ -14,6 +14,7 @@ large. The split is the contiguous one whose most expensive stage is cheapest.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import lru_cache
 
 from ..config import ConfigError, RunConfig
@@ -55,6 +56,54 @@ def head_flops(cfg: RunConfig) -> float:
     return 2.0 * cfg.model.dim * cfg.model.vocab_size
 
 
+def mtp_flops(cfg: RunConfig, depth: int) -> float:
+    """Forward FLOPs per token of ``depth`` multi-token-prediction modules beyond their
+    blocks (DeepSeek-V3 report, section 2.2: each module projects the concatenation of the
+    normed hidden state and the normed embedding of the next token, 2 D -> D, runs one
+    transformer block and the shared output head): the projection and one more head pass
+    per module. The modules' blocks are counted as blocks (:func:`with_mtp`)."""
+    D = cfg.model.dim
+    return depth * (2.0 * 2 * D * D + head_flops(cfg))
+
+
+def with_mtp(cfg: RunConfig, depth: int) -> RunConfig:
+    """The run with ``depth`` multi-token-prediction modules as the step model charges them:
+    ``depth`` more blocks after the last (each an MoE block where the model's own pattern
+    makes block ``num_layers + i`` one, as DeepSeek-V3's), on the last stage with the head.
+    The stage split is the given ``parallel.pp_layers_per_stage``, else the balanced split
+    of the model's own blocks with the last stage also paying the modules (blocks,
+    projections, head passes), then the modules' blocks appended to the last stage. The
+    trainer has no MTP: only the step model's ``Work.mtp_depth`` reaches this."""
+    if depth < 0:
+        raise ConfigError(f"mtp_depth = {depth} is invalid: must be >= 0")
+    if depth == 0:
+        return cfg
+    L = cfg.model.num_layers
+    model = replace(cfg.model, num_layers=L + depth)
+    n = num_stages(cfg)
+    if n == 1:
+        return replace(cfg, model=model)
+    blocks = block_flops(replace(cfg, model=model,
+                                 parallel=replace(cfg.parallel, pp_layers_per_stage=None)))
+    if cfg.parallel.pp_layers_per_stage is not None or L < n:
+        base = layers_per_stage(cfg)                       # validated (or refused) as given
+        split = list(base[:-1]) + [base[-1] + depth]
+    else:
+        # the last stage holds the modules and their head passes, with or without blocks
+        # of the model's own (Megatron's DeepSeek-V3 layout ends in a stage of the MTP
+        # block and the loss alone): the cheaper of the two for the worst rank
+        par = cfg.parallel
+        placement = stage_placement(par.pp_schedule, par.pp, par.pp_virtual_stages)
+        last = head_flops(cfg) + mtp_flops(cfg, depth)
+        own = _balanced(tuple(blocks[:L]), n, last + sum(blocks[L:]))
+        alone = _balanced(tuple(blocks[:L]), n - 1, 0.0)
+        options = [balance_ranks(list(own[:-1]) + [own[-1] + depth], blocks, last, placement,
+                                 depth),
+                   balance_ranks(list(alone) + [depth], blocks, last, placement, depth)]
+        split = min(options, key=lambda o: rank_costs(o, blocks, last, placement))
+    return replace(cfg, model=model, parallel=replace(cfg.parallel, pp_layers_per_stage=split))
+
+
 def num_stages(cfg: RunConfig) -> int:
     par = cfg.parallel
     return par.pp * pp_stages_per_rank(par.pp_schedule, par.pp_virtual_stages) if par.pp > 1 else 1
@@ -77,6 +126,50 @@ def layers_per_stage(cfg: RunConfig) -> list[int]:
         raise ConfigError(f"config key 'parallel.pp' = {cfg.parallel.pp} is invalid: {n} "
                           f"pipeline stages need at least {n} layers; model.num_layers is {L}")
     return _balanced(tuple(block_flops(cfg)), n, head_flops(cfg))
+
+
+def balance_ranks(sizes: list[int], costs: list[float], last: float,
+                  placement: list[list[int]], min_last: int = 1) -> list[int]:
+    """``sizes`` (a contiguous split of the blocks ``costs``, the last stage also paying
+    ``last``) moved one boundary block at a time while that lowers the ranks' costs, most
+    expensive first (:func:`rank_costs`). A rank that holds several stages (interleaved,
+    V) is balanced as a whole: under a V schedule rank 0 holds the first stage and the
+    last one with the head, so its first stage takes fewer blocks. Stages keep at least
+    one block (the last ``min_last``). With one stage per rank the split comes back as it
+    is (:func:`_balanced` is exact there). Only :func:`with_mtp` balances by rank: the
+    trainer's own split (:func:`layers_per_stage`) stays balanced by stage, which also
+    keeps the early stages (most micro-batches in flight) from taking extra blocks; by rank,
+    deepseek-v3's recipe went from 76 to 88 GiB on its largest rank."""
+    if all(len(held) == 1 for held in placement):
+        return list(sizes)
+    best, score = list(sizes), rank_costs(sizes, costs, last, placement)
+    improved = True
+    while improved:
+        improved = False
+        for b in range(len(best) - 1):               # the boundary after stage b
+            floor = min_last if b + 1 == len(best) - 1 else 1
+            for step in (1, -1):                     # a block from stage b + 1 to b, or back
+                cand = list(best)
+                cand[b] += step
+                cand[b + 1] -= step
+                if cand[b] < 1 or cand[b + 1] < floor:
+                    continue
+                new = rank_costs(cand, costs, last, placement)
+                if new < score:                      # lexicographic: the worst rank first
+                    best, score, improved = cand, new, True
+    return best
+
+
+def rank_costs(sizes: list[int], costs: list[float], last: float,
+               placement: list[list[int]]) -> list[float]:
+    """Each rank's cost under the split ``sizes`` (its stages' blocks, the last stage also
+    ``last``), most expensive first."""
+    stage, start = [], 0
+    for k in sizes:
+        stage.append(sum(costs[start:start + k]))
+        start += k
+    stage[-1] += last
+    return sorted((sum(stage[s] for s in held) for held in placement), reverse=True)
 
 
 @lru_cache(maxsize=64)
@@ -111,12 +204,15 @@ def _balanced(costs: tuple[float, ...], n: int, head: float) -> list[int]:
     return sizes[::-1]
 
 
-def stage_flops(cfg: RunConfig) -> list[float]:
-    """Forward FLOPs per token of each stage under :func:`layers_per_stage`."""
+def stage_flops(cfg: RunConfig, mtp_depth: int = 0) -> list[float]:
+    """Forward FLOPs per token of each stage under :func:`layers_per_stage`; the last
+    stage also pays ``mtp_depth`` modules' projections and head passes (``cfg`` from
+    :func:`with_mtp`, whose blocks are already in the split)."""
     costs, out, start = block_flops(cfg), [], 0
     sizes = layers_per_stage(cfg)
+    last = head_flops(cfg) + mtp_flops(cfg, mtp_depth)
     for s, k in enumerate(sizes):
-        out.append(sum(costs[start:start + k]) + (head_flops(cfg) if s == len(sizes) - 1 else 0.0))
+        out.append(sum(costs[start:start + k]) + (last if s == len(sizes) - 1 else 0.0))
         start += k
     return out
 

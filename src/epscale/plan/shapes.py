@@ -140,7 +140,9 @@ class Work:
     kernels hold (:func:`compute_cluster`), ``p2p_overlap``: a looped or V pipeline hides
     its p2p behind compute even where the expert transfers are not overlapped (Megatron's
     interleaved schedule), ``launch_us`` the host's time to issue one kernel
-    (:func:`host_bound_time`)."""
+    (:func:`host_bound_time`), ``mtp_depth`` DeepSeek-V3's multi-token-prediction modules
+    (:func:`epscale.plan.pipeline.with_mtp`: a block, a 2 D -> D projection and a head pass
+    each, on the last stage)."""
 
     precision: str = "bf16"
     tp: int = 1
@@ -148,6 +150,7 @@ class Work:
     comm_sms: int = 0
     p2p_overlap: bool = False
     launch_us: float = HOST_LAUNCH_US
+    mtp_depth: int = 0
 
 
 def compute_cluster(cluster: ClusterSpec, work: Work, overlap: str) -> ClusterSpec:
@@ -307,16 +310,21 @@ def _layer_parts(run_cfg: RunConfig, cluster: ClusterSpec, T: float, work: Work,
 def nonexpert_parts(run_cfg: RunConfig, cluster: ClusterSpec, T: float,
                     work: Work) -> dict[str, float]:
     """:func:`nonexpert_time` by part (:func:`_layer_parts`' names; the output head's
-    GEMMs count as ``gemm``, its softmax and cross-entropy as ``memory``)."""
+    GEMMs count as ``gemm``, its softmax and cross-entropy as ``memory``; with
+    ``work.mtp_depth`` each multi-token-prediction module adds a head pass with its loss, its
+    2 D -> D projection and its two RMSNorms, its block being one of ``run_cfg``'s layers:
+    :func:`epscale.plan.pipeline.with_mtp`)."""
     m = run_cfg.model
     n_moe = sum(m.is_moe_layer(i) for i in range(m.num_layers))
     moe_p = _layer_parts(run_cfg, cluster, T, work, True)
     dense_p = _layer_parts(run_cfg, cluster, T, work, False)
     out = {k: n_moe * moe_p[k] + (m.num_layers - n_moe) * dense_p[k] for k in moe_p}
-    head_n = m.vocab_size / work.tp
-    out["gemm"] += train_gemms_time(cluster, T * work.tp, head_n, m.dim, "bf16")
+    head_n, heads = m.vocab_size / work.tp, 1 + work.mtp_depth
+    out["gemm"] += heads * train_gemms_time(cluster, T * work.tp, head_n, m.dim, "bf16")
+    out["gemm"] += work.mtp_depth * train_gemms_time(cluster, T, m.dim, 2 * m.dim, work.precision)
     if cluster.mem_bw_GBps:
-        out["memory"] += T * loss_bytes(run_cfg) / (cluster.mem_bw_GBps * 1e9)
+        mtp_norms = work.mtp_depth * 3 * 2 * (2 * m.dim * 2.0)      # fwd + bwd, read + write
+        out["memory"] += T * (heads * loss_bytes(run_cfg) + mtp_norms) / (cluster.mem_bw_GBps * 1e9)
     return out
 
 

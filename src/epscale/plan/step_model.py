@@ -94,7 +94,7 @@ from .layout import Layout
 from .memory import cached_param_shapes, block_of
 from .placement import plan_spill
 from .pipeline import (bubble_time, layers_per_stage, micro_batches, stage_flops, stage_layers,
-                       stage_placement)
+                       stage_placement, with_mtp)
 from .shapes import (PRECISIONS, RECOMPUTE_MODULES, Work, compute_cluster, expert_parts,
                      host_bound_time, kernels_per_layer, nonexpert_parts,
                      optimizer_bytes_per_param)
@@ -197,6 +197,7 @@ def simulate(run_cfg: RunConfig, cluster: ClusterSpec, routing: RoutingSpec | No
     does not say them (:class:`epscale.plan.shapes.Work`; the published runs' features).
     """
     routing = routing or RoutingSpec()
+    run_cfg = with_mtp(run_cfg, work.mtp_depth)
     for d in dispatchers:
         if d not in DISPATCHERS:
             raise ConfigError(f"dispatcher '{d}' is invalid: must be one of {', '.join(DISPATCHERS)}")
@@ -802,7 +803,7 @@ def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, ru
     moe_ids = [i for i in range(model.num_layers) if model.is_moe_layer(i)]
     dist_of = {i: j % n_dist for j, i in enumerate(moe_ids)}           # as weight_L cycles them
     routed_fwd = 2.0 * moe.top_k * expert_params_per_expert(moe)       # per token and MoE layer
-    fwd = stage_flops(run_cfg)
+    fwd = stage_flops(run_cfg, work.mtp_depth)
     dense, expert = _block_params(run_cfg, lay.ep)
     hop_bytes = T * model.dim * grad_bytes                             # one activation, or its gradient
     # With overlap (or ``work.p2p_overlap``) the looped and V schedules run another stage's
