@@ -112,6 +112,34 @@ RUNS = [
                  "MTP depth D to 1')",
         not_modelled="torch's DualPipeV stands for DualPipe; the backward's FP8 dispatch of the "
                      "activation gradients (our parallel.payload covers the forward dispatch)"),
+    Run("DeepSeek-V2, H800 (DeepSeek)", 1e12 / (172.8e3 * 3600),
+        "DeepSeek-V2 Technical Report (arXiv 2405.04434), 3.2.3: 'for training on each trillion "
+        "tokens, ... DeepSeek-V2 needs only 172.8K GPU hours' on 'the H800 cluster'; 3.1.3: 'a "
+        "16-way zero-bubble pipeline parallelism (Qi et al., 2023), an 8-way expert parallelism, "
+        "and ZeRO-1 data parallelism', no tensor parallelism, 'a portion of the operators are "
+        "recomputed', 'we overlap the computation of shared experts with the expert parallel "
+        "all-to-all communication'; 3.1.2: 60 layers, hidden 5120, 128 heads, d_c 512, d_c' 1536, "
+        "d_h^R 64, all FFNs but the first MoE, '2 shared experts and 160 routed experts' of "
+        "width 1536, '6 experts will be activated', experts 'uniformly deployed on 8 devices "
+        "(D=8)', 'sent to at most 3 devices (M=3)', batch 'keeps 9216' sequences of '4K' after "
+        "the ramp, 'token-dropping strategy during training' at 'capacity factor ... 1.0' "
+        "(2.2.4); vocabulary 102400 and dense FFN 12288 from deepseek-ai/DeepSeek-V2 config.json",
+        "deepseek-v3", _pipe(16, "zero_bubble", 2, 16, 8, 72, 1, 4096) + [
+            "model.vocab_size=102400", "model.dim=5120", "model.num_layers=60",
+            "model.dense_hidden_dim=12288", "model.num_dense_layers=1", "moe.hidden_dim=1536",
+            "moe.num_experts=160", "moe.top_k=6", "moe.score_func=softmax", "moe.route_norm=false",
+            "moe.route_scale=16.0", "moe.num_shared_experts=2", "moe.num_groups=8",
+            "moe.topk_groups=3", "moe.capacity_factor=1.0", "train.recompute_modules=[]",
+            "train.activation_storage=compute"],
+        "h800-2048", 256, "dedup", "none", Work(recompute_modules=(), attention_kernel="fa2"),
+        modelled="device-limited routing (8 groups = the 8 EP ranks, 3 of them per token), token "
+                 "dropping at capacity 1.0 (no host sync), ZeRO-1 (as replicated DP: same traffic), "
+                 "attention at FlashAttention-2's measured rates (3.1.3: 'MLA is also optimized "
+                 "based on an improved version of FlashAttention-2')",
+        not_modelled="the GPU count (not published: 2,048 H800 as DeepSeek-V3's cluster, 72 "
+                     "micro-batches); Qi et al.'s one-stage-per-rank zero bubble (our zero_bubble "
+                     "holds 2 stages per rank); which operators were recomputed (none charged); "
+                     "the shared experts' overlap with the all-to-all (transfers charged exposed)"),
     Run("DeepSeek-V3, 1,024 H100 (Megatron-Bridge 25.09)", 1297,
         MB_PERF + ": 25.09 DGX-H100 'DeepSeekV3 (dropless) | 1024 | GBS 8192 | MBS 1 | 4096 | FSDP 0 "
         "| TP 2 | PP 8 | CP 1 | VP 4 | EP 64 | GA 128 | 1297 | 338 (330)'; the footnote reads the "

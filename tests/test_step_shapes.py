@@ -288,6 +288,16 @@ def test_flash_attention_runs_at_its_measured_rates():
     assert fwd == pytest.approx(1e12 / (989e12 * ATTN_FWD_EFFICIENCY))
     assert bwd == pytest.approx(ATTN_BWD_FLOPS * 1e12 / (989e12 * ATTN_BWD_EFFICIENCY))
     assert 989e12 * ATTN_FWD_EFFICIENCY == pytest.approx(609e12)          # FA3 paper's cuDNN
+    # FlashAttention-2's bars of the same figures, for runs that say they use it
+    assert attention_time(H100, 1e12, "fa2") == pytest.approx(
+        (1e12 / 368e12, ATTN_BWD_FLOPS * 1e12 / 310e12))
+    with pytest.raises(ConfigError, match="attention_kernel 'fa3' is invalid"):
+        attention_time(H100, 1e12, "fa3")
+    cfg = _cfg()
+    slow, fast = (nonexpert_parts(cfg, H100, 2048, Work(attention_kernel=k)) for k in ("fa2", "cudnn"))
+    assert slow["attention"] / fast["attention"] == pytest.approx(
+        (1 / 368 + ATTN_BWD_FLOPS / 310) / (1 / 609 + ATTN_BWD_FLOPS / 499))
+    assert slow["gemm"] == fast["gemm"]
     # a calibrated cluster keeps its one rate, the backward twice the forward
     cal = ClusterSpec()
     assert attention_time(cal, 1e12) == pytest.approx((1e12 / cal.flops_per_s,

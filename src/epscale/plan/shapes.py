@@ -62,6 +62,10 @@ FP8_STORE_BYTES = 2 + 1 + 4 / 128 + 1 + 4 / 128 + 2
 # dim 128 (H100 80GB SXM5)". Megatron-Core runs cuDNN's kernels through Transformer Engine.
 ATTN_FWD_EFFICIENCY = 609.0 / 989.0
 ATTN_BWD_EFFICIENCY = 499.0 / 989.0
+# The same figures' FlashAttention-2 bars at head dim 128 and sequence 4k: forward 368,
+# backward 310 TFLOP/s (``Work.attention_kernel = "fa2"``: runs that say they use it).
+ATTN_KERNELS = {"cudnn": (ATTN_FWD_EFFICIENCY, ATTN_BWD_EFFICIENCY),
+                "fa2": (368.0 / 989.0, 310.0 / 989.0)}
 ATTN_BWD_FLOPS = 2.5
 # Host time to issue one kernel: "usually, the launch time on the CPU side is between 5-20
 # microseconds" (Meta's Holistic Trace Analysis docs, "CUDA kernel launch statistics"); the
@@ -142,7 +146,8 @@ class Work:
     interleaved schedule), ``launch_us`` the host's time to issue one kernel
     (:func:`host_bound_time`), ``mtp_depth`` DeepSeek-V3's multi-token-prediction modules
     (:func:`epscale.plan.pipeline.with_mtp`: a block, a 2 D -> D projection and a head pass
-    each, on the last stage)."""
+    each, on the last stage), ``attention_kernel`` whose measured rates the attention's core
+    runs at (:data:`ATTN_KERNELS`)."""
 
     precision: str = "bf16"
     tp: int = 1
@@ -151,6 +156,7 @@ class Work:
     p2p_overlap: bool = False
     launch_us: float = HOST_LAUNCH_US
     mtp_depth: int = 0
+    attention_kernel: str = "cudnn"
 
 
 def compute_cluster(cluster: ClusterSpec, work: Work, overlap: str) -> ClusterSpec:
@@ -259,16 +265,20 @@ def _linears(run_cfg: RunConfig, moe_layer: bool) -> list[tuple[str, int, int, s
     return out
 
 
-def attention_time(cluster: ClusterSpec, fwd_flops: float) -> tuple[float, float]:
+def attention_time(cluster: ClusterSpec, fwd_flops: float,
+                   kernel: str = "cudnn") -> tuple[float, float]:
     """(forward, backward) seconds of flash attention's core of ``fwd_flops`` forward
-    FLOPs: at the measured flash-attention rates (:data:`ATTN_FWD_EFFICIENCY`) on a cluster
-    with ``sm_count``, else the calibrated large-GEMM rate (backward twice the forward)."""
+    FLOPs: at ``kernel``'s measured rates (:data:`ATTN_KERNELS`) on a cluster with
+    ``sm_count``, else the calibrated large-GEMM rate (backward twice the forward)."""
+    if kernel not in ATTN_KERNELS:
+        raise ConfigError(f"attention_kernel '{kernel}' is invalid: must be one of "
+                          f"{', '.join(ATTN_KERNELS)}")
     if not cluster.sm_count:
         t = fwd_flops / cluster.flops_per_s
         return t, 2 * t
     peak = cluster.gemm_tflops * 1e12
-    return (fwd_flops / (peak * ATTN_FWD_EFFICIENCY),
-            ATTN_BWD_FLOPS * fwd_flops / (peak * ATTN_BWD_EFFICIENCY))
+    fwd_eff, bwd_eff = ATTN_KERNELS[kernel]
+    return fwd_flops / (peak * fwd_eff), ATTN_BWD_FLOPS * fwd_flops / (peak * bwd_eff)
 
 
 def _layer_parts(run_cfg: RunConfig, cluster: ClusterSpec, T: float, work: Work,
@@ -290,7 +300,8 @@ def _layer_parts(run_cfg: RunConfig, cluster: ClusterSpec, T: float, work: Work,
             or (module in ("router", "shared") and _recomputed(work, run_cfg, "moe"))
         if again:
             out["recompute"] += float(gemm_time(cluster, M, N, K, prec))
-    fwd_attn, bwd_attn = attention_time(cluster, T * attention_flops_per_token(run_cfg.model))
+    fwd_attn, bwd_attn = attention_time(cluster, T * attention_flops_per_token(run_cfg.model),
+                                        work.attention_kernel)
     out["attention"] = fwd_attn + bwd_attn
     out["recompute"] += fwd_attn * _recomputed(work, run_cfg, "core_attn")
     if cluster.mem_bw_GBps:
