@@ -268,10 +268,15 @@ def test_recompute_modules_keep_what_the_estimate_says(case):
                 scale = ref_grads[n].abs().max().item()
                 assert (grad - ref_grads[n]).abs().max().item() <= 1e-5 * scale, (mods, n)
 
-def _bf16_kept(net, x, y, modules: list[str], storage: str) -> int:
-    """Bytes one forward of ``net`` (bf16 parameters: FSDP's rule) keeps after a warm-up step."""
+def _bf16_kept(net, x, y, modules: list[str], storage: str, attention: bool = True) -> int:
+    """Bytes one forward of ``net`` (bf16 parameters: FSDP's rule) keeps after a warm-up
+    step (``attention``: fp8 storage holds the attention's output too)."""
     apply_activation_checkpointing(net, "none", modules)
     apply_activation_storage(net, storage)
+    if not attention:
+        for block in net.layers.values():
+            if block.attention.fp8_storage is not None:
+                block.attention.fp8_storage.held = frozenset()
     for moe in moe_layers(net):
         moe.drop_kept_buffers()
     (net.loss(x, y) + net.aux_loss()).backward()
@@ -281,13 +286,28 @@ def _bf16_kept(net, x, y, modules: list[str], storage: str) -> int:
     return kept
 
 
-def test_fp8_storage_keeps_what_the_estimate_says():
+FP8_CASES = {"mha": ([], [([], "compute"), ([], "fp8"), (["norm", "moe_act"], "fp8"),
+                          (["attention_core"], "fp8")]),
+             "mla": (MLA_MEASURE, [([], "compute"), ([], "fp8"),
+                                   (["norm", "mla_up_proj", "moe_act"], "compute"),
+                                   (["norm", "mla_up_proj", "moe_act"], "fp8")])}
+
+
+@pytest.mark.parametrize("case", sorted(FP8_CASES))
+def test_fp8_storage_keeps_what_the_estimate_says(case):
     """``train.activation_storage: fp8`` on the local path in bf16 (FSDP's rule): the bytes a
     forward keeps are the estimate's within 5%, without and with moe_act and the norms
-    recomputed, and what fp8 saves against compute-dtype storage is the estimate's within
-    10% (the expert rows, the SwiGLU tensors and the fp32 output rows the local path weights,
-    at 1 byte plus a scale per tile, here of 64 channels)."""
-    cfg = load_config(None, MEASURE + ["moe.num_shared_experts=1", "moe.experts_impl=grouped_mm"])
+    recomputed (MLA: DeepSeek's light set with mla_up_proj), and what fp8 saves against
+    compute-dtype storage is the estimate's within 10% (the expert rows, the SwiGLU tensors
+    and the fp32 output rows the local path weights, the attention kernel's output and the
+    output projection's input, at 1 byte plus a scale per tile, here of 64 and 16
+    channels). The attention's share alone (its store holding nothing against holding its
+    output) is the estimate's too, without and with its recomputation."""
+    from epscale.plan.memory import fp8_attention_tensors
+
+    extra, combos = FP8_CASES[case]
+    cfg = load_config(None, MEASURE + ["moe.num_shared_experts=1", "moe.experts_impl=grouped_mm"]
+                      + extra)
     torch.manual_seed(0)
     net = build_model(cfg)
     for p in net.parameters():
@@ -297,15 +317,23 @@ def test_fp8_storage_keeps_what_the_estimate_says():
     x, y = torch.randint(0, 256, (B, S), generator=g), torch.randint(0, 256, (B, S), generator=g)
     lay = Layout.from_config(cfg, 1, ep=1, fsdp=True)
     kept, est = {}, {}
-    for mods, storage in (([], "compute"), ([], "fp8"), (["norm", "moe_act"], "fp8")):
+    for mods, storage in combos:
         key = (tuple(mods), storage)
+        acts = Activations("none", "bfloat16", "grouped_mm", tuple(mods), storage)
         kept[key] = _bf16_kept(net, x, y, mods, storage)
-        est[key] = estimate(cfg, lay, Activations("none", "bfloat16", "grouped_mm", tuple(mods),
-                                                  storage)).activations
+        est[key] = estimate(cfg, lay, acts).activations
         assert est[key] == pytest.approx(kept[key], rel=0.05), (key, kept[key], est[key])
+        if storage == "fp8":
+            held = fp8_attention_tensors(cfg.model, acts, tuple(mods))
+            share = B * S * cfg.model.num_layers * sum(r * (n * c - c - 4 * -(-c // 128))
+                                                       for r, c, n in held)
+            unheld = _bf16_kept(net, x, y, mods, storage, attention=False)
+            assert unheld - kept[key] == pytest.approx(share, rel=0.1, abs=1024), (key, share)
+            assert (share > 0) == ("attention_core" not in mods)
     none, fp8 = ((), "compute"), ((), "fp8")
     assert est[none] - est[fp8] == pytest.approx(kept[none] - kept[fp8], rel=0.1)
-    assert kept[(("norm", "moe_act"), "fp8")] < kept[fp8] < 0.85 * kept[none]
+    light = tuple(combos[2][0])
+    assert kept[(light, "fp8")] < kept[fp8] < 0.85 * kept[none]
 
 
 def test_deepseek_v3_at_its_layout_counts_dualpipev_sets_buffers_and_fp8():
