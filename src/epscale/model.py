@@ -210,6 +210,22 @@ def attend(q_BHSh: torch.Tensor, k_BGSh: torch.Tensor, v_BGSh: torch.Tensor, att
                                           enable_gqa=enable_gqa)
 
 
+def hold_attention_output(attn: nn.Module, o_BHSh: torch.Tensor, o_BSD: torch.Tensor) -> None:
+    """Under ``train.activation_storage: fp8`` (``attn.fp8_storage``, set by
+    :func:`epscale.parallel.activation.apply_activation_storage`): offer the attention
+    kernel's output ``o_BHSh`` (where the kernel keeps it for its backward: the fused
+    kernels, flash, memory-efficient, cuDNN and flex, do; SDPA's math path does not) and
+    the output projection's input ``o_BSD`` ([B, S, H*hv], the same memory where the
+    kernel writes [B, S, H, hv]) to the store, which keeps those in fp8 until backward
+    (:meth:`epscale.moe.saved_fp8.Fp8Storage.hold`)."""
+    store = getattr(attn, "fp8_storage", None)
+    if store is None:
+        return
+    node = o_BHSh.grad_fn
+    kept = node is not None and "Attention" in type(node).__name__
+    store.hold(**({"kernel_out": o_BHSh} if kept else {}), proj_input=o_BSD)
+
+
 class Attention(nn.Module):
     """Causal multi-head attention (grouped-query when num_kv_heads < num_heads; with
     ``qk_norm`` each head's query and key RMS-normalised before RoPE, as Qwen3 does)."""
@@ -262,7 +278,9 @@ class Attention(nn.Module):
             return self.wo(o_BHSh.transpose(1, 2).reshape(B, S, H * h))
         q, k, v = self._qkv(x_BSD)
         o_BHSh = attend(q, k, v, attn_mask, enable_gqa=G != H)
-        return self.wo(o_BHSh.transpose(1, 2).reshape(B, S, H * h))
+        o_BSD = o_BHSh.transpose(1, 2).reshape(B, S, H * h)
+        hold_attention_output(self, o_BHSh, o_BSD)
+        return self.wo(o_BSD)
 
 
 class LatentAttention(nn.Module):
@@ -316,10 +334,12 @@ class LatentAttention(nn.Module):
         if kv is not None:  # incremental decoding (keys and values cached expanded)
             q, k, v = self._qkv(x_BSD, kv.length)
             o_BHSh = cached_attention(q, *kv.append(k, v), scale=self.scale)
-        else:
-            q, k, v = self._qkv(x_BSD)
-            o_BHSh = attend(q, k, v, attn_mask, scale=self.scale)
-        return self.wo(o_BHSh.transpose(1, 2).reshape(B, S, self.num_heads * self.v_dim))
+            return self.wo(o_BHSh.transpose(1, 2).reshape(B, S, self.num_heads * self.v_dim))
+        q, k, v = self._qkv(x_BSD)
+        o_BHSh = attend(q, k, v, attn_mask, scale=self.scale)
+        o_BSD = o_BHSh.transpose(1, 2).reshape(B, S, self.num_heads * self.v_dim)
+        hold_attention_output(self, o_BHSh, o_BSD)
+        return self.wo(o_BSD)
 
 
 def run_plainly(fn: Callable[..., torch.Tensor], *args) -> torch.Tensor:

@@ -3,18 +3,53 @@ estimate): the bytes of this rank's parameter, gradient and optimizer-state stor
 the bytes a forward leaves allocated for backward.
 
 The forward's bytes come from torch's profiler with memory profiling on (CPU): every
-allocation and free inside ``fn`` is recorded, so their sum is what ``fn`` leaves alive
-when it returns (its output and the tensors autograd keeps, counted once however many
-views share them). Buffers allocated before ``fn`` and reused by it (the CPU kernel's
-kept workspaces) are not counted: drop them first (``MoE.drop_kept_buffers``).
+allocation and free inside ``fn`` is recorded with its address, so the allocations not
+freed again inside ``fn`` are what it leaves alive when it returns (its output and the
+tensors autograd keeps, counted once however many views share them). Buffers allocated
+before ``fn`` and reused or freed by it (the CPU kernel's kept workspaces, a module's
+statistics of the previous step) are not counted: drop the kept workspaces first
+(``MoE.drop_kept_buffers``).
+
+Why the frees are paired by address rather than summed: torch's CPU allocator reports a
+free with the size it finds for the address in a table it fills only while profiling
+(``ProfiledCPUMemoryReporter``), and never cleans of blocks freed while not profiling. A
+block a profiled forward kept and backward freed leaves its entry; when the address is
+handed to a new block outside the profiler (the next warm-up step) and that block is freed
+inside the next profiled forward, the profiler records a free of the *old* block's size,
+for memory the forward never allocated. Which addresses come back depends on the malloc
+state (threads, load, address-space layout): that made measurements drift by a few KB to
+~100 KB from run to run.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
+
+
+def _allocation_events(nodes) -> Iterator:
+    """The profiler's allocation records under ``nodes`` (its event tree), in the order
+    they happened on each thread (depth first: a parent's children follow it in time)."""
+    for node in nodes:
+        if node.tag == torch._C._profiler._EventType.Allocation:
+            yield node
+        yield from _allocation_events(node.children)
+
+
+def live_allocated_bytes(allocations) -> int:
+    """Bytes of ``allocations`` ((address, signed bytes) in time order: > 0 an allocation,
+    < 0 a free) still allocated at the end; a free counts only against an allocation
+    recorded before it at the same address (a free of a block allocated earlier, whatever
+    size the profiler gives it, is not this record's)."""
+    live: dict[int, int] = {}
+    for ptr, nbytes in allocations:
+        if nbytes > 0:
+            live[ptr] = nbytes
+        else:
+            live.pop(ptr, None)
+    return sum(live.values())
 
 
 def forward_kept_bytes(fn: Callable[[], object]) -> tuple[int, object]:
@@ -25,8 +60,10 @@ def forward_kept_bytes(fn: Callable[[], object]) -> tuple[int, object]:
         warnings.simplefilter("ignore")
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             out = fn()
-    events = prof.profiler.kineto_results.events()
-    return sum(e.nbytes() for e in events if e.name() == "[memory]"), out
+    events = sorted(_allocation_events(prof.profiler.kineto_results.experimental_event_tree()),
+                    key=lambda e: e.start_time_ns)
+    return live_allocated_bytes((e.extra_fields.ptr, e.extra_fields.alloc_size) for e in events
+                                if e.extra_fields.device.type == "cpu"), out
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,17 @@ saved-tensor hooks
 by its fp8 copy, made once however many operations save it, and restore it in the
 original dtype when backward reads it. Unmarked tensors are saved as they are.
 
+The attention (:class:`epscale.model.Attention`, :class:`epscale.model.LatentAttention`)
+holds the input of its output projection, "the inputs of the Linear after the attention
+operator" DeepSeek-V3 caches in FP8 (in its own E5M6 format; here the same e4m3 with 1 x
+128 tile scales as the rest), and the attention kernel's output, which the fused kernels
+keep for their backward (:meth:`Fp8Storage.hold`). These are kept either by autograd or,
+where the attention is a selective recomputation region (``mla_up_proj``), by the
+region's cache of the kernel's output, which saved-tensor hooks do not see; so a held
+tensor's memory is given back at the end of the forward, an fp8 copy kept instead, and
+its memory refilled from the copy when backward reaches the attention's output
+(:meth:`Fp8Storage.swap`). Whoever holds the tensor then reads the restored values.
+
 Rounding: e4m3 keeps 3 mantissa bits, so a value is restored within 2^-4 of itself
 (relative), or within the tile's smallest step (amax / 448 x 2^-9) near zero.
 
@@ -98,17 +109,45 @@ def _key(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
+def _storage_view(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` with its dims reordered so that it is contiguous and covers its whole storage
+    (the channels stay last), or None where no such view exists."""
+    if not t.is_floating_point() or t.dim() < 1 or not t.numel() or t.stride(-1) != 1:
+        return None
+    order = sorted(range(t.dim() - 1), key=lambda d: -t.stride(d)) + [t.dim() - 1]
+    v = t.permute(order)
+    whole = t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return v if v.is_contiguous() and t.storage_offset() == 0 and whole else None
+
+
+def _refill(t: torch.Tensor, saved: Fp8Saved) -> None:
+    """Give ``t``'s storage its memory back, filled with the restored values (written
+    through a new tensor on the storage: ``t``'s version does not change, as autograd and
+    the recomputation cache check)."""
+    storage = t.untyped_storage()
+    storage.resize_(t.numel() * t.element_size())
+    with torch.no_grad():
+        view = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, t.shape)
+        view.copy_(saved.restore())
+
+
 class Fp8Storage:
     """The fp8 store of one module's forward: tensors :meth:`mark` ed inside
     :meth:`region` are saved for backward as fp8 copies (one copy for a tensor and its
     contiguous reshapes, each restored in its own shape). A marked tensor is held until the
     region ends (so no other tensor takes its address meanwhile, and each is quantized
-    once), then only its copy stays, with the autograd graph."""
+    once), then only its copy stays, with the autograd graph.
 
-    def __init__(self):
+    ``held``: the names :meth:`hold` takes (the attention's: ``kernel_out``, the attention
+    kernel's output, and ``proj_input``, its output projection's input; the caller names
+    those its recomputation keeps)."""
+
+    def __init__(self, held: tuple[str, ...] = ()):
         self._marked: dict[tuple, torch.Tensor] = {}
         self._copies: dict[tuple, Fp8Saved] = {}
         self._depth = 0
+        self.held = frozenset(held)
+        self._held: list[torch.Tensor] = []
 
     def mark(self, *tensors: torch.Tensor | None) -> None:
         """Store these (floating-point) tensors in fp8 when autograd saves them from now on
@@ -119,6 +158,38 @@ class Fp8Storage:
         for t in tensors:
             if t is not None and t.is_floating_point() and t.dim() >= 1 and t.numel():
                 self._marked[_key(t)] = t
+
+    def hold(self, **tensors: torch.Tensor) -> None:
+        """Keep the tensors named in ``held`` in fp8 from the end of the region's forward
+        until backward reaches its output (:meth:`swap`), whoever keeps them for backward.
+        Only a tensor that has its storage to itself (in some order of its dims, the
+        channels last) can be held, once per storage; nothing outside a region or without
+        gradients."""
+        if not self._depth or not torch.is_grad_enabled():
+            return
+        for name, t in tensors.items():
+            view = _storage_view(t) if name in self.held else None
+            ptr = view.untyped_storage().data_ptr() if view is not None else None
+            if view is not None and all(h.untyped_storage().data_ptr() != ptr for h in self._held):
+                self._held.append(view)
+
+    def swap(self, out: torch.Tensor) -> None:
+        """At the end of the region's forward (``out``: its output): each held tensor's
+        memory is given back and an fp8 copy kept, until the gradient of ``out`` arrives
+        (a hook on it refills the memory before any backward inside the region reads it)."""
+        held, self._held = self._held, []
+        if not held or not isinstance(out, torch.Tensor) or not out.requires_grad:
+            return
+        with torch.no_grad():
+            copies = [(t, quantize(t)) for t in held]
+        for t, _ in copies:
+            t.untyped_storage().resize_(0)
+
+        def refill(grad):
+            for t, saved in copies:
+                _refill(t, saved)
+            copies.clear()
+        out.register_hook(refill)
 
     @contextlib.contextmanager
     def region(self):
@@ -138,6 +209,7 @@ class Fp8Storage:
             self._depth = 0
             self._marked.clear()
             self._copies.clear()
+            self._held.clear()
 
     def _pack(self, t: torch.Tensor):
         key = _key(t)

@@ -48,7 +48,17 @@ products' outputs. None of them contains a dispatcher exchange or a host read.
 FP8 storage (``train.activation_storage: fp8``, :func:`apply_activation_storage`): each
 MoE layer's forward runs inside its experts' :class:`epscale.moe.saved_fp8.Fp8Storage`
 region, so the rows the experts mark are saved for backward in fp8 (the checkpointed
-parts inside the layer, router and shared experts, keep their own sets as above).
+parts inside the layer, router and shared experts, keep their own sets as above). Each
+attention's forward runs inside its own store, which holds in fp8 what the attention
+keeps of its kernel's output until backward reaches the attention: without its
+recomputation the kernel's output (which the fused kernels save) and the output
+projection's input (the same memory on the GPU's flash kernel, a copy on the CPU's);
+under ``mla_up_proj`` the kernel's output the selective region caches (the projection's
+input is rebuilt from it); under ``attention_core`` nothing (the kernel runs again). A
+saved-tensor hook does not see what a selective region caches, so the attention's store
+gives the held tensors' memory back after the forward and refills it from the fp8 copy
+when the attention's output gradient arrives
+(:meth:`epscale.moe.saved_fp8.Fp8Storage.swap`): the same rounding whoever reads them.
 """
 
 from __future__ import annotations
@@ -61,7 +71,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
 from ..dispatch.host import recompute_contexts
-from ..moe.layer import moe_layers
+from ..moe.layer import is_recomputing, moe_layers
 from ..moe.saved_fp8 import FP8_DTYPE, Fp8Storage
 
 STORAGE = ("compute", "fp8")      # train.activation_storage
@@ -238,6 +248,9 @@ def _checkpointed(forward: Callable, context_fn: Callable | None, *args, **kwarg
 def _set_forward(module: torch.nn.Module, on: bool, context_fn: Callable | None = None) -> None:
     """``module.forward`` checkpointed (``on``; under ``context_fn``'s policy where given)
     or its own again."""
+    unstored = module.__dict__.pop("_unstored_forward", None)
+    if unstored is not None:   # apply_activation_storage wraps last: take its wrapper off
+        module.forward = unstored
     plain = module.__dict__.pop("_plain_forward", None)
     if plain is not None:
         module.forward = plain
@@ -276,6 +289,8 @@ def _set_attention(attn: torch.nn.Module, core: bool, up_proj: bool) -> None:
     """``attention_core`` and/or ``mla_up_proj`` on one attention module: a selective
     checkpoint of its forward keeping the products' outputs, except the attention
     kernel's (``core``) and the up projections' (``up_proj``, marked by hooks)."""
+    attn.recomputed_parts = frozenset(name for name, on in (("attention_core", core),
+                                                             ("mla_up_proj", up_proj)) if on)
     old = attn.__dict__.pop("_recompute_marks", None)
     for handle in (old.handles if old is not None else []):
         handle.remove()
@@ -294,10 +309,11 @@ def _set_attention(attn: torch.nn.Module, core: bool, up_proj: bool) -> None:
 
 
 def apply_activation_storage(model: torch.nn.Module, storage: str) -> None:
-    """Store the FFNs' saved activations as ``storage`` says (``train.activation_storage``:
-    'compute' as computed, 'fp8' in fp8 with 1 x 128 tile scales): each MoE layer's
-    forward runs inside one fp8 store holding its routed experts' rows and its shared
-    experts' hidden activations, each dense FFN's inside its own (after
+    """Store the FFNs' and the attention's saved activations as ``storage`` says
+    (``train.activation_storage``: 'compute' as computed, 'fp8' in fp8 with 1 x 128 tile
+    scales): each MoE layer's forward runs inside one fp8 store holding its routed
+    experts' rows and its shared experts' hidden activations, each dense FFN's and each
+    attention's (its kernel's output, :func:`attention_held`) inside its own (after
     :func:`apply_activation_checkpointing`, whose recomputed parts keep their own sets;
     applying again replaces, never stacks)."""
     if storage not in STORAGE:
@@ -312,15 +328,28 @@ def apply_activation_storage(model: torch.nn.Module, storage: str) -> None:
     for block in transformer_blocks(model):
         if not getattr(block, "is_moe", False):
             _set_storage(block.ffn, [block.ffn], storage == "fp8")
+        held = attention_held(getattr(block.attention, "recomputed_parts", frozenset()))
+        _set_storage(block.attention, [block.attention], storage == "fp8" and bool(held), held)
 
 
-def _set_storage(module: torch.nn.Module, parts: list[torch.nn.Module], fp8: bool) -> None:
-    """``module.forward`` run inside a new fp8 store that ``parts`` mark into (``fp8``), or
-    as it was."""
+def attention_held(recomputed: frozenset[str] | set[str]) -> tuple[str, ...]:
+    """What of the attention's output fp8 storage holds (:meth:`Fp8Storage.hold`'s names)
+    with the attention's ``recomputed`` parts: what the attention keeps of it."""
+    if "attention_core" in recomputed:
+        return ()
+    if "mla_up_proj" in recomputed:
+        return ("kernel_out",)
+    return ("kernel_out", "proj_input")
+
+
+def _set_storage(module: torch.nn.Module, parts: list[torch.nn.Module], fp8: bool,
+                 held: tuple[str, ...] = ()) -> None:
+    """``module.forward`` run inside a new fp8 store that ``parts`` mark into and hold
+    ``held`` in (``fp8``), or as it was."""
     plain = module.__dict__.pop("_unstored_forward", None)
     if plain is not None:
         module.forward = plain
-    store = Fp8Storage() if fp8 else None
+    store = Fp8Storage(held) if fp8 else None
     for part in parts:
         part.fp8_storage = store
     if store is not None:
@@ -329,5 +358,11 @@ def _set_storage(module: torch.nn.Module, parts: list[torch.nn.Module], fp8: boo
 
 
 def _stored_forward(store: Fp8Storage, forward: Callable, *args, **kwargs):
+    """``forward`` inside ``store``'s region; what it held swapped for fp8 copies, but in a
+    recomputation (backward reads what it keeps right away, and no gradient of its output
+    would arrive to refill them)."""
     with store.region():
-        return forward(*args, **kwargs)
+        out = forward(*args, **kwargs)
+        if not is_recomputing():
+            store.swap(out)
+        return out

@@ -39,8 +39,9 @@ Held for the whole step (what ``benchmarks/memory.py`` measures):
   for the gate gradient are fp32 on the local path (it weights them in fp32) and in the
   compute dtype under expert parallelism (the combine's). ``train.activation_storage:
   fp8`` keeps the routed experts' saved rows (:func:`fp8_saved_tensors`) and the dense
-  FFNs' and shared experts' hidden activations (:func:`fp8_ffn_tensors`) at 1 byte per
-  element plus an fp32 scale per 1 x 128 tile (:mod:`epscale.moe.saved_fp8`).
+  FFNs' and shared experts' hidden activations (:func:`fp8_ffn_tensors`) and the
+  attention kernel's output and output projection's input (:func:`fp8_attention_tensors`)
+  at 1 byte per element plus an fp32 scale per 1 x 128 tile (:mod:`epscale.moe.saved_fp8`).
 
 ZeRO levels under FSDP (``parallel.zero``, :func:`zero_state_bytes`; measured exactly by
 tests/test_zero.py). Level 3 without a pipeline is the above. Levels 1 and 2 keep every
@@ -537,14 +538,32 @@ def fp8_ffn_tensors(width: int, moe: MoEConfig, acts: Activations) -> list[tuple
     return [(4 if moe.activation == "swiglu" else 2, width, DTYPE_BYTES[acts.compute_dtype])]
 
 
+def fp8_attention_tensors(model: ModelConfig, acts: Activations, modules: tuple[str, ...]
+                          ) -> list[tuple[int, int, int]]:
+    """The same for a block's attention (:func:`epscale.parallel.activation.attention_held`):
+    the attention kernel's output (a row of v_head_dim, MHA/GQA head_dim, channels per
+    head) and its output projection's input (one row of H times that), what DeepSeek-V3
+    caches as "the inputs of the Linear after the attention operator"; under
+    ``mla_up_proj`` the kernel's output only (the region caches it and rebuilds the
+    projection's input from it), under ``attention_core`` neither (both rebuilt)."""
+    if "attention_core" in modules:
+        return []
+    H = model.num_heads
+    hv = model.v_head_dim if model.attention == "mla" else model.head_dim or model.dim // H
+    cb = DTYPE_BYTES[acts.compute_dtype]
+    kernel_out = [(H, hv, cb)]
+    return kernel_out if "mla_up_proj" in modules else kernel_out + [(1, H * hv, cb)]
+
+
 def fp8_saving_per_token(model: ModelConfig, moe: MoEConfig, acts: Activations, local: bool,
                          modules: tuple[str, ...], dispatcher: str = "dedup",
                          moe_layer: bool = True) -> float:
     """Bytes per token a layer keeps less with fp8 storage than without, ``modules``
     recomputed: each tensor of :func:`fp8_saved_tensors` (a MoE layer's routed experts)
     and :func:`fp8_ffn_tensors` (its shared experts unless ``shared_experts`` is
-    recomputed; a dense layer's FFN unless ``mlp`` is) at 1 byte per element plus one fp32
-    scale per tile of 128 channels, instead of its own dtype."""
+    recomputed; a dense layer's FFN unless ``mlp`` is) and of
+    :func:`fp8_attention_tensors` at 1 byte per element plus one fp32 scale per tile of
+    128 channels, instead of its own dtype."""
     if acts.storage != "fp8" or acts.experts_impl == "cpu_fused":
         return 0.0
     if not moe_layer:
@@ -553,6 +572,7 @@ def fp8_saving_per_token(model: ModelConfig, moe: MoEConfig, acts: Activations, 
         tensors = fp8_saved_tensors(model, moe, acts, local, modules, dispatcher)
         if moe.num_shared_experts and "shared_experts" not in modules:
             tensors += fp8_ffn_tensors(moe.shared_width, moe, acts)
+    tensors = tensors + fp8_attention_tensors(model, acts, modules)
     return sum(rows * (channels * nbytes - channels - 4 * math.ceil(channels / FP8_TILE))
                for rows, channels, nbytes in tensors)
 

@@ -384,7 +384,7 @@ class Trainer:
             f"activation checkpointing: {cfg.train.activation_checkpointing}"
             + (f" (recomputed modules: {', '.join(cfg.train.recompute_modules)})"
                if cfg.train.recompute_modules else "")
-            + ("; saved expert/FFN activations in fp8 (1x128 tiles)"
+            + ("; saved expert, FFN and attention-output activations in fp8 (1x128 tiles)"
                if cfg.train.activation_storage == "fp8" else "")
             + f"; AdamW moments in {cfg.train.optimizer_state_dtype}",
             f"element-wise expert kernels: {describe_elementwise(moe.cpu.elementwise, self.device)}",
