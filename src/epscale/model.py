@@ -481,7 +481,12 @@ class Transformer(nn.Module):
         for moe in self.moe_layers():
             moe.timer = timer
 
-    def forward(self, tokens_BS: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, tokens_BS: torch.Tensor, cache: KVCache | None = None,
+                targets_BS: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits [B, S, V]; with ``targets_BS`` (int64 [B, S], -100 skipped) the mean
+        next-token loss through the fused head instead (:meth:`head_loss`; what
+        :meth:`loss` runs: through ``__call__``, so that FSDP's and other wrappers' forward
+        hooks run)."""
         if tokens_BS.dim() != 2:
             raise ValueError(f"Transformer.forward expects token ids [B, S], got shape "
                              f"{tuple(tokens_BS.shape)}")
@@ -490,7 +495,10 @@ class Transformer(nn.Module):
             before = f"{seen} cached + " if cache is not None else ""
             raise ValueError(f"sequence length {before}{tokens_BS.shape[1]} exceeds "
                              f"model.seq_len={self.cfg.seq_len}")
-        return self.logits(self.hidden(tokens_BS, cache))
+        h_BSD = self.hidden(tokens_BS, cache)
+        if targets_BS is not None:
+            return self.head_loss(h_BSD, targets_BS)
+        return self.logits(h_BSD)
 
     def hidden(self, tokens_BS: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """The last block's output [B, S, D] (before the final norm)."""
@@ -530,7 +538,7 @@ class Transformer(nn.Module):
         return targets_BS.masked_fill(tokens_BS == self.doc_eos_id, -100)
 
     def loss(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
-        return self.head_loss(self.hidden(tokens_BS), self.loss_targets(tokens_BS, targets_BS))
+        return self(tokens_BS, targets_BS=self.loss_targets(tokens_BS, targets_BS))
 
     def aux_loss(self) -> torch.Tensor:
         """Sum of the MoE layers' router losses from the last forward (0-dim tensor)."""

@@ -18,8 +18,10 @@ one pp loads at any other, and at any EP/FSDP layout. Each stage runs through a
 
 The loss: the last stage computes it (the final norm, the head and the cross-entropy
 fused over chunks of tokens, :meth:`epscale.model.Transformer.head_loss`: no [T, V]
-logits kept, nor handed to the schedule) and outputs the micro-batch's 0-dim loss; the
-schedule's ``loss_fn`` (:func:`stage_loss`) returns it. Each micro-batch's targets reach
+logits kept, nor handed to the schedule) and outputs the micro-batch's loss as a
+one-element tensor (the schedules' evaluation concatenates the last stage's outputs, which
+a 0-dim tensor cannot be); the schedule's ``loss_fn`` (:func:`stage_loss`) returns it as
+the 0-dim loss its backward starts from. Each micro-batch's targets reach
 the last stage as a keyword input of the stage forward (``targets_BS``): torch's schedules
 split a step's keyword arguments into micro-batches as they split its inputs and hand
 micro-batch i's to every stage's forward of micro-batch i, whatever the schedule's order.
@@ -76,7 +78,7 @@ class StageChunk(nn.Module):
     token ids [B, S] (first stage) or the previous stage's activations [B, S, D], and
     ``targets_BS`` (int64 [B, S], -100 skipped; used by the last stage only); output:
     activations [B, S, D], or on the last stage the micro-batch's mean next-token loss
-    (fp32, 0-dim; without the MoE auxiliary losses). ``autocast``: a context (bf16
+    (fp32 [1]; without the MoE auxiliary losses). ``autocast``: a context (bf16
     autocast) the forward runs under."""
 
     def __init__(self, model: nn.Module, index: int, num_stages: int, layer_ids: range,
@@ -106,13 +108,17 @@ class StageChunk(nn.Module):
             aux = [a for a in aux if isinstance(a, torch.Tensor) and a.requires_grad]
             if aux and torch.is_grad_enabled():
                 h_BSD = AuxLossIntoBackward.apply(h_BSD, torch.stack(aux).sum())
-            return self._head_loss(h_BSD, targets_BS) if self.is_last else h_BSD
+            if not self.is_last:
+                return h_BSD
+            # [1], not a view (torch detaches the last stage's outputs in place)
+            return self._head_loss(h_BSD, targets_BS).reshape(1).clone()
 
 
 def stage_loss(loss: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The schedules' ``loss_fn``: the last stage's output is already the micro-batch's
-    loss (``target``, the same micro-batch's targets, went to the stage itself)."""
-    return loss
+    """The schedules' ``loss_fn``: the last stage's output [1] is already the micro-batch's
+    loss (``target``, the same micro-batch's targets, went to the stage itself); 0-dim,
+    and not a view (the split backward detaches the loss in place)."""
+    return loss.sum()
 
 
 def keep_stages(model: nn.Module, stages: list[int], layers_per_stage: list[int]) -> None:
@@ -163,7 +169,7 @@ class Pipeline:
         for c in chunks:
             inp = torch.empty(B, S, dtype=torch.long, device="meta") if c.is_first else self.act_BSD
             # the last stage's output: the micro-batch's loss
-            out = (torch.empty((), device="meta", requires_grad=True)
+            out = (torch.empty(1, device="meta", requires_grad=True)
                    if c.is_last else self.act_BSD)
             stages.append(pipelining.PipelineStage(c, c.index, c.num_stages, device,
                                                    input_args=(inp,), output_args=(out,),
@@ -232,6 +238,6 @@ class Pipeline:
                 h = mine[s](h, y_BS)
                 if s + 1 < n and owner[s + 1] != me:
                     dist.send(h.contiguous(), dst=peer[owner[s + 1]], group=group)
-                if s == n - 1:  # h: the micro-batch's loss
-                    losses.append(h)
+                if s == n - 1:  # h: the micro-batch's loss, [1]
+                    losses.append(stage_loss(h, y_BS))
         return losses
