@@ -171,8 +171,8 @@ def test_split_backward_computes_each_gradient_once():
 def test_forward_keeps_no_logits(rule):
     """The head's forward keeps T x V x 4 bytes fewer than the plain path (the fp32
     log-softmax the cross-entropy keeps) and, under autocast, also not the weight's bf16
-    copy (V x D x 2): the fused head casts it again in backward; it keeps one fp32 lse
-    per token more. Measured as tests/test_memory.py measures (torch's profiler)."""
+    copy (V x D x 2): the fused head casts it again in backward. Measured as
+    tests/test_memory.py measures (torch's profiler)."""
     cfg = load_config(None, SMALL + ["model.vocab_size=512", "model.seq_len=64"])
     net = build_model(cfg)
     Tm, Vm, Dm = 2 * 64, 512, 32
@@ -191,5 +191,5 @@ def test_forward_keeps_no_logits(rule):
 
     fused = kept(lambda: net.head_loss(h, y))
     plain = kept(lambda: next_token_loss(net.logits(h), y))
-    saved = Tm * Vm * 4 + (Vm * Dm * 2 if rule != "fp32" else 0) - Tm * 4
-    assert plain - fused == pytest.approx(saved, rel=0.02), (plain, fused, saved)
+    saved = Tm * Vm * 4 + (Vm * Dm * 2 if rule != "fp32" else 0)
+    assert plain - fused == pytest.approx(saved, rel=0.005), (plain, fused, saved)

@@ -6,9 +6,9 @@ backward, and a pipeline's last stage kept its fp32 logits too: for DeepSeek-V3 
 129,280, 4,096 tokens per micro-batch) ~2 GiB each. :class:`ChunkedHeadLoss` computes the
 logits of a chunk of rows at a time (:func:`epscale.plan.memory.head_chunk_rows`: the
 chunk's fp32 logits stay within a fixed budget), keeps only its input h (in the compute
-dtype), the weight (the parameter itself, no copy), the targets and one fp32 log-sum-exp
-per token, and recomputes each chunk's logits in backward (Liger's fused linear
-cross-entropy, torchtitan's chunked loss).
+dtype), the weight (the parameter itself, no copy) and the targets, and recomputes each
+chunk's logits in backward (Liger's fused linear cross-entropy, torchtitan's chunked
+loss).
 
 Legend: T tokens, D model dim, V vocabulary, C rows of one chunk.
 """
@@ -38,13 +38,16 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class ChunkedHeadLoss(torch.autograd.Function):
-    """loss = mean over the targets != -100 of ``logsumexp(l_t) - l_t[y_t]``, with
+    """loss = mean over the targets != -100 of ``-log_softmax(l_t)[y_t]``, with
     ``l = h_TD @ W_VD^T`` computed in ``dtype`` and upcast to fp32 (fp64 stays fp64), C
     rows at a time: what ``F.cross_entropy(F.linear(h, W).float(), y)`` gives, NaN
     when every target is ignored (its gradients then 0), as there.
 
-    Saved: h in ``dtype``, W (as given), the targets and lse_T (fp32). Backward, per
-    chunk: the logits again, softmax - one-hot scaled by grad / count, then grad_h (in
+    Saved: h in ``dtype``, W (as given) and the targets; nothing per vocabulary entry, not
+    even a log-sum-exp (backward's softmax recomputes it with the logits: torch's softmax
+    kernel is vectorized on CPU, an ``exp`` of logits - lse ran 6x slower there).
+    Backward, per chunk: the logits again, softmax - one-hot scaled by grad / count, then
+    grad_h (in
     ``dtype``, one GEMM over the whole V) and grad_W (each chunk's product summed in
     fp32), returned in h's and W's dtypes. Under a split backward (zero-bubble and V
     pipeline schedules: inputs' gradients, then weights', :func:`epscale.ops.grads_needed`)
@@ -59,25 +62,23 @@ class ChunkedHeadLoss(torch.autograd.Function):
             hc_TD, wc_VD = h_TD.to(dtype), w_VD.to(dtype)
             acc = _accumulation_dtype(dtype)
             T = h_TD.shape[0]
-            lse_T = torch.empty(T, dtype=acc, device=h_TD.device)
-            picked_T = torch.empty(T, dtype=acc, device=h_TD.device)
+            nll_T = torch.empty(T, dtype=acc, device=h_TD.device)
             valid_T = targets_T != IGNORE_INDEX
             safe_T = torch.where(valid_T, targets_T, 0)
             for i in range(0, T, chunk_rows):
                 j = min(T, i + chunk_rows)
-                logits_CV = torch.mm(hc_TD[i:j], wc_VD.t()).to(acc)
-                torch.logsumexp(logits_CV, dim=1, out=lse_T[i:j])
-                picked_T[i:j] = logits_CV.gather(1, safe_T[i:j, None]).squeeze(1)
-                del logits_CV
-            count = valid_T.sum()
-            loss = torch.where(valid_T, lse_T - picked_T, 0).sum() / count
-        ctx.save_for_backward(hc_TD, w_VD, targets_T, lse_T)
+                # upcast inside the (vectorized) log-softmax kernel: no fp32 copy of the logits
+                logp_CV = torch.log_softmax(torch.mm(hc_TD[i:j], wc_VD.t()), dim=1, dtype=acc)
+                nll_T[i:j] = logp_CV.gather(1, safe_T[i:j, None]).squeeze(1).neg_()
+                del logp_CV
+            loss = torch.where(valid_T, nll_T, 0).sum() / valid_T.sum()
+        ctx.save_for_backward(hc_TD, w_VD, targets_T)
         ctx.meta = (h_TD.dtype, dtype, chunk_rows)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        hc_TD, w_VD, targets_T, lse_T = ctx.saved_tensors
+        hc_TD, w_VD, targets_T = ctx.saved_tensors
         h_dtype, dtype, chunk_rows = ctx.meta
         need_h, need_w = grads_needed(ctx)[:2]   # a split backward asks for one at a time
         if not (need_h or need_w):
@@ -93,12 +94,11 @@ class ChunkedHeadLoss(torch.autograd.Function):
         gw_VD = torch.zeros(w_VD.shape, dtype=acc, device=w_VD.device) if need_w else None
         for i in range(0, T, chunk_rows):
             j = min(T, i + chunk_rows)
-            logits_CV = torch.mm(hc_TD[i:j], wc_VD.t()).to(acc)
-            grad_CV = logits_CV.sub_(lse_T[i:j, None]).exp_()        # softmax, in place
-            grad_CV.scatter_add_(1, safe_T[i:j, None], -torch.ones_like(lse_T[i:j, None]))
+            grad_CV = torch.softmax(torch.mm(hc_TD[i:j], wc_VD.t()), dim=1, dtype=acc)
+            grad_CV.scatter_add_(1, safe_T[i:j, None], -torch.ones_like(scale_T[i:j, None]))
             grad_CV.mul_(scale_T[i:j, None])
             gc_CV = grad_CV.to(dtype)
-            del logits_CV, grad_CV
+            del grad_CV
             if need_h:
                 torch.mm(gc_CV, wc_VD, out=gh_TD[i:j])
             if need_w:

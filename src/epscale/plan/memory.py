@@ -24,8 +24,7 @@ Held for the whole step (what ``benchmarks/memory.py`` measures):
   what each module saves (its inputs and intermediates; see ``_saved_per_token``); norms
   are kept in fp32, the rest in the compute dtype, index tensors in int64. The output head
   and the cross-entropy run fused over chunks of tokens (``epscale.head_loss``): they keep
-  the head's input in the compute dtype and one fp32 log-sum-exp per token, no [T, V]
-  logits; one chunk's logits are a transient of the head's forward and backward
+  the head's input in the compute dtype and the targets, no [T, V] logits; one chunk's logits are a transient of the head's forward and backward
   (``head_chunk``, :func:`head_transient_bytes`), held while the activations are but not
   while a block is rebuilt: the total counts the larger of it and ``recompute``.
   bf16 follows the trainer's two rules. Under FSDP (its MixedPrecisionPolicy) the
@@ -113,9 +112,12 @@ FP8_TILE = 128                            # channels per fp8 scale (1 x 128 tile
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
                "float8": 1, "fp8": 1}
 # the fused output head + cross-entropy (epscale.head_loss) computes the logits of this
-# many bytes (fp32) at a time: accelerators' caching allocators reuse the chunk's blocks
-# and pay per kernel launch (few, large chunks); the CPU keeps its buffers cache-sized-ish
-HEAD_CHUNK_BYTES = {"accelerator": 128 << 20, "cpu": 8 << 20}
+# many bytes (fp32) at a time. Each chunk adds its product into the fp32 weight gradient
+# [V, D] (read and written once per chunk), so fewer, larger chunks cost less time; the
+# accelerators' budget bounds the transient (DeepSeek-V3: 16 chunks of 256 tokens, as
+# Liger's chunking gives), the CPU's is larger (memory is not what a CPU run lacks:
+# 64-row chunks of a 32k vocabulary ran at 0.6x the speed of 512-row ones)
+HEAD_CHUNK_BYTES = {"accelerator": 128 << 20, "cpu": 64 << 20}
 
 
 def head_chunk_rows(tokens: int, vocab_size: int, device: str = "accelerator") -> int:
@@ -625,9 +627,9 @@ def _activation_parts(cfg: RunConfig, lay: Layout, acts: Activations
             full += (T * _autocast_copies_per_token(model, moe, model.is_moe_layer(i))
                      + copies.get(i, 0)) * cb
         blocks.append(full)
-    # final norm (fp32 input and normalized output, rstd), the head's input in the compute
-    # dtype and the fused loss's fp32 log-sum-exp per token (no logits: see head_transient_bytes)
-    head = T * ((2 * model.dim + 1) * 4 + model.dim * cb + 4)
+    # final norm (fp32 input and normalized output, rstd) and the head's input in the
+    # compute dtype; the fused loss keeps no logits (see head_transient_bytes)
+    head = T * ((2 * model.dim + 1) * 4 + model.dim * cb)
     embed = T * 8
     if acts.activation_checkpointing == "full":
         kept = [T * model.dim * rb] * model.num_layers
@@ -655,14 +657,14 @@ def _activation_parts(cfg: RunConfig, lay: Layout, acts: Activations
 
 def head_transient_bytes(cfg: RunConfig, lay: Layout, acts: Activations) -> float:
     """Bytes the fused output head + cross-entropy (``epscale.head_loss``) holds at once
-    beyond what it keeps, in its forward and again in its backward: one chunk of
-    :func:`head_chunk_rows` tokens' logits in the compute dtype and in fp32, one more fp32
-    [C, V] (log-sum-exp's exponentials; the softmax) and the chunk's gradient in the
-    compute dtype, and under autocast the head's weight cast to the compute dtype."""
+    beyond what it keeps, in its forward and again in its backward (at most): one chunk of
+    :func:`head_chunk_rows` tokens' logits in the compute dtype, their fp32 (log-)softmax
+    and the chunk's gradient in the compute dtype, and under autocast the head's weight
+    cast to the compute dtype."""
     model = cfg.model
     T, V = lay.micro_batch_size * model.seq_len, model.vocab_size
     cb = DTYPE_BYTES[acts.compute_dtype]
-    out = head_chunk_rows(T, V) * V * (2 * cb + 2 * 4)
+    out = head_chunk_rows(T, V) * V * (2 * cb + 4)
     if autocast_rule(lay, acts):
         out += _autocast_weight_copies(cfg, lay)[1] * cb
     return float(out)
