@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("dispatch",),
     ("moe",),
     ("placement",),
-    ("model", "model_init"),  # the model knows nothing of parallelism
+    ("model", "model_init", "head_loss"),  # the model knows nothing of parallelism
     ("parallel",),
     ("launch",),
     ("metrics",),

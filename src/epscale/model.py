@@ -25,6 +25,7 @@ from torch import nn
 
 from .config import ModelConfig, MoEConfig, RunConfig
 from .config.schema import RopeScalingConfig
+from .head_loss import head_loss
 from .moe.experts import FeedForward
 from .moe.layer import MoE
 from .model_init import initialize_
@@ -428,7 +429,8 @@ def uses_flex(kind: str, device: torch.device) -> bool:
 class Transformer(nn.Module):
     """Decoder-only language model. ``forward(tokens_BS)`` (int64 ids < vocab_size,
     S <= seq_len) returns fp32 logits [B, S, V]; ``loss(tokens_BS, targets_BS)`` the mean
-    next-token cross-entropy (without the MoE auxiliary losses, see :meth:`aux_loss`).
+    next-token cross-entropy (without the MoE auxiliary losses, see :meth:`aux_loss`),
+    through the fused chunked head (:meth:`head_loss`: no [T, V] logits kept).
     ``forward(tokens_BS, cache=KVCache(num_layers))`` decodes incrementally: the tokens
     continue the ones cached before (cached + new <= seq_len)."""
 
@@ -499,7 +501,12 @@ class Transformer(nn.Module):
         for moe in self.moe_layers():
             moe.timer = timer
 
-    def forward(self, tokens_BS: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, tokens_BS: torch.Tensor, cache: KVCache | None = None,
+                targets_BS: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits [B, S, V]; with ``targets_BS`` (int64 [B, S], -100 skipped) the mean
+        next-token loss through the fused head instead (:meth:`head_loss`; what
+        :meth:`loss` runs: through ``__call__``, so that FSDP's and other wrappers' forward
+        hooks run)."""
         if tokens_BS.dim() != 2:
             raise ValueError(f"Transformer.forward expects token ids [B, S], got shape "
                              f"{tuple(tokens_BS.shape)}")
@@ -508,6 +515,13 @@ class Transformer(nn.Module):
             before = f"{seen} cached + " if cache is not None else ""
             raise ValueError(f"sequence length {before}{tokens_BS.shape[1]} exceeds "
                              f"model.seq_len={self.cfg.seq_len}")
+        h_BSD = self.hidden(tokens_BS, cache)
+        if targets_BS is not None:
+            return self.head_loss(h_BSD, targets_BS)
+        return self.logits(h_BSD)
+
+    def hidden(self, tokens_BS: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """The last block's output [B, S, D] (before the final norm)."""
         h_BSD = self.tok_embeddings(tokens_BS)
         mask = self.attention_mask(tokens_BS) if cache is None else None
         for block in self.layers.values():
@@ -515,20 +529,36 @@ class Transformer(nn.Module):
                 h_BSD = block(h_BSD, cache.layers[block.layer_id])
             else:
                 h_BSD = block(h_BSD) if mask is None else block(h_BSD, None, mask)
-        return self.logits(h_BSD)
+        return h_BSD
+
+    def head_weight(self) -> torch.Tensor:
+        """The output head's weight [V, D]: the embedding's when tied."""
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
 
     def logits(self, h_BSD: torch.Tensor) -> torch.Tensor:
         """The final norm and the output head: fp32 logits [B, S, V] of the last block's
         output."""
         h_BSD = self.norm(h_BSD)
-        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-        return F.linear(h_BSD, weight.to(h_BSD.dtype)).float()
+        return F.linear(h_BSD, self.head_weight().to(h_BSD.dtype)).float()
+
+    def head_loss(self, h_BSD: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+        """The final norm, the output head and the mean next-token cross-entropy of the
+        last block's output ``h_BSD`` against ``targets_BS`` (int64 [B, S], -100 skipped),
+        fused over chunks of tokens (:func:`epscale.head_loss.head_loss`): equal to
+        ``next_token_loss(self.logits(h_BSD), targets_BS)`` without the [T, V] logits
+        kept for backward."""
+        h_TD = self.norm(h_BSD).flatten(0, 1)
+        return head_loss(h_TD, self.head_weight(), targets_BS.reshape(-1))
+
+    def loss_targets(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+        """The targets the loss counts: with document masking, -100 after each EOS (no
+        loss across the EOS -> next-document join)."""
+        if self.doc_eos_id is None:
+            return targets_BS
+        return targets_BS.masked_fill(tokens_BS == self.doc_eos_id, -100)
 
     def loss(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
-        logits_BSV = self(tokens_BS)
-        if self.doc_eos_id is not None:  # no loss across the EOS -> next-document join
-            targets_BS = targets_BS.masked_fill(tokens_BS == self.doc_eos_id, -100)
-        return next_token_loss(logits_BSV, targets_BS)
+        return self(tokens_BS, targets_BS=self.loss_targets(tokens_BS, targets_BS))
 
     def aux_loss(self) -> torch.Tensor:
         """Sum of the MoE layers' router losses from the last forward (0-dim tensor)."""

@@ -382,9 +382,11 @@ def run(args) -> int:
               "unsharded": "weights kept gathered (ZeRO-1/2, pipeline)",
               "activations": "saved activations",
               "gathered": "FSDP gathered block", "comm": "dispatch rows",
-              "p2p_buffers": "p2p receive buffers", "total": "total"}
+              "p2p_buffers": "p2p receive buffers",
+              "head_chunk": "loss chunk (head logits, transient)", "total": "total"}
     for key, label in labels.items():
-        if key in ("gathered", "comm", "p2p_buffers", "unsharded") and not mem.get(key):
+        optional = ("gathered", "comm", "p2p_buffers", "unsharded", "head_chunk")
+        if key in optional and not mem.get(key):
             continue
         m.add_row(label, _fmt_bytes(mem[key]))
     console.print(m)

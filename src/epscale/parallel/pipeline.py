@@ -16,6 +16,16 @@ so checkpoints, are those of the whole model whatever the split: a checkpoint wr
 one pp loads at any other, and at any EP/FSDP layout. Each stage runs through a
 :class:`StageChunk`, a module over its blocks (no copies) that PipelineStage drives.
 
+The loss: the last stage computes it (the final norm, the head and the cross-entropy
+fused over chunks of tokens, :meth:`epscale.model.Transformer.head_loss`: no [T, V]
+logits kept, nor handed to the schedule) and outputs the micro-batch's loss as a
+one-element tensor (the schedules' evaluation concatenates the last stage's outputs, which
+a 0-dim tensor cannot be); the schedule's ``loss_fn`` (:func:`stage_loss`) returns it as
+the 0-dim loss its backward starts from. Each micro-batch's targets reach
+the last stage as a keyword input of the stage forward (``targets_BS``): torch's schedules
+split a step's keyword arguments into micro-batches as they split its inputs and hand
+micro-batch i's to every stage's forward of micro-batch i, whatever the schedule's order.
+
 MoE auxiliary losses: a stage's router losses never cross to the next stage. The chunk
 attaches them to its output through :class:`AuxLossIntoBackward`, which passes the
 activations through unchanged and, in backward, gives the auxiliary losses the gradient
@@ -65,9 +75,11 @@ class AuxLossIntoBackward(torch.autograd.Function):
 class StageChunk(nn.Module):
     """One pipeline stage of a Transformer: its blocks (shared with the rank's model, not
     copied), the embedding on the first stage, the norm and head on the last. Input:
-    token ids [B, S] (first stage) or the previous stage's activations [B, S, D];
-    output: activations [B, S, D], or fp32 logits [B, S, V] on the last stage.
-    ``autocast``: a context (bf16 autocast) the forward runs under."""
+    token ids [B, S] (first stage) or the previous stage's activations [B, S, D], and
+    ``targets_BS`` (int64 [B, S], -100 skipped; used by the last stage only); output:
+    activations [B, S, D], or on the last stage the micro-batch's mean next-token loss
+    (fp32 [1]; without the MoE auxiliary losses). ``autocast``: a context (bf16
+    autocast) the forward runs under."""
 
     def __init__(self, model: nn.Module, index: int, num_stages: int, layer_ids: range,
                  autocast: Callable[[], contextlib.AbstractContextManager] | None = None):
@@ -79,12 +91,15 @@ class StageChunk(nn.Module):
         self.tok_embeddings = model.tok_embeddings if self.is_first else None
         if self.is_last:
             self.norm, self.output = model.norm, model.output
-        self._logits = model.logits if self.is_last else None  # the model's own head
+        self._head_loss = model.head_loss if self.is_last else None  # the model's own head
         self._autocast = autocast or contextlib.nullcontext
         self.timer: Callable[[str], contextlib.AbstractContextManager] = \
             lambda name: contextlib.nullcontext()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, targets_BS: torch.Tensor | None = None) -> torch.Tensor:
+        if self.is_last and targets_BS is None:
+            raise ValueError(f"pipeline stage {self.index} is the last one: its forward "
+                             "needs the micro-batch's targets_BS")
         with self.timer("forward"), self._autocast():
             h_BSD = self.tok_embeddings(x) if self.is_first else x
             for block in self.blocks:
@@ -93,7 +108,17 @@ class StageChunk(nn.Module):
             aux = [a for a in aux if isinstance(a, torch.Tensor) and a.requires_grad]
             if aux and torch.is_grad_enabled():
                 h_BSD = AuxLossIntoBackward.apply(h_BSD, torch.stack(aux).sum())
-            return self._logits(h_BSD) if self.is_last else h_BSD
+            if not self.is_last:
+                return h_BSD
+            # [1], not a view (torch detaches the last stage's outputs in place)
+            return self._head_loss(h_BSD, targets_BS).reshape(1).clone()
+
+
+def stage_loss(loss: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The schedules' ``loss_fn``: the last stage's output [1] is already the micro-batch's
+    loss (``target``, the same micro-batch's targets, went to the stage itself); 0-dim,
+    and not a view (the split backward detaches the loss in place)."""
+    return loss.sum()
 
 
 def keep_stages(model: nn.Module, stages: list[int], layers_per_stage: list[int]) -> None:
@@ -119,7 +144,8 @@ class Pipeline:
     output shapes, so no extra forward runs to infer them. ``train_step(x, y)`` runs one
     step's ``micro_batches`` micro-batches (``x``, ``y``: all of them stacked, [m B, S])
     forward and backward and returns the micro-batches' losses on the ranks of the last
-    stage ([] elsewhere); ``eval_losses(x, y)`` the same forward only.
+    stage ([] elsewhere); ``eval_losses(x, y)`` the same forward only. The last stage
+    computes each loss itself (:func:`stage_loss`).
 
     ``overlap`` (``parallel.overlap`` != 'none'): DualPipeV's paired forward and backward
     of two micro-batches run interleaved at their communication points
@@ -127,14 +153,12 @@ class Pipeline:
     """
 
     def __init__(self, chunks: list[StageChunk], dims, schedule: str, micro_batches: int,
-                 micro_batch_shape: tuple[int, int], dim: int, vocab_size: int,
-                 activation_dtype: torch.dtype, device: torch.device,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 overlap: bool = False):
+                 micro_batch_shape: tuple[int, int], dim: int,
+                 activation_dtype: torch.dtype, device: torch.device, overlap: bool = False):
         from torch.distributed import pipelining
 
         self.chunks, self.dims, self.name = chunks, dims, schedule
-        self.micro_batches, self.loss_fn, self.device = micro_batches, loss_fn, device
+        self.micro_batches, self.device = micro_batches, device
         self.has_first = any(c.is_first for c in chunks)
         self.has_last = any(c.is_last for c in chunks)
         B, S = micro_batch_shape
@@ -144,7 +168,8 @@ class Pipeline:
         stages = []
         for c in chunks:
             inp = torch.empty(B, S, dtype=torch.long, device="meta") if c.is_first else self.act_BSD
-            out = (torch.empty(B, S, vocab_size, device="meta", requires_grad=True)
+            # the last stage's output: the micro-batch's loss
+            out = (torch.empty(1, device="meta", requires_grad=True)
                    if c.is_last else self.act_BSD)
             stages.append(pipelining.PipelineStage(c, c.index, c.num_stages, device,
                                                    input_args=(inp,), output_args=(out,),
@@ -156,15 +181,18 @@ class Pipeline:
                               f"{SCHEDULE_CLASSES[schedule]}, which this torch "
                               f"({torch.__version__}) does not have; choose another schedule")
         single = PP_SCHEDULES[schedule] == "single"
-        self.schedule = cls(stages[0] if single else stages, micro_batches, loss_fn=loss_fn)
+        self.schedule = cls(stages[0] if single else stages, micro_batches, loss_fn=stage_loss)
         # the counts of DualPipeV's overlapped pairs (None: run one after the other)
         self.pair_stats = (install_overlapped_pairs(self.schedule)
                            if overlap and schedule == "dualpipev" else None)
         self.placement = stage_placement(schedule, dims.pp, len(chunks) if not single else 1)
 
     def _inputs(self, x_BS: torch.Tensor, y_BS: torch.Tensor, losses: list) -> tuple[tuple, dict]:
-        return (((x_BS,) if self.has_first else ()),
-                ({"target": y_BS, "losses": losses} if self.has_last else {}))
+        # every stage's forward takes its micro-batch's targets (the last one uses them)
+        kwargs = {"targets_BS": y_BS}
+        if self.has_last:
+            kwargs.update(target=y_BS, losses=losses)
+        return ((x_BS,) if self.has_first else ()), kwargs
 
     def train_step(self, x_BS: torch.Tensor, y_BS: torch.Tensor) -> list[torch.Tensor]:
         losses: list[torch.Tensor] = []
@@ -207,9 +235,9 @@ class Pipeline:
                     h = torch.empty(self.act_BSD.shape, dtype=self.act_BSD.dtype,
                                     device=self.device)
                     dist.recv(h, src=peer[owner[s - 1]], group=group)
-                h = mine[s](h)
+                h = mine[s](h, y_BS)
                 if s + 1 < n and owner[s + 1] != me:
                     dist.send(h.contiguous(), dst=peer[owner[s + 1]], group=group)
-                if s == n - 1:  # h: logits [B, S, V]
-                    losses.append(self.loss_fn(h, y_BS))
+                if s == n - 1:  # h: the micro-batch's loss, [1]
+                    losses.append(stage_loss(h, y_BS))
         return losses

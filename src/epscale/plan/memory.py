@@ -22,7 +22,11 @@ Held for the whole step (what ``benchmarks/memory.py`` measures):
   transient and come after backward, off the peak) (:func:`optimizer_state_bytes`).
 * activations: the tensors autograd keeps for backward for one micro-batch, counted from
   what each module saves (its inputs and intermediates; see ``_saved_per_token``); norms
-  and logits are kept in fp32, the rest in the compute dtype, index tensors in int64.
+  are kept in fp32, the rest in the compute dtype, index tensors in int64. The output head
+  and the cross-entropy run fused over chunks of tokens (``epscale.head_loss``): they keep
+  the head's input in the compute dtype and the targets, no [T, V] logits; one chunk's logits are a transient of the head's forward and backward
+  (``head_chunk``, :func:`head_transient_bytes`), held while the activations are but not
+  while a block is rebuilt: the total counts the larger of it and ``recompute``.
   bf16 follows the trainer's two rules. Under FSDP (its MixedPrecisionPolicy) the
   parameters and so the residual stream are bf16. Without FSDP bf16 is autocast over fp32
   weights: the residual stream (a block's input and output) stays fp32, each matrix
@@ -68,7 +72,7 @@ dispatch rows are there where it holds an MoE block. Activations: the set of sta
 one micro-batch (``stage_activations``) is its blocks' (plus the embedding's and head's
 where it has them), plus the stage output the schedule keeps until that micro-batch's
 backward (T x D in the residual stream's dtype: the compute dtype under FSDP, fp32 under
-autocast; fp32 logits T x V on the last stage); a stage that
+autocast; on the last stage the micro-batch's 0-dim loss); a stage that
 receives its input keeps no copy of it under full recomputation (the block's saved input
 is the receive buffer; nor does it with the norms recomputed, which keep their input as
 it is). The rank keeps several micro-batches' sets at once: the peak of
@@ -108,6 +112,24 @@ ACTIVATION_STORAGE = ("compute", "fp8")   # train.activation_storage
 FP8_TILE = 128                            # channels per fp8 scale (1 x 128 tiles)
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
                "float8": 1, "fp8": 1}
+# the fused output head + cross-entropy (epscale.head_loss) computes the logits of this
+# many bytes (fp32) at a time. Each chunk adds its product into the fp32 weight gradient
+# [V, D] (read and written once per chunk), so fewer, larger chunks cost less time; the
+# accelerators' budget bounds the transient (DeepSeek-V3: 16 chunks of 256 tokens, as
+# Liger's chunking gives), the CPU's is larger (memory is not what a CPU run lacks:
+# 64-row chunks of a 32k vocabulary ran at 0.6x the speed of 512-row ones)
+HEAD_CHUNK_BYTES = {"accelerator": 128 << 20, "cpu": 64 << 20}
+
+
+def head_chunk_rows(tokens: int, vocab_size: int, device: str = "accelerator") -> int:
+    """Rows (tokens) of one chunk of the fused head + cross-entropy: as many as keep the
+    chunk's fp32 logits [rows, V] within :data:`HEAD_CHUNK_BYTES` of ``device``
+    ('accelerator' or 'cpu'), at least 1 and at most ``tokens``; above 128, a multiple of
+    128 (whole GEMM tiles). DeepSeek-V3 (V = 129,280) on a GPU: 256 rows, 126 MiB."""
+    rows = HEAD_CHUNK_BYTES[device] // (4 * max(1, vocab_size))
+    if rows > 128:
+        rows -= rows % 128
+    return max(1, min(tokens, rows))
 
 
 @dataclass(frozen=True)
@@ -175,17 +197,19 @@ class MemoryEstimate:
     params_per_rank: float      # parameter count held by the rank (not bytes)
     p2p_buffers: float = 0      # pipeline: the receive buffers of the micro-batches in flight
     unsharded: float = 0        # weights kept gathered for the step (ZeRO-1/2, pipelines)
+    head_chunk: float = 0       # the fused head's chunk of logits (transient; not with recompute)
 
     @property
     def total(self) -> float:
-        return (self.params + self.grads + self.optimizer + self.activations + self.recompute
+        return (self.params + self.grads + self.optimizer + self.activations
+                + max(self.recompute, self.head_chunk)
                 + self.gathered + self.comm + self.p2p_buffers + self.unsharded)
 
     def as_dict(self) -> dict[str, float]:
         """The fields and the total (``p2p_buffers`` only under a pipeline, ``unsharded``
-        only where weights stay gathered)."""
+        only where weights stay gathered, ``head_chunk`` only where the head is)."""
         out = {**asdict(self), "total": self.total}
-        for key in ("p2p_buffers", "unsharded"):
+        for key in ("p2p_buffers", "unsharded", "head_chunk"):
             if not out[key]:
                 del out[key]
         return out
@@ -601,12 +625,13 @@ def _activation_parts(cfg: RunConfig, lay: Layout, acts: Activations
     micro-batch saves for backward at ``lay`` and ``acts`` (kept = full without
     recomputation). Under autocast (bf16 without FSDP) the block input a recomputed block
     keeps is fp32, and the sets add autocast's copies (inputs cast once per product, and
-    the cast weights; recomputation rebuilds a block's)."""
+    the cast weights; recomputation rebuilds a block's; the fused head casts its weight
+    without keeping the copy)."""
     model, moe = cfg.model, cfg.moe
     T = lay.micro_batch_size * model.seq_len
     cb, rb = DTYPE_BYTES[acts.compute_dtype], residual_bytes(lay, acts)
     autocast = autocast_rule(lay, acts)
-    copies, head_copy = _autocast_weight_copies(cfg, lay) if autocast else ({}, 0)
+    copies = _autocast_weight_copies(cfg, lay)[0] if autocast else {}
 
     def nbytes(parts):
         c, f, i = parts
@@ -622,9 +647,9 @@ def _activation_parts(cfg: RunConfig, lay: Layout, acts: Activations
             full += (T * _autocast_copies_per_token(model, moe, model.is_moe_layer(i))
                      + copies.get(i, 0)) * cb
         blocks.append(full)
-    # final norm (fp32 input and output), head input, fp32 logits, the loss's statistics
-    head = T * ((2 * model.dim + 1) * 4 + model.dim * cb + model.vocab_size * 4 + 2 * 4 + 1 * 8)
-    head += head_copy * cb
+    # final norm (fp32 input and normalized output, rstd) and the head's input in the
+    # compute dtype; the fused loss keeps no logits (see head_transient_bytes)
+    head = T * ((2 * model.dim + 1) * 4 + model.dim * cb)
     embed = T * 8
     if acts.activation_checkpointing == "full":
         kept = [T * model.dim * rb] * model.num_layers
@@ -648,6 +673,21 @@ def _activation_parts(cfg: RunConfig, lay: Layout, acts: Activations
     else:
         kept = blocks
     return embed, blocks, kept, head
+
+
+def head_transient_bytes(cfg: RunConfig, lay: Layout, acts: Activations) -> float:
+    """Bytes the fused output head + cross-entropy (``epscale.head_loss``) holds at once
+    beyond what it keeps, in its forward and again in its backward (at most): one chunk of
+    :func:`head_chunk_rows` tokens' logits in the compute dtype, their fp32 (log-)softmax
+    and the chunk's gradient in the compute dtype, and under autocast the head's weight
+    cast to the compute dtype."""
+    model = cfg.model
+    T, V = lay.micro_batch_size * model.seq_len, model.vocab_size
+    cb = DTYPE_BYTES[acts.compute_dtype]
+    out = head_chunk_rows(T, V) * V * (2 * cb + 4)
+    if autocast_rule(lay, acts):
+        out += _autocast_weight_copies(cfg, lay)[1] * cb
+    return float(out)
 
 
 def activation_bytes(cfg: RunConfig, lay: Layout, acts: Activations) -> tuple[float, float]:
@@ -723,6 +763,7 @@ def estimate(cfg: RunConfig, lay: Layout, acts: Activations | None = None) -> Me
     return MemoryEstimate(params=n * 4, grads=states["grads"],
                           optimizer=optimizer_state_bytes(n, cfg.train.optimizer_state_dtype),
                           activations=kept, recompute=rebuilt, gathered=gathered, comm=comm,
+                          head_chunk=head_transient_bytes(cfg, lay, acts),
                           params_per_rank=n, unsharded=states["unsharded"])
 
 
@@ -761,13 +802,14 @@ def pipeline_memory(cfg: RunConfig, lay: Layout, acts: Activations | None = None
         full[key] = full.get(key, 0) + whole
     embed, blocks, kept, head = _activation_parts(cfg, lay, acts)
     rebuilt = [b - k for b, k in zip(blocks, kept)]
+    head_chunk = head_transient_bytes(cfg, lay, acts)
     recomputes = acts.activation_checkpointing in ("full", "selective") or bool(acts.recompute_modules)
 
     def stage_set(s: int) -> float:
         r = ranges[s]
         out = sum(kept[i] for i in r) + (embed if s == 0 else 0.0)
         if s == n - 1:
-            out += head + T * model.vocab_size * 4   # and the fp32 logits the schedule keeps
+            out += head                              # (its output: a 0-dim loss)
         else:
             out += act                               # the output the schedule keeps
         if s > 0 and (acts.activation_checkpointing == "full" or "norm" in acts.recompute_modules):
@@ -796,6 +838,7 @@ def pipeline_memory(cfg: RunConfig, lay: Layout, acts: Activations | None = None
             optimizer=optimizer_state_bytes(count, cfg.train.optimizer_state_dtype),
             activations=peak,
             recompute=max((rebuilt[i] for i in layers), default=0.0) if recomputes else 0.0,
+            head_chunk=head_chunk if n - 1 in stages else 0.0,
             gathered=max(full[k] for k in keys if k in full) * cb if lay.fsdp else 0.0,
             comm=2 * T * cfg.moe.top_k * model.dim * cb if lay.ep > 1 and moe_here else 0.0,
             params_per_rank=count, p2p_buffers=receives * act,

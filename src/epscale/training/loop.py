@@ -37,7 +37,7 @@ from ..launch.watchdog import Watchdog
 from ..metrics import MetricsWriter, StepStatsCollector, StepTimers, peak_flops
 from ..metrics.commclock import CommClock, attach_comm_clock
 from ..appendfile import AppendFile, disk_error, warn_stderr
-from ..model import build_meta_model, build_model, next_token_loss
+from ..model import build_meta_model, build_model
 from ..moe.balance import step_loads, update_expert_biases
 from ..parallel import parallelize_model, sync_gradients
 from ..parallel.compile import compile_note, disable_section_timers
@@ -244,8 +244,7 @@ class Trainer:
         act = torch.bfloat16 if self.use_bf16 and self.fsdp else torch.float32
         pipeline = Pipeline(chunks, self.dims, cfg.parallel.pp_schedule, cfg.train.grad_accum,
                             (cfg.train.micro_batch_size, cfg.model.seq_len), cfg.model.dim,
-                            cfg.model.vocab_size, act, self.device, next_token_loss,
-                            overlap=cfg.parallel.overlap != "none")
+                            act, self.device, overlap=cfg.parallel.overlap != "none")
         return PipelineStep(pipeline, self.device, self.timers, self.dims)
 
     def _build_optimizer(self, placement) -> None:
