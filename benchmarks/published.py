@@ -65,7 +65,9 @@ class Run:
     nodes: int
     dispatcher: str
     overlap: str
-    work: Work = Work()
+    # head_loss "full": these frameworks keep the head's logits for backward (Megatron-Core's
+    # fused cross-entropy included), none recomputes them as epscale's chunked loss does
+    work: Work = Work(head_loss="full")
     modelled: str = ""               # features of the run our trainer lacks, modelled in plan/
     not_modelled: str = ""           # what neither trainer nor planner has
     cluster_set: dict = field(default_factory=dict)
@@ -91,7 +93,7 @@ RUNS = [
         "Megatron's FLOPs per token",
         "mixtral-8x7b", _pipe(4, "interleaved_1f1b", 8, 2, 8, 16, 1, 4096) +
         ["train.activation_checkpointing=none"], "h100-64", 8, "alltoall", "none",
-        Work(p2p_overlap=True), modelled="interleaved p2p overlap"),
+        Work(p2p_overlap=True, head_loss="full"), modelled="interleaved p2p overlap"),
     Run("DeepSeek-V3, 2,048 H800 (DeepSeek)", 14.8e12 / (2.664e6 * 3600),
         "DeepSeek-V3 Technical Report (arXiv 2412.19437): pre-training on '14.8T' tokens took "
         "'2664K' H800 GPU hours (Table 1); 2,048 H800; '16-way Pipeline Parallelism (PP), 64-way "
@@ -106,7 +108,7 @@ RUNS = [
         "h800-2048", 256,
         "hierarchical", "full",
         Work(precision="fp8", recompute_modules=("layernorm", "mla_up_proj"), comm_sms=20,
-             mtp_depth=1),
+             mtp_depth=1, head_loss="full"),
         modelled="fp8 GEMMs, light recompute, ZeRO-1 (as replicated DP: same traffic), DualPipe "
                  "overlap with 20 SMs for communication, MTP depth 1 (the report's 'we set the "
                  "MTP depth D to 1')",
@@ -131,7 +133,7 @@ RUNS = [
             "moe.route_scale=16.0", "moe.num_shared_experts=2", "moe.num_groups=8",
             "moe.topk_groups=3", "moe.capacity_factor=1.0", "train.recompute_modules=[]",
             "train.activation_storage=compute"],
-        "h800-2048", 256, "dedup", "none", Work(recompute_modules=(), attention_kernel="fa2"),
+        "h800-2048", 256, "dedup", "none", Work(recompute_modules=(), attention_kernel="fa2", head_loss="full"),
         modelled="device-limited routing (8 groups = the 8 EP ranks, 3 of them per token), token "
                  "dropping at capacity 1.0 (no host sync), ZeRO-1 (as replicated DP: same traffic), "
                  "attention at FlashAttention-2's measured rates (3.1.3: 'MLA is also optimized "
@@ -149,7 +151,7 @@ RUNS = [
         "deepseek-v3", _pipe(8, "interleaved_1f1b", 4, 2, 64, 128, 1, 4096), "field-report", 128,
         "hierarchical", "none",
         Work(precision="fp8", tp=2, recompute_modules=("mla_up_proj", "mlp"), p2p_overlap=True,
-             mtp_depth=1),
+             mtp_depth=1, head_loss="full"),
         modelled="fp8 GEMMs, TP2 + sequence parallel, module recompute, interleaved p2p overlap, "
                  "the MTP layer of its pipeline layout ('...mL', depth 1)",
         not_modelled="its own pipeline layout string (we split the layers by cost)"),
@@ -158,13 +160,13 @@ RUNS = [
         "TP 1 | PP 2 | CP 1 | VP 12 | EP 8 | 5113 | 118'",
         "qwen3-30b-a3b", _pipe(2, "interleaved_1f1b", 12, 1, 8, 128, 1, 4096) +
         ["train.activation_checkpointing=none"], "h100-node", 2, "dedup", "none",
-        Work(precision="fp8", p2p_overlap=True), modelled="fp8 GEMMs, interleaved p2p overlap"),
+        Work(precision="fp8", p2p_overlap=True, head_loss="full"), modelled="fp8 GEMMs, interleaved p2p overlap"),
     Run("Qwen3-30B-A3B, 16 H100 (Megatron-Bridge 25.11)", 5275,
         MB_PERF + ": 25.11 DGX-H100 'Qwen3_30B_a3B | 16 | FP8-CS | GBS 512 | MBS 2 | 4096 | FSDP 0 | "
         "TP 1 | PP 2 | CP 1 | VP 24 | EP 8 | GA 32 | 5275 | 121'",
         "qwen3-30b-a3b", _pipe(2, "interleaved_1f1b", 24, 1, 8, 32, 2, 4096) +
         ["train.activation_checkpointing=none"], "h100-node", 2, "dedup", "none",
-        Work(precision="fp8", p2p_overlap=True), modelled="fp8 GEMMs, interleaved p2p overlap"),
+        Work(precision="fp8", p2p_overlap=True, head_loss="full"), modelled="fp8 GEMMs, interleaved p2p overlap"),
     Run("Qwen3-30B-A3B, 16 H100 (Megatron-Bridge 25.09, token drop)", 10494,
         MB_PERF + ": 25.09 DGX-H100 'Qwen3_30B_a3B (tokendrop) | 16 | GBS 512 | MBS 2 | 4096 | FSDP 0 "
         "| TP 1 | PP 2 | CP 1 | VP 24 | EP 8 | GA 32 | 10494 | 241'. The 25.09 tables state no "
@@ -174,7 +176,7 @@ RUNS = [
         "capacity (factor 1 assumed) needs no host read of the split sizes",
         "qwen3-30b-a3b", _pipe(2, "interleaved_1f1b", 24, 1, 8, 32, 2, 4096) +
         ["train.activation_checkpointing=none", "moe.capacity_factor=1.0"], "h100-node", 2,
-        "dedup", "none", Work(precision="fp8", p2p_overlap=True),
+        "dedup", "none", Work(precision="fp8", p2p_overlap=True, head_loss="full"),
         modelled="fp8 GEMMs, interleaved p2p overlap, no host sync (fixed capacity)",
         not_modelled="the capacity factor (not published; 1.0 assumed, forced-balanced routing "
                      "drops almost nothing)"),
@@ -185,7 +187,7 @@ RUNS = [
         "(QWEN3_235B_A22B_PRETRAIN_CONFIG_H100_FP8_CS_V2)",
         "qwen3-30b-a3b", QWEN3_235B + _pipe(8, "interleaved_1f1b", 4, 1, 32, 512, 1, 4096) +
         ["train.activation_checkpointing=none"], "field-report", 32, "alltoall", "full",
-        Work(precision="fp8", tp=2, p2p_overlap=True),
+        Work(precision="fp8", tp=2, p2p_overlap=True, head_loss="full"),
         modelled="fp8 GEMMs, TP2 + sequence parallel, EP all-to-all overlap, interleaved p2p overlap"),
     Run("GPT-OSS-120B, 64 H100 (Megatron-Bridge 26.02)", 5993,
         MB_PERF + ": 26.02 GPT OSS 120B 'DGX-H100 | 64 | BF16 | GBS 1280 | MBS 1 | 4096 | FSDP 0 | "

@@ -440,3 +440,37 @@ def test_fp8_activation_storage_charges_its_casts_by_bytes():
         4096 * FP8_STORE_BYTES * (2 * D + 2 * F + F) / bw)
     assert memory("train.activation_storage=fp8", *light) - memory(*light) == pytest.approx(
         4096 * FP8_STORE_BYTES * (2 * D + 2 * F) / bw)
+
+
+def test_the_chunked_loss_charges_the_heads_logits_again_in_backward():
+    """epscale's chunked head loss computes each chunk's logits again in backward (once,
+    twice under a split backward); a run that keeps its logits does not."""
+    from epscale.plan.shapes import head_recompute_time, head_recomputes
+    cfg = _cfg(vocab=65536, layers=4)
+    T = cfg.model.seq_len
+    split = dataclasses.replace(cfg, parallel=ParallelConfig(pp=2, pp_schedule="dualpipev",
+                                                           pp_virtual_stages=2))
+    plain = dataclasses.replace(cfg, parallel=ParallelConfig(pp=2, pp_schedule="1f1b"))
+    assert head_recomputes(cfg, Work(head_loss="full")) == 0
+    assert [head_recomputes(c, Work()) for c in (cfg, plain, split)] == [1, 1, 2]
+    logits = float(gemm_time(H100, T, 65536, 1024))                  # [T, D] x [D, V] forward
+    assert head_recompute_time(cfg, H100, T, Work()) == pytest.approx(logits, rel=1e-12)
+    assert head_recompute_time(split, H100, T, Work(mtp_depth=1)) == pytest.approx(4 * logits)
+    kept = nonexpert_parts(cfg, H100, T, Work(head_loss="full"))
+    chunked = nonexpert_parts(cfg, H100, T, Work())
+    assert chunked["recompute"] - kept["recompute"] == pytest.approx(logits, rel=1e-12)
+    assert {k: v for k, v in chunked.items() if k != "recompute"} == \
+        {k: v for k, v in kept.items() if k != "recompute"}
+    with pytest.raises(ConfigError, match="head_loss 'fused' is invalid"):
+        head_recomputes(cfg, Work(head_loss="fused"))
+    # the step: without a pipeline every micro-batch pays it; under one, the rank holding
+    # the head's stage (here the slowest: a large vocabulary on the last of two stages)
+    cl = dataclasses.replace(H100, nodes=1, gpus_per_node=8)
+    flat = dataclasses.replace(_cfg(vocab=65536, layers=4, E=16, ep=8),
+                               train=TrainConfig(micro_batch_size=1, grad_accum=4))
+    piped = dataclasses.replace(flat, parallel=ParallelConfig(pp=2, ep=4, pp_schedule="1f1b"))
+    # 4 micro-batches; 1F1B's step is (m + p - 1) of its slowest rank's micro-batches
+    for c, passes in ((flat, 4), (piped, 4 + 1)):
+        r = {h: _sim(c, cl, Work(head_loss=h)) for h in ("full", "chunked")}
+        extra = r["chunked"].step_time_s - r["full"].step_time_s
+        assert extra == pytest.approx(passes * logits, rel=1e-6), c.parallel

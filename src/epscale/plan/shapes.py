@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..config import ConfigError, RunConfig
+from ..config.schema import SPLIT_BACKWARD_SCHEDULES
 from .cluster import ClusterSpec
 from .sizing import _ffn_mats, attention_flops_per_token, head_dim
 
@@ -147,7 +148,9 @@ class Work:
     (:func:`host_bound_time`), ``mtp_depth`` DeepSeek-V3's multi-token-prediction modules
     (:func:`epscale.plan.pipeline.with_mtp`: a block, a 2 D -> D projection and a head pass
     each, on the last stage), ``attention_kernel`` whose measured rates the attention's core
-    runs at (:data:`ATTN_KERNELS`)."""
+    runs at (:data:`ATTN_KERNELS`), ``head_loss`` how the output head and its loss run
+    (:data:`HEAD_LOSSES`: epscale's trainer ``chunked``, frameworks that keep the logits
+    ``full``)."""
 
     precision: str = "bf16"
     tp: int = 1
@@ -157,6 +160,41 @@ class Work:
     launch_us: float = HOST_LAUNCH_US
     mtp_depth: int = 0
     attention_kernel: str = "cudnn"
+    head_loss: str = "chunked"
+
+
+# How a run computes the output head and its loss: "chunked" as epscale's trainer
+# (epscale.head_loss: chunks of tokens, no [T, V] logits kept, each chunk's logits computed
+# again in backward), "full" the logits kept for backward (Megatron-Core and most others).
+HEAD_LOSSES = ("chunked", "full")
+
+
+def head_recomputes(run_cfg: RunConfig, work: Work) -> int:
+    """How many times backward runs the output head's logits GEMM again per micro-batch:
+    none where the run keeps the logits (``work.head_loss`` "full"); under epscale's chunked
+    loss once, and once in each half of a split backward (inputs' gradients, then weights':
+    the split schedules of :data:`SPLIT_BACKWARD_SCHEDULES` under a pipeline)."""
+    if work.head_loss not in HEAD_LOSSES:
+        raise ConfigError(f"head_loss '{work.head_loss}' is invalid: must be one of "
+                          f"{', '.join(HEAD_LOSSES)}")
+    if work.head_loss == "full":
+        return 0
+    par = run_cfg.parallel
+    return 2 if par.pp > 1 and par.pp_schedule in SPLIT_BACKWARD_SCHEDULES else 1
+
+
+def head_recompute_time(run_cfg: RunConfig, cluster: ClusterSpec, T: float,
+                        work: Work) -> float:
+    """Seconds per micro-batch that backward spends computing the output heads' logits
+    again (:func:`head_recomputes`; with ``work.mtp_depth`` each multi-token-prediction
+    module's head pass too), on a GPU holding T tokens."""
+    again = head_recomputes(run_cfg, work)
+    if not again:
+        return 0.0
+    m = run_cfg.model
+    heads = 1 + work.mtp_depth
+    return again * heads * float(gemm_time(cluster, T * work.tp, m.vocab_size / work.tp,
+                                           m.dim, "bf16"))
 
 
 def compute_cluster(cluster: ClusterSpec, work: Work, overlap: str) -> ClusterSpec:
@@ -321,7 +359,8 @@ def _layer_parts(run_cfg: RunConfig, cluster: ClusterSpec, T: float, work: Work,
 def nonexpert_parts(run_cfg: RunConfig, cluster: ClusterSpec, T: float,
                     work: Work) -> dict[str, float]:
     """:func:`nonexpert_time` by part (:func:`_layer_parts`' names; the output head's
-    GEMMs count as ``gemm``, its softmax and cross-entropy as ``memory``; with
+    GEMMs count as ``gemm``, its softmax and cross-entropy as ``memory``, its logits
+    computed again in backward (:func:`head_recompute_time`) as ``recompute``; with
     ``work.mtp_depth`` each multi-token-prediction module adds a head pass with its loss, its
     2 D -> D projection and its two RMSNorms, its block being one of ``run_cfg``'s layers:
     :func:`epscale.plan.pipeline.with_mtp`)."""
@@ -333,6 +372,7 @@ def nonexpert_parts(run_cfg: RunConfig, cluster: ClusterSpec, T: float,
     head_n, heads = m.vocab_size / work.tp, 1 + work.mtp_depth
     out["gemm"] += heads * train_gemms_time(cluster, T * work.tp, head_n, m.dim, "bf16")
     out["gemm"] += work.mtp_depth * train_gemms_time(cluster, T, m.dim, 2 * m.dim, work.precision)
+    out["recompute"] += head_recompute_time(run_cfg, cluster, T, work)
     if cluster.mem_bw_GBps:
         mtp_norms = work.mtp_depth * 3 * 2 * (2 * m.dim * 2.0)      # fwd + bwd, read + write
         out["memory"] += T * (heads * loss_bytes(run_cfg) + mtp_norms) / (cluster.mem_bw_GBps * 1e9)

@@ -80,7 +80,7 @@ The AdamW step closes every step, memory-bound (by bytes, on clusters with ``mem
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -96,7 +96,7 @@ from .placement import plan_spill
 from .pipeline import (bubble_time, layers_per_stage, micro_batches, stage_flops, stage_layers,
                        stage_placement, with_mtp)
 from .shapes import (PRECISIONS, RECOMPUTE_MODULES, Work, compute_cluster, expert_parts,
-                     host_bound_time, kernels_per_layer, nonexpert_parts,
+                     head_recompute_time, host_bound_time, kernels_per_layer, nonexpert_parts,
                      optimizer_bytes_per_param)
 from .routing import (RoutingSpec, fit_weights, inclusion_probs, layer_shares, sample_topk,
                       shares_of)
@@ -223,14 +223,19 @@ def simulate(run_cfg: RunConfig, cluster: ClusterSpec, routing: RoutingSpec | No
     expert_flops_tok = n_moe * K * row_flops
     ne_flops = T * (size.flops_per_token - expert_flops_tok)   # non-expert, per micro-batch
     ccl = compute_cluster(cluster, work, overlap)
-    if cluster.sm_count or work != Work():
+    # the head's logits computed again in backward (epscale's chunked loss): on the last
+    # stage alone under a pipeline, so the rate the stages' FLOPs run at leaves it out
+    head_again = head_recompute_time(run_cfg, ccl, T, work)
+    # the knobs of ``work`` other than head_loss are modelled by part only
+    if cluster.sm_count or replace(work, head_loss=Work().head_loss) != Work():
         ne_parts = nonexpert_parts(run_cfg, ccl, T, work)
     else:
-        ne_parts = {"compute": ne_flops / rate}
+        ne_parts = {"compute": ne_flops / rate, "recompute": head_again}
     dense_time = float(sum(ne_parts.values()))
     dense_time_layer = dense_time / model.num_layers
     overhead = 3 * cluster.layer_overhead_us * 1e-6                      # fwd + 2x bwd
-    ctx = dict(half_rows=cluster.gemm_half_rows, work=work, rate_ne=ne_flops / dense_time, ccl=ccl,
+    ctx = dict(half_rows=cluster.gemm_half_rows, work=work, ccl=ccl,
+               rate_ne=ne_flops / (dense_time - head_again), head_again=head_again,
                ne_parts=ne_parts,
                tile=cluster.gemm_tile_m if cluster.sm_count else 0)
     row_bytes = model.dim * act_bytes
@@ -669,7 +674,7 @@ def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSp
     if lay.pp > 1:
         return _pipeline_result(
             strat, disp, overlap, lay, cluster, run_cfg, T, ctx["rate_ne"], grad_bytes, row_bytes, redo,
-            accum, ctx["work"], ctx["ne_parts"], ex_shares, dict(layer_time=layer_time, launch=launch, comp_max=comp_max, idle=idle,
+            accum, ctx["work"], ctx["ne_parts"], ctx["head_again"], ex_shares, dict(layer_time=layer_time, launch=launch, comp_max=comp_max, idle=idle,
                         rows=rows, comm_max=comm_max, comp=comp, out_intra=out_intra,
                         out_inter=out_inter, volume=volume))
 
@@ -785,11 +790,12 @@ def _p2p_time(cluster: ClusterSpec, W: int, nbytes: float, owner: dict, stages: 
 
 def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, run_cfg: RunConfig,
                      T: int, rate: float, grad_bytes: int, row_bytes: float, redo: float,
-                     m: int, work: Work, ne_parts: dict, ex_shares: dict,
+                     m: int, work: Work, ne_parts: dict, head_again: float, ex_shares: dict,
                      moe_times: dict) -> SimResult:
     """One step under a pipeline (the module docstring's 'Pipeline'). ``moe_times``: the
     per-distribution arrays of :func:`_evaluate` ([S, L] or [S, L, R]) for one MoE layer
-    and micro-batch."""
+    and micro-batch; ``head_again`` the seconds per micro-batch the last stage's backward
+    spends on the head's logits again (:func:`head_recompute_time`)."""
     model, moe, par = run_cfg.model, run_cfg.moe, run_cfg.parallel
     ranges = stage_layers(layers_per_stage(run_cfg))
     n, W = len(ranges), lay.stage_size
@@ -818,7 +824,7 @@ def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, ru
         moes = [dist_of[i] for i in layers if i in dist_of]
         weights = np.bincount(np.asarray(moes, dtype=np.int64), minlength=n_dist).astype(np.float64)
         nonexpert = sum(T * 3.0 * (fwd[s] - routed_fwd * sum(model.is_moe_layer(i) for i in ranges[s]))
-                        for s in stages) / rate * (1 + redo)
+                        for s in stages) / rate * (1 + redo) + head_again * (n - 1 in stages)
         compute = nonexpert + float((comp_max * weights).sum())
         busy = nonexpert + float((layer_time * weights).sum())
         p2p = _p2p_time(cluster, W, hop_bytes, owner, stages, r)
