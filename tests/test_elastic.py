@@ -332,12 +332,12 @@ def test_a_smaller_world_that_does_not_fit_memory_is_refused_with_the_numbers():
     cfg = load_config(recipe_path("ref-1t-64e"))
     gib = 2.0 ** 30
     check_memory(cfg, 1024, 80 * gib, "one H100")  # the recipe's own layout fits
-    need = memory_per_rank(cfg, world=512).total
+    need = memory_per_rank(cfg, world=384).total
     assert need > 80 * gib
-    with pytest.raises(ConfigError, match=rf"at 512 processes each rank needs "
+    with pytest.raises(ConfigError, match=rf"at 384 processes each rank needs "
                                           rf"{need / gib:.1f} GiB.*epscale describe CONFIG "
-                                          rf"--world 512.*more than the 80.0 GiB of one H100"):
-        check_memory(cfg, 512, 80 * gib, "one H100")
+                                          rf"--world 384.*more than the 80.0 GiB of one H100"):
+        check_memory(cfg, 384, 80 * gib, "one H100")
 
 
 def test_the_run_directory_keeps_the_config_as_given(tmp_path):
