@@ -7,6 +7,7 @@ One spawn of two processes runs every case."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,8 @@ def _clock_cases(runner: CaseRunner, corpus_dir: Path, tmp: Path) -> None:
         x = torch.ones(64)
         with clock.blocking("dp"):
             dist.all_reduce(x)
+        if dist.get_rank() == 1:
+            time.sleep(0.05)  # rank 0's wait is exposed: its peer has not joined yet
         work = clock.track("dispatch", dist.all_reduce(x, async_op=True), (x,))
         assert isinstance(work, dist.Work)
         work.wait()
@@ -78,7 +81,9 @@ def _clock_cases(runner: CaseRunner, corpus_dir: Path, tmp: Path) -> None:
         assert x[0].item() == 2.0 ** 4  # every call reduced, once each
         t = clock.totals()
         assert t["dp"]["s"] > 0 and t["dp"]["exposed_s"] == t["dp"]["s"]
-        assert 0 < t["dispatch"]["exposed_s"] <= t["dispatch"]["s"]
+        assert 0 <= t["dispatch"]["exposed_s"] <= t["dispatch"]["s"]
+        if dist.get_rank() == 0:
+            assert t["dispatch"]["exposed_s"] >= 0.02
         assert 0 < t["fsdp"]["exposed_s"] <= t["fsdp"]["s"]
         assert t["pp"] == {"s": 0.0, "n": 0.0, "exposed_s": 0.0}
         assert [t[k]["n"] for k in ("dp", "dispatch", "fsdp")] == [1, 1, 2]

@@ -17,7 +17,8 @@ How the intervals are taken:
   collective still running when its wait starts is in flight until the wait returns (so
   the exposed wait lies inside its flight); one already done then ended at the earlier of
   its future's done-callback (gloo gives all-to-all, all-reduce and all-gather a future)
-  and the wait's start. Gloo's reduce-scatter and point-to-point works have no future:
+  and the wait's start, and its wait is not exposed (the call returns at once; under CPU
+  load a preempted return could otherwise count a wait past the flight's end). Gloo's reduce-scatter and point-to-point works have no future:
   when done before their wait, their flight ends at the wait's start, an upper bound.
 * CUDA: events, never a host sync in the step (they are read in :meth:`CommClock.totals`
   after the step's one synchronisation, which ``StepTimers`` already does). Exposed: a
@@ -175,7 +176,8 @@ class CommClock:
             end = clock._now()
             if not done:
                 flight.waited_until(end)
-            clock._exposed.append((kind, start, end))
+            if clock.cuda or not done:  # CPU: a work done before its wait kept no one waiting
+                clock._exposed.append((kind, start, end))
             keep.clear()
             return True if out is None else bool(out)
 
