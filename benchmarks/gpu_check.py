@@ -33,6 +33,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import importlib
 import json
 import multiprocessing as mp
 import os
@@ -543,6 +544,18 @@ def _child(stage: Stage, ctx: Ctx, conn) -> None:
         conn.close()
 
 
+def preload_for_fork() -> None:
+    """On CPU the stages are forked: import what they import once, here, rather than in
+    every stage's process (seconds each on a small machine). An import that fails is left
+    to the stages that need it, which then fail with it (the others still run)."""
+    for name in ("epscale.training.loop", "epscale.commands.describe", "epscale.dispatch",
+                 "epscale.metrics.host_syncs", "moe_layer"):
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - reported by the stage that imports it
+            pass
+
+
 def run_stage(stage: Stage, ctx: Ctx, cap_s: float) -> dict:
     """``stage`` in a child process (fork on CPU, a fresh interpreter on CUDA, whose
     context must not be inherited), stopped at ``cap_s`` seconds."""
@@ -631,6 +644,8 @@ def main(argv=None) -> int:
     ctx = Ctx(args.dry_run, device, args.out, {"set": args.set})
     budget = args.budget if args.budget is not None else (None if args.dry_run else GPU_BUDGET_S)
     todo = stages(has_train_compile(), args.dry_run)
+    if device.type == "cpu":
+        preload_for_fork()
     if args.only:
         keys = args.only.split(",")
         todo = [s for s in todo if any(s.name == k or s.name.startswith(k + ":") for k in keys)]

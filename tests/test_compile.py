@@ -101,6 +101,11 @@ def test_one_process_compiles_each_block_as_one_graph(eager, corpus_dir, tmp_pat
 
 
 def _worker(rank, world, corpus_dir, tmp, cases):
+    import torch._inductor.config
+
+    # each rank compiles in its own process, not in a pool of compile workers of its own
+    # (two ranks on two cores: the pools' start-up only adds processes; the same kernels)
+    torch._inductor.config.compile_threads = 1
     runner = CaseRunner(rank)
     out = {}
     for name, over in cases.items():

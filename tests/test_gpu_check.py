@@ -32,7 +32,10 @@ def _driver():
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
+    # one thread per process, as in every test (conftest.py): two would contend for the
+    # cores with the other pytest worker (the dry run took 1.5x as long under load)
     env = dict(os.environ, PY=sys.executable, OUT=str(out), WHEELS=str(out / "no-wheels"),
+               OMP_NUM_THREADS=os.environ.get("EPSCALE_TEST_THREADS", "1"),
                PYTHONPATH=os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--dry-run"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
