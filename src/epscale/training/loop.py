@@ -236,7 +236,8 @@ class Trainer:
                                     self.rank, self.world,
                                     overlap=cfg.parallel.overlap != "none",
                                     before_backward=(lambda last: micro_batch_sync(
-                                        self.model, zero, last)) if zero != 3 else None)
+                                        self.model, zero, last)) if zero != 3 else None,
+                                    mtp_weight=cfg.train.mtp_loss_weight)
         for chunk in chunks:
             chunk.timer = self.timers.section
         # activations between stages: bf16 when FSDP casts the weights, else fp32
@@ -599,7 +600,7 @@ class Trainer:
                                     num_tokens=accum * cfg.train.micro_batch_size * cfg.model.seq_len,
                                     loss=loss_sum if has_loss else None, lr=lr, grad_norm=grad_norm,
                                     breakdown=breakdown, skipped=skip, extra=extra,
-                                    comm=comm)
+                                    comm=comm, mtp_loss=self.stepper.mtp_loss)
         if loads_LE is not None and cfg.moe.bias_update_speed > 0:
             update_expert_biases(self.model, self.dims, cfg.moe.bias_update_speed, loads_LE)
         if loads_LE is not None and self.rebalancer is not None:
