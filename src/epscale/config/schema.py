@@ -312,6 +312,11 @@ class ModelConfig:
             return False
         return (layer_id - self.num_dense_layers) % self.moe_every == 0
 
+    def moe_layer_ids(self) -> list[int]:
+        """The layer ids of the MoE blocks: the main model's, then those of the
+        multi-token-prediction modules (ids ``num_layers`` .. ``num_layers + mtp_depth - 1``)."""
+        return [i for i in range(self.num_layers + self.mtp_depth) if self.is_moe_layer(i)]
+
 
 @dataclass
 class ParallelConfig:

@@ -276,8 +276,7 @@ class Trainer:
         cfg = self.cfg
         self.size = model_size(cfg)
         dtype = torch.bfloat16 if self.use_bf16 else torch.float32
-        all_moe = [(i, cfg.moe.num_experts, cfg.moe.top_k) for i in range(cfg.model.num_layers)
-                   if cfg.model.is_moe_layer(i)]
+        all_moe = [(i, cfg.moe.num_experts, cfg.moe.top_k) for i in cfg.model.moe_layer_ids()]
         self.collector = StepStatsCollector(self.model, ep=self.dims.ep, device=self.device,
                                             flops_per_token=self.size.flops_per_token,
                                             peak_flops=peak_flops(self.device, dtype),
@@ -366,12 +365,14 @@ class Trainer:
         cfg, s = self.cfg, self.size
         m, moe = cfg.model, cfg.moe
         num_moe = sum(m.is_moe_layer(i) for i in range(m.num_layers))  # all stages
+        mtp = (f" + {m.mtp_depth} multi-token-prediction module(s) (loss weight "
+               f"{cfg.train.mtp_loss_weight})" if m.mtp_depth else "")
         threads = torch.get_num_threads()
         lines = [
             f"[bold]epscale train[/] {cfg.name}: run dir {self.run_dir}",
             f"model: {s.total_params / 1e6:.2f}M parameters, {s.active_params / 1e6:.2f}M active "
             f"per token, {s.flops_per_token / 1e6:.1f} MFLOPs/token (train); {m.num_layers} layers "
-            f"({num_moe} MoE: {moe.num_experts} experts, top-{moe.top_k}), dim {m.dim}, "
+            f"({num_moe} MoE: {moe.num_experts} experts, top-{moe.top_k}){mtp}, dim {m.dim}, "
             f"seq {m.seq_len}, vocab {m.vocab_size}",
             f"data: {self.splits.description}: {self.splits.train_tokens / 1e6:.2f}M train / "
             f"{self.splits.val_tokens / 1e6:.2f}M validation tokens, of which each evaluation "
