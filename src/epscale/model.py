@@ -408,6 +408,7 @@ class MTPModule(nn.Module):
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """h^k [B, S, D] (before ``norm``) from h^{k-1} and the shifted embeddings."""
         x_BSD = self.eh_proj(torch.cat((self.enorm(e_BSD), self.hnorm(h_BSD)), dim=-1))
+        x_BSD = x_BSD.to(h_BSD.dtype)   # autocast's bf16 product: the stream stays fp32
         return self.block(x_BSD) if attn_mask is None else self.block(x_BSD, None, attn_mask)
 
 
