@@ -299,7 +299,7 @@ def _worker(rank, world, corpus_dir, tmp):
 def runs(tmp_path_factory):
     corpus_dir = tmp_path_factory.mktemp("corpus")
     tmp2, tmp1 = tmp_path_factory.mktemp("w2"), tmp_path_factory.mktemp("w1")
-    r2 = run_distributed(_worker, 2, args=(str(corpus_dir), str(tmp2)), timeout_s=600)
+    r2 = run_distributed(_worker, 2, args=(str(corpus_dir), str(tmp2)), timeout_s=300)
     assert_no_failures([f for f, _ in r2])
     one = train(same_batch_cfg(corpus_dir, 1, MTP), tmp1 / "one").records
     plain = train(same_batch_cfg(corpus_dir, 1, {"train.steps": 1}), tmp1 / "plain").records

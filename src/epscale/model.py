@@ -490,7 +490,7 @@ class Transformer(nn.Module):
         L = cfg.num_layers
         self.mtp = (nn.ModuleDict({str(L + k): MTPModule(cfg, moe_cfg, L + k)
                                    for k in range(cfg.mtp_depth)}) if cfg.mtp_depth else None)
-        # the modules' losses of the last training forward with targets (0-dim each)
+        # the modules' losses of the last training loss() (0-dim each)
         self.last_mtp_losses: list[torch.Tensor] = []
         self.doc_eos_id: int | None = None  # set_document_masking
         self.doc_mask_kind = "auto"
@@ -559,7 +559,8 @@ class Transformer(nn.Module):
         """fp32 logits [B, S, V]; with ``targets_BS`` (int64 [B, S], -100 skipped) the mean
         next-token loss through the fused head instead (:meth:`head_loss`; what
         :meth:`loss` runs: through ``__call__``, so that FSDP's and other wrappers' forward
-        hooks run)."""
+        hooks run), and in training mode with multi-token-prediction modules the tuple
+        (that loss, L^1, .., L^D) (:meth:`mtp_loss_terms`)."""
         if tokens_BS.dim() != 2:
             raise ValueError(f"Transformer.forward expects token ids [B, S], got shape "
                              f"{tuple(tokens_BS.shape)}")
@@ -571,8 +572,8 @@ class Transformer(nn.Module):
         h_BSD = self.hidden(tokens_BS, cache)
         if targets_BS is not None:
             loss = self.head_loss(h_BSD, targets_BS)
-            self.last_mtp_losses = (self.mtp_loss_terms(h_BSD, tokens_BS, targets_BS)
-                                    if self.mtp is not None and self.training else [])
+            if self.mtp is not None and self.training:
+                return (loss, *self.mtp_loss_terms(h_BSD, tokens_BS, targets_BS))
             return loss
         return self.logits(h_BSD)
 
@@ -639,10 +640,9 @@ class Transformer(nn.Module):
         return losses
 
     def mtp_loss(self) -> torch.Tensor:
-        """The mean of the multi-token-prediction losses of the last training forward
-        with targets, (1 / D) * sum_k L^k (0-dim; 0 without modules, in eval mode, or
-        after a forward without targets). The trainer adds ``train.mtp_loss_weight`` times
-        it to the loss."""
+        """The mean of the multi-token-prediction losses of the last :meth:`loss` in
+        training mode, (1 / D) * sum_k L^k (0-dim; 0 without modules or in eval mode). The
+        trainer adds ``train.mtp_loss_weight`` times it to the loss."""
         if not self.last_mtp_losses:
             return torch.zeros((), device=self.tok_embeddings.weight.device)
         return torch.stack(self.last_mtp_losses).mean()
@@ -655,7 +655,16 @@ class Transformer(nn.Module):
         return targets_BS.masked_fill(tokens_BS == self.doc_eos_id, -100)
 
     def loss(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
-        return self(tokens_BS, targets_BS=self.loss_targets(tokens_BS, targets_BS))
+        """The mean next-token loss (0-dim); in training mode with multi-token-prediction
+        modules their losses are kept for :meth:`mtp_loss` (returned by the forward beside
+        the main loss, so that wrappers' backward hooks see them: FSDP gathers the shared
+        head again before their backward reaches it)."""
+        out = self(tokens_BS, targets_BS=self.loss_targets(tokens_BS, targets_BS))
+        if isinstance(out, tuple):
+            self.last_mtp_losses = list(out[1:])
+            return out[0]
+        self.last_mtp_losses = []
+        return out
 
     def aux_loss(self) -> torch.Tensor:
         """Sum of the MoE layers' router losses from the last forward (0-dim tensor)."""
