@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from dist_utils import CaseRunner, assert_no_failures, copy_checkpoint, run_distributed, run_trainer
 from epscale.config import ConfigError, load_config, load_recipe
