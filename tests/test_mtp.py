@@ -3,7 +3,8 @@ modules' losses against a plain float64 reference written here from their parame
 (document masking included), depth 0 is the model without them, the MTP term's gradient
 reaches the shared embedding and head, the config refuses what it cannot run, the
 trainer on 2 ranks (FSDP + EP 2, the MTP block's experts sharded and its MoE layer in
-the step statistics) follows one process at the same global batch and resumes bit for
+the step statistics; ZeRO-1 with full recomputation; the replicated layout with light
+recomputation) follows one process at the same global batch and resumes bit for
 bit from its checkpoint (loaded into one process exactly), sizing and the memory model
 count the modules (the kept bytes measured as tests/test_memory.py does), the step model
 takes the depth from the config, and a Hugging Face DeepSeek-V3 folder round-trips the
@@ -287,10 +288,15 @@ def _worker(rank, world, corpus_dir, tmp):
         copy_checkpoint(tmp / "fsdp", 2, tmp / "resumed", rank)
         out["fsdp ep2 resumed"] = _run(corpus_dir, tmp / "resumed", world,
                                        {**MTP, **SPLIT, "train.ckpt_every": 2})
-    with runner.case("fsdp ep2 ac-full"):
-        out["fsdp ep2 ac-full"] = _run(corpus_dir, tmp / "ac", world,
-                                       {**MTP, **SPLIT, "train.steps": 2,
-                                        "train.activation_checkpointing": "full"})
+    with runner.case("fsdp ep2 zero1 ac-full"):
+        out["fsdp ep2 zero1 ac-full"] = _run(corpus_dir, tmp / "ac", world,
+                                             {**MTP, **SPLIT, "train.steps": 2,
+                                              "parallel.zero": 1,
+                                              "train.activation_checkpointing": "full"})
+    with runner.case("ep2 replicated light recompute"):
+        out["ep2 replicated light recompute"] = _run(
+            corpus_dir, tmp / "rep", world, {**MTP, "parallel.ep": 2, "train.steps": 2,
+                                             "train.recompute_modules": "[norm,router]"})
     return runner.failures, out
 
 
@@ -306,11 +312,12 @@ def runs(tmp_path_factory):
 
 
 def test_two_ranks_follow_one_process(runs):
-    """FSDP over 2 ranks with the experts (the MTP block's too) over EP 2, and the same
-    under full recomputation: the main loss, the MTP loss and the gradient norm of one
-    process at the same global batch."""
+    """FSDP over 2 ranks with the experts (the MTP block's too) over EP 2, the same at
+    ZeRO-1 under full recomputation, and the replicated layout (DDP's buckets) with EP 2
+    and the norms and routers recomputed: the main loss, the MTP loss and the gradient
+    norm of one process at the same global batch."""
     got, ref, _plain, _tmp, _c = runs
-    for name in ("fsdp ep2", "fsdp ep2 ac-full"):
+    for name in ("fsdp ep2", "fsdp ep2 zero1 ac-full", "ep2 replicated light recompute"):
         for i in range(3):
             assert_losses_close({s: v[i] for s, v in got[name].items()},
                                 {s: v[i] for s, v in ref.items()}, same_weights={1})
