@@ -3,7 +3,9 @@
 Token embedding -> ``num_layers`` pre-norm blocks (causal attention with RoPE through
 ``scaled_dot_product_attention``; a dense SwiGLU/GELU FFN for the first
 ``num_dense_layers`` and then an :class:`epscale.MoE` every ``moe_every`` layers, GLaM
-style) -> RMSNorm -> output head (tied to the embedding or not).
+style) -> RMSNorm -> output head (tied to the embedding or not). With ``model.mtp_depth``
+DeepSeek-V3's multi-token-prediction modules follow in training (:class:`MTPModule`),
+sharing the embedding and the head.
 
 Incremental decoding: ``forward(tokens_BS, cache=KVCache(...))`` attends over the keys
 and values of the tokens seen before (kept in the cache) and appends the new ones.
@@ -472,7 +474,9 @@ class Transformer(nn.Module):
     next-token cross-entropy (without the MoE auxiliary losses, see :meth:`aux_loss`),
     through the fused chunked head (:meth:`head_loss`: no [T, V] logits kept).
     ``forward(tokens_BS, cache=KVCache(num_layers))`` decodes incrementally: the tokens
-    continue the ones cached before (cached + new <= seq_len)."""
+    continue the ones cached before (cached + new <= seq_len). ``mtp`` (``model.mtp_depth``
+    :class:`MTPModule` s, or None): trained through :meth:`loss` and :meth:`mtp_loss`;
+    logits and decoding ignore them."""
 
     def __init__(self, cfg: ModelConfig, moe_cfg: MoEConfig):
         super().__init__()
