@@ -3,7 +3,9 @@
 Token embedding -> ``num_layers`` pre-norm blocks (causal attention with RoPE through
 ``scaled_dot_product_attention``; a dense SwiGLU/GELU FFN for the first
 ``num_dense_layers`` and then an :class:`epscale.MoE` every ``moe_every`` layers, GLaM
-style) -> RMSNorm -> output head (tied to the embedding or not).
+style) -> RMSNorm -> output head (tied to the embedding or not). With ``model.mtp_depth``
+DeepSeek-V3's multi-token-prediction modules follow in training (:class:`MTPModule`),
+sharing the embedding and the head.
 
 Incremental decoding: ``forward(tokens_BS, cache=KVCache(...))`` attends over the keys
 and values of the tokens seen before (kept in the cache) and appends the new ones.
@@ -380,6 +382,46 @@ class Block(nn.Module):
         return x_BSD + self.ffn(self.ffn_norm(x_BSD))
 
 
+class MTPModule(nn.Module):
+    """One of DeepSeek-V3's multi-token-prediction modules (report section 2.2), the k-th
+    (k = 1..``model.mtp_depth``): from the previous depth's hidden state h^{k-1} [B, S, D]
+    (h^0: the main model's last block output, before the final norm) and the embedding
+    e [B, S, D] of token i + k at position i it computes
+    ``h^k = block(eh_proj([enorm(e); hnorm(h^{k-1})]))`` and the head's input
+    ``norm(h^k)`` (its own final norm, Hugging Face's ``shared_head.norm``); the embedding
+    and the output head are the main model's (:meth:`Transformer.mtp_loss_terms`).
+
+    The concatenation is [normed embedding; normed hidden state], the order of DeepSeek's
+    released checkpoints (and vLLM's / SGLang's readers of them; the report's equation 21
+    writes the two the other way round), so ``eh_proj`` [D, 2D] loads from them as it is.
+    ``block`` is a :class:`Block` with layer id ``num_layers + k - 1`` (where Hugging
+    Face's DeepSeek-V3 layout stores module k): parallelized, recomputed and compiled as
+    the main blocks are (``epscale.parallel.activation.transformer_blocks`` lists it)."""
+
+    def __init__(self, cfg: ModelConfig, moe_cfg: MoEConfig, layer_id: int):
+        super().__init__()
+        self.enorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.hnorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
+        self.block = Block(cfg, moe_cfg, layer_id)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+    def forward(self, h_BSD: torch.Tensor, e_BSD: torch.Tensor,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """h^k [B, S, D] (before ``norm``) from h^{k-1} and the shifted embeddings."""
+        x_BSD = self.eh_proj(torch.cat((self.enorm(e_BSD), self.hnorm(h_BSD)), dim=-1))
+        x_BSD = x_BSD.to(h_BSD.dtype)   # autocast's bf16 product: the stream stays fp32
+        return self.block(x_BSD) if attn_mask is None else self.block(x_BSD, None, attn_mask)
+
+
+def mtp_shift(t_BS: torch.Tensor, k: int, fill: int) -> torch.Tensor:
+    """``t_BS`` moved k positions to the left (position i holds t[i + k]); the last k
+    positions hold ``fill``."""
+    out = t_BS.roll(-k, dims=1)
+    out[:, t_BS.shape[1] - k:] = fill
+    return out
+
+
 def document_ids(tokens_BS: torch.Tensor, eos_id: int) -> torch.Tensor:
     """int64 [B, S]: the document of each token within its sequence (0, 1, ...); a
     document ends with (and includes) an ``eos_id`` token."""
@@ -432,7 +474,9 @@ class Transformer(nn.Module):
     next-token cross-entropy (without the MoE auxiliary losses, see :meth:`aux_loss`),
     through the fused chunked head (:meth:`head_loss`: no [T, V] logits kept).
     ``forward(tokens_BS, cache=KVCache(num_layers))`` decodes incrementally: the tokens
-    continue the ones cached before (cached + new <= seq_len)."""
+    continue the ones cached before (cached + new <= seq_len). ``mtp`` (``model.mtp_depth``
+    :class:`MTPModule` s, or None): trained through :meth:`loss` and :meth:`mtp_loss`;
+    logits and decoding ignore them."""
 
     def __init__(self, cfg: ModelConfig, moe_cfg: MoEConfig):
         super().__init__()
@@ -445,6 +489,13 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg, moe_cfg, i) for i in range(cfg.num_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        # model.mtp_depth multi-token-prediction modules, keyed by their block's layer id
+        # (num_layers + k - 1); None without (the state dict is then the plain model's)
+        L = cfg.num_layers
+        self.mtp = (nn.ModuleDict({str(L + k): MTPModule(cfg, moe_cfg, L + k)
+                                   for k in range(cfg.mtp_depth)}) if cfg.mtp_depth else None)
+        # the modules' losses of the last training loss() (0-dim each)
+        self.last_mtp_losses: list[torch.Tensor] = []
         self.doc_eos_id: int | None = None  # set_document_masking
         self.doc_mask_kind = "auto"
 
@@ -490,13 +541,19 @@ class Transformer(nn.Module):
             return "normal", std / math.sqrt(2 * self.cfg.num_layers)
         return "normal", std
 
+    def blocks(self) -> list[Block]:
+        """Every transformer block, in depth order: the main ones, then the
+        multi-token-prediction modules' (layer ids ``num_layers`` ..)."""
+        mtp = [m.block for m in self.mtp.values()] if self.mtp is not None else []
+        return list(self.layers.values()) + mtp
+
     def moe_layers(self) -> list[MoE]:
-        """The MoE layers, in depth order."""
-        return [b.ffn for b in self.layers.values() if isinstance(b.ffn, MoE)]
+        """The MoE layers, in depth order (the multi-token-prediction blocks' last)."""
+        return [b.ffn for b in self.blocks() if isinstance(b.ffn, MoE)]
 
     def set_timer(self, timer: Callable[[str], ContextManager]) -> None:
         """Route the 'attention' and MoE ('router', 'dispatch', ...) sections to ``timer``."""
-        for block in self.layers.values():
+        for block in self.blocks():
             block.timer = timer
         for moe in self.moe_layers():
             moe.timer = timer
@@ -506,7 +563,8 @@ class Transformer(nn.Module):
         """fp32 logits [B, S, V]; with ``targets_BS`` (int64 [B, S], -100 skipped) the mean
         next-token loss through the fused head instead (:meth:`head_loss`; what
         :meth:`loss` runs: through ``__call__``, so that FSDP's and other wrappers' forward
-        hooks run)."""
+        hooks run), and in training mode with multi-token-prediction modules the tuple
+        (that loss, L^1, .., L^D) (:meth:`mtp_loss_terms`)."""
         if tokens_BS.dim() != 2:
             raise ValueError(f"Transformer.forward expects token ids [B, S], got shape "
                              f"{tuple(tokens_BS.shape)}")
@@ -517,7 +575,10 @@ class Transformer(nn.Module):
                              f"model.seq_len={self.cfg.seq_len}")
         h_BSD = self.hidden(tokens_BS, cache)
         if targets_BS is not None:
-            return self.head_loss(h_BSD, targets_BS)
+            loss = self.head_loss(h_BSD, targets_BS)
+            if self.mtp is not None and self.training:
+                return (loss, *self.mtp_loss_terms(h_BSD, tokens_BS, targets_BS))
+            return loss
         return self.logits(h_BSD)
 
     def hidden(self, tokens_BS: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
@@ -550,6 +611,46 @@ class Transformer(nn.Module):
         h_TD = self.norm(h_BSD).flatten(0, 1)
         return head_loss(h_TD, self.head_weight(), targets_BS.reshape(-1))
 
+    def mtp_targets(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor,
+                    k: int) -> torch.Tensor:
+        """The targets of multi-token-prediction depth k: position i predicts token
+        i + k + 1 (``targets_BS[i + k]``); -100 at the last k positions (past the
+        sequence) and, with document masking, where any of tokens i .. i + k is an EOS (the
+        target lies in a later document; :meth:`loss_targets` is the case k = 0)."""
+        y_BS = mtp_shift(targets_BS, k, -100)
+        if self.doc_eos_id is None:
+            return y_BS
+        eos_BS = tokens_BS == self.doc_eos_id
+        crossed_BS = eos_BS.clone()
+        for j in range(1, k + 1):
+            crossed_BS |= mtp_shift(eos_BS, j, False)
+        return y_BS.masked_fill(crossed_BS, -100)
+
+    def mtp_loss_terms(self, h_BSD: torch.Tensor, tokens_BS: torch.Tensor,
+                       targets_BS: torch.Tensor) -> list[torch.Tensor]:
+        """The multi-token-prediction losses L^1 .. L^D (0-dim each) from the main model's
+        last block output ``h_BSD``: module k takes h^{k-1} and the shared embedding of
+        the tokens k positions ahead (:func:`mtp_shift`; the last k positions' inputs
+        wrap around, their targets are -100), and its loss is the shared head's chunked
+        cross-entropy (:func:`epscale.head_loss.head_loss`: no [T, V] logits) of its own
+        final norm's output against :meth:`mtp_targets`."""
+        mask = self.attention_mask(tokens_BS)
+        losses = []
+        for k, module in enumerate(self.mtp.values(), start=1):
+            e_BSD = self.tok_embeddings(tokens_BS.roll(-k, dims=1))
+            h_BSD = module(h_BSD, e_BSD, mask)
+            y_T = self.mtp_targets(tokens_BS, targets_BS, k).reshape(-1)
+            losses.append(head_loss(module.norm(h_BSD).flatten(0, 1), self.head_weight(), y_T))
+        return losses
+
+    def mtp_loss(self) -> torch.Tensor:
+        """The mean of the multi-token-prediction losses of the last :meth:`loss` in
+        training mode, (1 / D) * sum_k L^k (0-dim; 0 without modules or in eval mode). The
+        trainer adds ``train.mtp_loss_weight`` times it to the loss."""
+        if not self.last_mtp_losses:
+            return torch.zeros((), device=self.tok_embeddings.weight.device)
+        return torch.stack(self.last_mtp_losses).mean()
+
     def loss_targets(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
         """The targets the loss counts: with document masking, -100 after each EOS (no
         loss across the EOS -> next-document join)."""
@@ -558,7 +659,16 @@ class Transformer(nn.Module):
         return targets_BS.masked_fill(tokens_BS == self.doc_eos_id, -100)
 
     def loss(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
-        return self(tokens_BS, targets_BS=self.loss_targets(tokens_BS, targets_BS))
+        """The mean next-token loss (0-dim); in training mode with multi-token-prediction
+        modules their losses are kept for :meth:`mtp_loss` (returned by the forward beside
+        the main loss, so that wrappers' backward hooks see them: FSDP gathers the shared
+        head again before their backward reaches it)."""
+        out = self(tokens_BS, targets_BS=self.loss_targets(tokens_BS, targets_BS))
+        if isinstance(out, tuple):
+            self.last_mtp_losses = list(out[1:])
+            return out[0]
+        self.last_mtp_losses = []
+        return out
 
     def aux_loss(self) -> torch.Tensor:
         """Sum of the MoE layers' router losses from the last forward (0-dim tensor)."""

@@ -362,6 +362,9 @@ def run(args) -> int:
                 "dense_ffn_params", "router_params", "norm_params"):
         t.add_row(key.replace("_params", "").replace("_", " "), _fmt_count(info[key]), "")
     t.add_row("MoE layers", str(info["num_moe_layers"]), "")
+    if info.get("mtp_params"):   # counted in the rows above; published figures leave it out
+        t.add_row("of which multi-token prediction", _fmt_count(info["mtp_params"]),
+                  "(shared embedding and head)")
     t.add_row("training FLOPs / token", f"{info['flops_per_token'] / 1e9:.1f} GFLOP", "")
     console.print(t)
     mem, lay = info["memory"], info["layout"]

@@ -238,6 +238,12 @@ class ModelConfig:
     rope_scaling: a context-extension variant of RoPE (:class:`RopeScalingConfig`).
     latent_norm_eps: epsilon of MLA's query/key-value latent norms (null: norm_eps;
     Hugging Face's DeepSeek-V3 uses 1e-6 there whatever rms_norm_eps says).
+    mtp_depth: DeepSeek-V3's multi-token-prediction modules (report section 2.2), trained
+    beside the main next-token loss: module k predicts the token k + 1 positions ahead
+    from module k - 1's hidden state and the embedding of token i + k, through one more
+    block (MoE where :meth:`is_moe_layer` makes block ``num_layers + k - 1`` one) and the
+    shared output head (:class:`epscale.model.MTPModule`). 0: none (the default).
+    Training only: logits, generation and the KV cache ignore the modules.
     """
 
     vocab_size: int = 256
@@ -264,9 +270,14 @@ class ModelConfig:
     qk_norm: bool = False
     rope_scaling: RopeScalingConfig | None = None
     latent_norm_eps: float | None = None
+    mtp_depth: int = 0
 
     def __post_init__(self) -> None:
         p = "model"
+        if not isinstance(self.mtp_depth, int) or isinstance(self.mtp_depth, bool) \
+                or self.mtp_depth < 0:
+            fail(f"{p}.mtp_depth", self.mtp_depth, "must be an integer >= 0 (the number of "
+                 "multi-token-prediction modules; 0 turns them off)")
         if isinstance(self.rope_scaling, dict):  # built in Python from a plain dict
             self.rope_scaling = from_dict(RopeScalingConfig, self.rope_scaling,
                                           prefix=f"{p}.rope_scaling")
@@ -300,6 +311,11 @@ class ModelConfig:
         if layer_id < self.num_dense_layers:
             return False
         return (layer_id - self.num_dense_layers) % self.moe_every == 0
+
+    def moe_layer_ids(self) -> list[int]:
+        """The layer ids of the MoE blocks: the main model's, then those of the
+        multi-token-prediction modules (ids ``num_layers`` .. ``num_layers + mtp_depth - 1``)."""
+        return [i for i in range(self.num_layers + self.mtp_depth) if self.is_moe_layer(i)]
 
 
 @dataclass
@@ -655,8 +671,18 @@ class TrainConfig:
     # parallelism, graph breaks at the split sizes' host read and the exchanges. The first
     # step compiles (seconds to minutes; the console says how long).
     compile: bool = False
+    # The weight lambda of the multi-token-prediction loss (model.mtp_depth > 0): the
+    # step's loss is loss + lambda / D * (the D modules' losses summed); DeepSeek-V3 used
+    # 0.3 for its first 10T tokens, then 0.1. metrics.jsonl keeps the main next-token loss
+    # as 'loss' and the modules' mean as 'mtp_loss'.
+    mtp_loss_weight: float = 0.3
 
     def __post_init__(self) -> None:
+        w = self.mtp_loss_weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not w >= 0 \
+                or w == float("inf"):
+            fail("train.mtp_loss_weight", w, "must be a finite number >= 0 (the weight of "
+                 "the multi-token-prediction loss; DeepSeek-V3 used 0.3, then 0.1)")
         if not self.collective_timeout_s >= 0:
             fail("train.collective_timeout_s", self.collective_timeout_s,
                   "must be >= 0 seconds (0 disables the watchdog)")
@@ -838,6 +864,12 @@ class RunConfig:
             fail("model.tie_embeddings", True, "cannot be combined with parallel.pp > 1 (the "
                  "embedding sits on the first stage and the output head on the last); set "
                  "model.tie_embeddings: false, or parallel.pp: 1")
+        if m.mtp_depth > 0:
+            fail("model.mtp_depth", m.mtp_depth, "cannot be combined with parallel.pp > 1 "
+                 "yet (the multi-token-prediction modules need the embedding of the first "
+                 "stage and the output head of the last; pipelines are not supported with "
+                 "them); set model.mtp_depth: 0, or parallel.pp: 1 (a layout without a "
+                 "pipeline: FSDP/HSDP and expert parallelism work)")
         if self.data.doc_masking:
             fail("data.doc_masking", True, "cannot be combined with parallel.pp > 1 yet (the "
                  "later stages do not see the token ids the mask is made from); set "

@@ -22,6 +22,14 @@ How the names and layouts map (per layer ``model.layers.{i}.``; ``{moe}`` is
   like DeepSeek-V3's) <-> ``ffn.router.expert_bias``;
   ``mlp.shared_experts.*`` <-> ``ffn.shared_experts.w1/w3/w2``; dense FFNs ``mlp.*`` <->
   ``ffn.w1/w3/w2``.
+* DeepSeek-V3's multi-token-prediction module k (``model.mtp_depth``; the hub's
+  ``num_nextn_predict_layers``) is hub layer ``i = num_hidden_layers + k - 1``:
+  ``model.layers.{i}.{enorm,hnorm,eh_proj,shared_head.norm}`` <->
+  ``mtp.{i}.{enorm,hnorm,eh_proj,norm}``, its decoder-layer tensors <-> ``mtp.{i}.block.*``
+  as above, and ``model.layers.{i}.embed_tokens`` / ``shared_head.head``: copies of the
+  shared embedding and head (written equal to them; an import refuses copies that differ,
+  as epscale's modules share one embedding and head). An import builds as many modules
+  as the weights hold (``model.mtp_depth=0`` as an override leaves them out).
 
 Legend: E experts, D model dim, F expert hidden dim, H heads.
 """
@@ -90,6 +98,10 @@ DENSE = ("gate_proj", "up_proj", "down_proj")
 BIAS_ROWS = {"ernie4_5_moe"}     # stores its correction bias as [1, E] (one expert group)
 ROPE_PAIRS = {"ernie4_5_moe"}    # rotary dimensions of q/k as interleaved pairs (MHA)
 MTP_FAMILIES = {"deepseek_v3", "glm4_moe"}  # multi-token-prediction layers after the last
+MTP_WRITERS = ("deepseek_v3",)   # the formats epscale reads and writes those layers in
+# a multi-token-prediction module's own tensors (beside its decoder layer's): hub <- epscale
+MTP_OWN = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
+           "eh_proj.weight": "eh_proj.weight", "norm.weight": "shared_head.norm.weight"}
 
 
 @dataclass
@@ -143,23 +155,52 @@ def rules(model_shapes: dict[str, tuple[int, ...]], cfg: RunConfig, family: str,
     perm = torch.cat((torch.arange(0, rope, 2), torch.arange(1, rope, 2)))
     qk, H = m.qk_nope_head_dim + rope, m.num_heads
     out = []
+    mtp_ids = range(m.num_layers, m.num_layers + m.mtp_depth)
+    if mtp_ids and family not in MTP_WRITERS:
+        raise HFError(f"the {family} format has no multi-token-prediction modules "
+                      f"(model.mtp_depth = {m.mtp_depth}); {', '.join(MTP_WRITERS)} has")
+    emb_copies = [f"model.layers.{i}.embed_tokens.weight" for i in mtp_ids]
+    head_copies = [f"model.layers.{i}.shared_head.head.weight" for i in mtp_ids]
     for name, shape in model_shapes.items():
         parts = name.split(".")
         if name == "tok_embeddings.weight":
-            out.append(_copy(name, "model.embed_tokens.weight", shape))
+            out.append(_shared(name, ["model.embed_tokens.weight"] + emb_copies
+                               + (head_copies if m.tie_embeddings else []), shape))
         elif name == "norm.weight":
             out.append(_copy(name, "model.norm.weight", shape))
         elif name == "output.weight":
-            out.append(_copy(name, "lm_head.weight", shape))
-        elif parts[0] == "layers":
+            out.append(_shared(name, ["lm_head.weight"] + head_copies, shape))
+        elif parts[0] in ("layers", "mtp"):
             p = f"model.layers.{parts[1]}"
             rest = ".".join(parts[2:])
+            if parts[0] == "mtp" and rest in MTP_OWN:
+                out.append(_copy(name, f"{p}.{MTP_OWN[rest]}", shape))
+                continue
+            if parts[0] == "mtp":
+                rest = rest[len("block."):]
             rule = _layer_rule(name, rest, p, shape, lay, family, interleave, perm, qk, H, m)
             if rule is not None:
                 out.append(rule)
         else:
             raise HFError(f"epscale tensor '{name}' has no place in the {family} format")
     return out
+
+
+def _shared(name: str, hf: list[str], shape) -> Rule:
+    """One epscale tensor the hub stores several equal copies of (the embedding and head
+    beside DeepSeek-V3's multi-token-prediction layers): written to each; read from the
+    first, the others checked equal to it."""
+
+    def to_ours(ts: list[torch.Tensor]) -> torch.Tensor:
+        for other, t in zip(hf[1:], ts[1:]):
+            if not torch.equal(t, ts[0]):
+                raise HFError(f"hub tensor '{other}' differs from '{hf[0]}': epscale's "
+                              "multi-token-prediction modules share the model's embedding "
+                              "and output head, so their copies must be equal")
+        return ts[0]
+
+    return Rule(name, hf, [tuple(shape)] * len(hf), to_ours,
+                lambda t: [t] + [t.clone() for _ in hf[1:]])   # safetensors: no shared storage
 
 
 def _layer_rule(name, rest, p, shape, lay: HFTensorMap, family, interleave, perm, qk, H, m):
@@ -232,6 +273,9 @@ def read_hf(hf_dir: str | Path, overrides: list[str] | None = None,
     source = hf_dir / "config.json"
     mapped = recipe_from_hf(read_json(source), source, seq_len)
     mapped.data["train"] = dict(CONTINUED_PRETRAINING)
+    depth = _mtp_layers_held(hf_dir, mapped)
+    if depth:
+        mapped.data["model"]["mtp_depth"] = depth
     cfg = from_dict(RunConfig, apply_overrides(mapped.data, list(overrides or [])))
     return mapped, cfg
 
@@ -257,14 +301,29 @@ def state_from_hf(hf_dir: str | Path, mapped: Mapped, cfg: RunConfig,
         state.setdefault(name, torch.zeros(shape))
     skipped, mtp = _ignorable(weights.names(), mapped, cfg)
     if mtp and report is not None:
+        why = (f"model.mtp_depth = {cfg.model.mtp_depth}" if mapped.family in MTP_WRITERS
+               else f"epscale reads them in {', '.join(MTP_WRITERS)} only")
         report(f"note: {len(mtp)} tensor(s) of the multi-token-prediction layer(s) (e.g. "
-               f"'{mtp[0]}') are not imported: epscale has no MTP module")
+               f"'{mtp[0]}') are not imported ({why})")
     extra = sorted(set(weights.names()) - used - skipped)
     if extra:
         raise HFError(f"tensor '{extra[0]}' in '{weights.where(extra[0])}' has no place in "
                       f"epscale's {mapped.family} model ({len(extra)} such tensors); does "
                       "config.json describe these weights?")
     return state
+
+
+def _mtp_layers_held(hf_dir: Path, mapped: Mapped) -> int:
+    """How many multi-token-prediction modules the weights of ``hf_dir`` hold (hub layers
+    num_hidden_layers, num_hidden_layers + 1, ... with an ``eh_proj``), in the formats
+    epscale reads them in (:data:`MTP_WRITERS`); 0 otherwise or without weights."""
+    if mapped.family not in MTP_WRITERS or not any(hf_dir.glob("*.safetensors")):
+        return 0
+    names = set(HFWeights(hf_dir).names())
+    L, depth = mapped.data["model"]["num_layers"], 0
+    while f"model.layers.{L + depth}.eh_proj.weight" in names:
+        depth += 1
+    return depth
 
 
 def _ignorable(names: list[str], mapped: Mapped, cfg: RunConfig) -> tuple[set[str], list[str]]:
@@ -277,7 +336,8 @@ def _ignorable(names: list[str], mapped: Mapped, cfg: RunConfig) -> tuple[set[st
                                                  and cfg.model.tie_embeddings):
             out.add(n)
         elif len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() and \
-                int(parts[2]) >= cfg.model.num_layers and mapped.family in MTP_FAMILIES:
+                int(parts[2]) >= cfg.model.num_layers + cfg.model.mtp_depth and \
+                mapped.family in MTP_FAMILIES:
             out.add(n)
             mtp.append(n)
     return out, mtp

@@ -102,6 +102,8 @@ def hf_from_recipe(cfg: RunConfig, family: str, dtype: str, source: dict | None 
                    qk_head_dim=m.qk_nope_head_dim + m.qk_rope_head_dim, rope_interleave=True,
                    attention_bias=False, aux_loss_alpha=moe.seq_aux_loss_coeff, seq_aux=True)
         out.pop("num_nextn_predict_layers", None)
+        if m.mtp_depth:
+            out["num_nextn_predict_layers"] = m.mtp_depth
     else:
         raise HFError(f"family {family!r} is not one of {', '.join(EXPORT_FAMILIES)}")
     return out

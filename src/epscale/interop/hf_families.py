@@ -76,6 +76,8 @@ def fit(cfg: RunConfig, family: str, bias: bool) -> Fit:
     need(moe.activation == "swiglu", f"moe.activation = {moe.activation!r} (transformers' MoE "
          "families are SwiGLU)")
     ids = moe_layer_ids(cfg)
+    need(m.mtp_depth == 0 or family == "deepseek_v3", f"model.mtp_depth = {m.mtp_depth} "
+         "(only deepseek_v3 stores multi-token-prediction modules)")
     if family == "deepseek_v3":
         need(m.attention == "mla", f"model.attention = {m.attention!r} (deepseek_v3 has MLA)")
         eps = m.norm_eps if m.latent_norm_eps is None else m.latent_norm_eps

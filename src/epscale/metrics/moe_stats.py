@@ -179,7 +179,8 @@ class StepStatsCollector:
             [(f"layers.{lid}.routed", _routed_fields(E)) for (lid, _i), E in
              zip(self.slots, self.num_experts)]
             + [(f"layers.{lid}.bias", _BIAS) for lid, _i in self.slots]
-            + [("loss_tensor", ()), ("loss_value", ()), ("loss_count", ()), ("num_tokens", ()),
+            + [("loss_tensor", ()), ("loss_value", ()), ("loss_count", ()), ("mtp_loss", ()),
+               ("num_tokens", ()),
                ("breakdown", Fields([(k, ()) for k in STANDARD_SECTIONS])),
                ("comm", COMM_FIELDS)]
             + [(f"layers.{lid}.forwards", _FORWARDS) for lid, _i in self.slots]
@@ -255,8 +256,8 @@ class StepStatsCollector:
                grad_norm: float | torch.Tensor | None = None,
                breakdown: dict[str, float] | None = None, skipped: bool = False,
                mem_mb: float | None = None, extra: dict[str, Any] | None = None,
-               time_now: float | None = None, comm: dict[str, Any] | None = None
-               ) -> dict[str, Any]:
+               time_now: float | None = None, comm: dict[str, Any] | None = None,
+               mtp_loss: torch.Tensor | None = None) -> dict[str, Any]:
         """Reduce this step's numbers across ranks (collective: every rank calls it) and
         return the step record of the metrics.jsonl contract (the same dict on every rank).
 
@@ -268,7 +269,10 @@ class StepStatsCollector:
         into the record as they are (e.g. ``val_loss``). comm: this rank's
         ``CommClock.totals()`` (None: no communication was timed; zeros), averaged over
         ranks into ``comm_s``, ``comm_exposed_s``, ``comm_exposed_share`` (exposed over the
-        mean step time) and ``comm_by_kind``.
+        mean step time) and ``comm_by_kind``. mtp_loss: this rank's mean
+        multi-token-prediction loss (0-d tensor; ``model.mtp_depth`` > 0), averaged over
+        the ranks that have a loss into ``mtp_loss`` (``loss`` stays the main next-token
+        loss); None: no such field.
         """
         import time as _time
 
@@ -287,6 +291,8 @@ class StepStatsCollector:
             "loss_tensor": loss_t if loss_t is not None else zeros(1),
             "loss_value": 0.0 if loss is None or loss_t is not None else float(loss),
             "loss_count": 0.0 if loss is None else 1.0,
+            "mtp_loss": (mtp_loss.detach().double().reshape(()) if mtp_loss is not None
+                         else zeros(1)),
             "num_tokens": float(num_tokens),
             "breakdown": {k: float(bd.get(k, 0.0)) for k in STANDARD_SECTIONS},
             "comm": comm if comm is not None else empty_totals(),
@@ -397,6 +403,8 @@ class StepStatsCollector:
             "num_tokens": int(round(tokens_total)),
             "world_size": self.world,
         }
+        if mtp_loss is not None and loss_n > 0:
+            rec["mtp_loss"] = red["mtp_loss"] / loss_n
         if loss_n == 0:
             del rec["loss"]
         if grad_norm is None:

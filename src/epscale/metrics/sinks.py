@@ -37,7 +37,7 @@ from ..appendfile import AppendFile, warn_stderr
 
 # Scalars of a step record that every numeric sink exports (record key -> metric stem).
 SCALAR_KEYS: tuple[str, ...] = (
-    "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_proc",
+    "loss", "mtp_loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_proc",
     "step_time_s", "comm_share", "mfu", "max_vio", "worst_rank_idle", "dropped_frac", "mem_mb")
 LAYER_KEYS: tuple[str, ...] = ("max_vio", "dropped_frac", "router_entropy", "bias_min", "bias_max")
 

@@ -186,8 +186,13 @@ def _run_as(mode: str, fn: Callable[..., torch.Tensor], *args) -> torch.Tensor:
 
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The transformer blocks of ``model`` (its ``layers``: a ModuleDict keyed by layer
-    index, as epscale's Transformer holds them, or a list), in depth order; [] without."""
+    index, as epscale's Transformer holds them, or a list), in depth order, then the
+    multi-token-prediction modules' blocks (``model.mtp``, :class:`epscale.model.MTPModule`:
+    FSDP units, recomputed and compiled as the others); [] without."""
     layers = getattr(model, "layers", None)
+    mtp = getattr(model, "mtp", None)
+    if layers is not None and mtp is not None:
+        return list(layers.values()) + [m.block for m in mtp.values()]
     if layers is None:
         return []
     return list(layers.values()) if isinstance(layers, torch.nn.ModuleDict) else list(layers)

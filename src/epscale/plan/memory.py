@@ -257,9 +257,9 @@ def _ffn(prefix: str, D: int, width: int, activation: str, block: int) -> list[P
     return mats
 
 
-def _attention(model: ModelConfig, i: int) -> list[ParamShape]:
+def _attention(model: ModelConfig, i: int, block: str) -> list[ParamShape]:
     D, H = model.dim, model.num_heads
-    p = f"layers.{i}.attention"
+    p = f"{block}.attention"
     if model.attention == "mla":
         qk = model.qk_nope_head_dim + model.qk_rope_head_dim
         out = []
@@ -286,27 +286,42 @@ def _attention(model: ModelConfig, i: int) -> list[ParamShape]:
     return out
 
 
+def _block(model: ModelConfig, moe: MoEConfig, i: int, b: str) -> list[ParamShape]:
+    """The parameters of block ``i`` (layer id), named under ``b``."""
+    D = model.dim
+    out = [ParamShape(f"{b}.attention_norm.weight", (D,), block=i)]
+    out += _attention(model, i, b)
+    out.append(ParamShape(f"{b}.ffn_norm.weight", (D,), block=i))
+    if model.is_moe_layer(i):
+        p = f"{b}.ffn"
+        out.append(ParamShape(f"{p}.router.gate.weight", (moe.num_experts, D), block=i))
+        E, F = moe.num_experts, moe.hidden_dim
+        out += [ParamShape(f"{p}.experts.w1", (E, D, F), True, i),
+                ParamShape(f"{p}.experts.w2", (E, F, D), True, i)]
+        if moe.activation == "swiglu":
+            out.append(ParamShape(f"{p}.experts.w3", (E, D, F), True, i))
+        if moe.num_shared_experts:
+            out += _ffn(f"{p}.shared_experts", D, moe.shared_width, moe.activation, i)
+    else:
+        out += _ffn(f"{b}.ffn", D, model.dense_hidden_dim, moe.activation, i)
+    return out
+
+
 def param_shapes(model: ModelConfig, moe: MoEConfig) -> list[ParamShape]:
     """Every parameter of ``epscale.model.Transformer(model, moe)`` with its full shape
-    (the routed experts stacked: [E, D, F] / [E, F, D])."""
+    (the routed experts stacked: [E, D, F] / [E, F, D]). A multi-token-prediction module
+    (``mtp.{i}``, i = num_layers + k - 1) holds block i (its own FSDP unit) and, with the
+    root's parameters (block -1), its norms and its projection [D, 2D]."""
     D, V = model.dim, model.vocab_size
     out = [ParamShape("tok_embeddings.weight", (V, D))]
     for i in range(model.num_layers):
-        out.append(ParamShape(f"layers.{i}.attention_norm.weight", (D,), block=i))
-        out += _attention(model, i)
-        out.append(ParamShape(f"layers.{i}.ffn_norm.weight", (D,), block=i))
-        if model.is_moe_layer(i):
-            p = f"layers.{i}.ffn"
-            out.append(ParamShape(f"{p}.router.gate.weight", (moe.num_experts, D), block=i))
-            E, F = moe.num_experts, moe.hidden_dim
-            out += [ParamShape(f"{p}.experts.w1", (E, D, F), True, i),
-                    ParamShape(f"{p}.experts.w2", (E, F, D), True, i)]
-            if moe.activation == "swiglu":
-                out.append(ParamShape(f"{p}.experts.w3", (E, D, F), True, i))
-            if moe.num_shared_experts:
-                out += _ffn(f"{p}.shared_experts", D, moe.shared_width, moe.activation, i)
-        else:
-            out += _ffn(f"layers.{i}.ffn", D, model.dense_hidden_dim, moe.activation, i)
+        out += _block(model, moe, i, f"layers.{i}")
+    for i in range(model.num_layers, model.num_layers + model.mtp_depth):
+        out += [ParamShape(f"mtp.{i}.enorm.weight", (D,)),
+                ParamShape(f"mtp.{i}.hnorm.weight", (D,)),
+                ParamShape(f"mtp.{i}.eh_proj.weight", (D, 2 * D))]
+        out += _block(model, moe, i, f"mtp.{i}.block")
+        out.append(ParamShape(f"mtp.{i}.norm.weight", (D,)))
     out.append(ParamShape("norm.weight", (D,)))
     if not model.tie_embeddings:
         out.append(ParamShape("output.weight", (V, D)))
@@ -638,8 +653,9 @@ def _activation_parts(cfg: RunConfig, lay: Layout, acts: Activations
         return T * (c * cb + f * 4 + i * 8)
 
     local, disp = lay.ep == 1, cfg.parallel.dispatcher
+    n_blocks = model.num_layers + model.mtp_depth   # the MTP modules' blocks last
     blocks = []
-    for i in range(model.num_layers):
+    for i in range(n_blocks):
         full = nbytes(_dense_saved_per_token(model, moe, model.is_moe_layer(i), acts.experts_impl,
                                              local))
         full -= T * fp8_saving_per_token(model, moe, acts, local, (), disp, model.is_moe_layer(i))
@@ -650,13 +666,14 @@ def _activation_parts(cfg: RunConfig, lay: Layout, acts: Activations
     # final norm (fp32 input and normalized output, rstd) and the head's input in the
     # compute dtype; the fused loss keeps no logits (see head_transient_bytes)
     head = T * ((2 * model.dim + 1) * 4 + model.dim * cb)
+    head += model.mtp_depth * (head + _mtp_module_bytes(cfg, lay, acts))
     embed = T * 8
     if acts.activation_checkpointing == "full":
-        kept = [T * model.dim * rb] * model.num_layers
+        kept = [T * model.dim * rb] * n_blocks
     elif acts.activation_checkpointing == "selective":
         # the selective set counts the block input in the compute dtype
         kept = [nbytes(_selective_per_token(model, moe, model.is_moe_layer(i), acts.experts_impl))
-                + T * model.dim * (rb - cb) for i in range(model.num_layers)]
+                + T * model.dim * (rb - cb) for i in range(n_blocks)]
     elif acts.recompute_modules:
         mods = acts.recompute_modules
 
@@ -673,6 +690,20 @@ def _activation_parts(cfg: RunConfig, lay: Layout, acts: Activations
     else:
         kept = blocks
     return embed, blocks, kept, head
+
+
+def _mtp_module_bytes(cfg: RunConfig, lay: Layout, acts: Activations) -> float:
+    """Bytes one multi-token-prediction module (``epscale.model.MTPModule``) keeps for
+    backward beyond its block's set and its head's (its final norm and the head's input,
+    as the model's): the shifted token ids and targets (int64), enorm's and hnorm's fp32
+    input (hnorm's is the residual stream the previous final norm keeps already where that
+    is fp32), normalized output and rstd, the projection's input [T, 2D] in the compute
+    dtype, and under autocast its cast weight [D, 2D]."""
+    D, T = cfg.model.dim, lay.micro_batch_size * cfg.model.seq_len
+    cb, rb = DTYPE_BYTES[acts.compute_dtype], residual_bytes(lay, acts)
+    per_token = 2 * 8 + (2 * D + 1) * 4 + (D + 1) * 4 + (D * 4 if rb != 4 else 0) + 2 * D * cb
+    weight = 2 * D * D * cb if autocast_rule(lay, acts) else 0
+    return float(T * per_token + weight)
 
 
 def head_transient_bytes(cfg: RunConfig, lay: Layout, acts: Activations) -> float:

@@ -73,13 +73,19 @@ def with_mtp(cfg: RunConfig, depth: int) -> RunConfig:
     The stage split is the given ``parallel.pp_layers_per_stage``, else the balanced split
     of the model's own blocks with the last stage also paying the modules (blocks,
     projections, head passes), then the modules' blocks appended to the last stage. The
-    trainer has no MTP: only the step model's ``Work.mtp_depth`` reaches this."""
+    returned config counts the modules' blocks as layers and has ``model.mtp_depth`` 0
+    (whatever ``cfg`` said: ``depth`` replaces it), so sizing does not count them twice;
+    the projections and head passes are :func:`mtp_flops`. The trainer builds the modules
+    of ``model.mtp_depth`` without a pipeline only; ``Work.mtp_depth`` (None: the
+    recipe's) reaches this through the step model."""
     if depth < 0:
         raise ConfigError(f"mtp_depth = {depth} is invalid: must be >= 0")
     if depth == 0:
+        if cfg.model.mtp_depth:
+            return replace(cfg, model=replace(cfg.model, mtp_depth=0))
         return cfg
     L = cfg.model.num_layers
-    model = replace(cfg.model, num_layers=L + depth)
+    model = replace(cfg.model, num_layers=L + depth, mtp_depth=0)
     n = num_stages(cfg)
     if n == 1:
         return replace(cfg, model=model)

@@ -147,7 +147,8 @@ class Work:
     interleaved schedule), ``launch_us`` the host's time to issue one kernel
     (:func:`host_bound_time`), ``mtp_depth`` DeepSeek-V3's multi-token-prediction modules
     (:func:`epscale.plan.pipeline.with_mtp`: a block, a 2 D -> D projection and a head pass
-    each, on the last stage), ``attention_kernel`` whose measured rates the attention's core
+    each, on the last stage; ``None``: the recipe's ``model.mtp_depth``, what the trainer
+    builds: :func:`resolve_work`), ``attention_kernel`` whose measured rates the attention's core
     runs at (:data:`ATTN_KERNELS`), ``head_loss`` how the output head and its loss run
     (:data:`HEAD_LOSSES`: epscale's trainer ``chunked``, frameworks that keep the logits
     ``full``)."""
@@ -158,9 +159,18 @@ class Work:
     comm_sms: int = 0
     p2p_overlap: bool = False
     launch_us: float = HOST_LAUNCH_US
-    mtp_depth: int = 0
+    mtp_depth: int | None = None
     attention_kernel: str = "cudnn"
     head_loss: str = "chunked"
+
+
+def resolve_work(run_cfg: RunConfig, work: Work) -> Work:
+    """``work`` with the knobs it leaves to the recipe filled in from it: ``mtp_depth``
+    None -> ``model.mtp_depth`` (a published run's modules given as ``Work(mtp_depth=1)``
+    on a recipe without them are charged the same as the recipe's own)."""
+    if work.mtp_depth is None:
+        return replace(work, mtp_depth=run_cfg.model.mtp_depth)
+    return work
 
 
 # How a run computes the output head and its loss: "chunked" as epscale's trainer
@@ -192,7 +202,7 @@ def head_recompute_time(run_cfg: RunConfig, cluster: ClusterSpec, T: float,
     if not again:
         return 0.0
     m = run_cfg.model
-    heads = 1 + work.mtp_depth
+    heads = 1 + (work.mtp_depth or 0)
     return again * heads * float(gemm_time(cluster, T * work.tp, m.vocab_size / work.tp,
                                            m.dim, "bf16"))
 
@@ -369,12 +379,13 @@ def nonexpert_parts(run_cfg: RunConfig, cluster: ClusterSpec, T: float,
     moe_p = _layer_parts(run_cfg, cluster, T, work, True)
     dense_p = _layer_parts(run_cfg, cluster, T, work, False)
     out = {k: n_moe * moe_p[k] + (m.num_layers - n_moe) * dense_p[k] for k in moe_p}
-    head_n, heads = m.vocab_size / work.tp, 1 + work.mtp_depth
+    depth = work.mtp_depth or 0
+    head_n, heads = m.vocab_size / work.tp, 1 + depth
     out["gemm"] += heads * train_gemms_time(cluster, T * work.tp, head_n, m.dim, "bf16")
-    out["gemm"] += work.mtp_depth * train_gemms_time(cluster, T, m.dim, 2 * m.dim, work.precision)
+    out["gemm"] += depth * train_gemms_time(cluster, T, m.dim, 2 * m.dim, work.precision)
     out["recompute"] += head_recompute_time(run_cfg, cluster, T, work)
     if cluster.mem_bw_GBps:
-        mtp_norms = work.mtp_depth * 3 * 2 * (2 * m.dim * 2.0)      # fwd + bwd, read + write
+        mtp_norms = depth * 3 * 2 * (2 * m.dim * 2.0)      # fwd + bwd, read + write
         out["memory"] += T * (heads * loss_bytes(run_cfg) + mtp_norms) / (cluster.mem_bw_GBps * 1e9)
     return out
 

@@ -15,6 +15,12 @@ modules of ``epscale.model`` / ``epscale.moe`` one by one:
 * dense FFN ``m*D*dense_hidden_dim`` with ``m`` = 3 for SwiGLU, 2 for GELU;
 * MoE layer: router gate ``E*D``, routed experts ``E*m*D*F``, shared experts
   ``m*D*shared_width`` (the expert bias is a buffer, not a parameter).
+* multi-token-prediction modules (``model.mtp_depth`` = Dm): each one block more (layer
+  id ``num_layers + k - 1``, MoE or dense by the model's pattern, counted in the categories
+  above), three RMSNorm weights ``3*D`` (enorm, hnorm, its final norm) and the projection
+  eh_proj ``2*D*D``; the embedding and head are shared with the model (Hugging Face's
+  DeepSeek-V3 files hold a copy of each per module, which epscale does not count).
+  ``mtp_params`` is the modules' total (included in the categories).
 
 Active parameters are those one token touches: everything except the ``E-K`` routed
 experts it does not choose per MoE layer (the embedding table counts in full, the
@@ -23,7 +29,9 @@ convention behind the published "active" figures of Mixtral, DeepSeek-V3 and Qwe
 FLOPs per token (training = forward + backward = 3x forward): ``2`` per multiply-add of
 every active matrix (all weights except the embedding lookup and the norms), plus the
 attention scores and the weighted sum over the causal context, ``2*H*(dqk+dv)`` per key
-with ``(S+1)/2`` keys on average per query (causal kernels skip the masked half).
+with ``(S+1)/2`` keys on average per query (causal kernels skip the masked half). Each
+multi-token-prediction module adds its block, its projection and one more pass of the
+output head.
 """
 
 from __future__ import annotations
@@ -82,8 +90,10 @@ class ModelSize:
     dense_ffn_params: int       # FFNs of the dense (non-MoE) layers
     router_params: int
     norm_params: int
-    num_moe_layers: int
+    mtp_proj_params: int        # the multi-token-prediction modules' eh_proj weights
+    num_moe_layers: int         # incl. the multi-token-prediction modules' MoE blocks
     flops_per_token: float      # training (fwd + bwd), incl. attention over seq_len
+    mtp_params: int = 0         # every weight of the multi-token-prediction modules
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -93,20 +103,33 @@ def expert_params_per_expert(moe: MoEConfig) -> int:
     return _ffn_mats(moe.activation) * moe.dim * moe.hidden_dim
 
 
-def _counts(model: ModelConfig, moe: MoEConfig) -> dict[str, int]:
-    D, V, m = model.dim, model.vocab_size, _ffn_mats(moe.activation)
-    n_moe = sum(model.is_moe_layer(i) for i in range(model.num_layers))
-    n_dense = model.num_layers - n_moe
+def _block_counts(model: ModelConfig, moe: MoEConfig, ids: range) -> dict[str, int]:
+    """The weights of the blocks ``ids`` (their two norms included), by category."""
+    D, m = model.dim, _ffn_mats(moe.activation)
+    n_moe = sum(model.is_moe_layer(i) for i in ids)
+    n_dense = len(ids) - n_moe
     return {
-        "embedding_params": V * D * (1 if model.tie_embeddings else 2),
-        "attention_params": model.num_layers * attention_params(model),
+        "attention_params": len(ids) * attention_params(model),
         "expert_params": n_moe * moe.num_experts * expert_params_per_expert(moe),
         "shared_expert_params": n_moe * m * D * moe.shared_width,
         "dense_ffn_params": n_dense * m * D * model.dense_hidden_dim,
         "router_params": n_moe * moe.num_experts * D,
-        "norm_params": (2 * model.num_layers + 1) * D,
+        "norm_params": 2 * len(ids) * D,
         "num_moe_layers": n_moe,
     }
+
+
+def _counts(model: ModelConfig, moe: MoEConfig) -> dict[str, int]:
+    D, V, L, Dm = model.dim, model.vocab_size, model.num_layers, model.mtp_depth
+    main = _block_counts(model, moe, range(L))
+    mtp = _block_counts(model, moe, range(L, L + Dm))
+    c = {k: main[k] + mtp[k] for k in main}
+    c["norm_params"] += D + 3 * D * Dm          # the final norm; each module's three
+    c["mtp_proj_params"] = Dm * 2 * D * D
+    c["embedding_params"] = V * D * (1 if model.tie_embeddings else 2)
+    c["mtp_params"] = (sum(v for k, v in mtp.items() if k != "num_moe_layers")
+                       + Dm * (3 * D + 2 * D * D))
+    return c
 
 
 def model_size(run_cfg: RunConfig) -> ModelSize:
@@ -114,7 +137,7 @@ def model_size(run_cfg: RunConfig) -> ModelSize:
     model, moe = run_cfg.model, run_cfg.moe
     c = _counts(model, moe)
     n_moe = c["num_moe_layers"]
-    total = sum(v for k, v in c.items() if k != "num_moe_layers")
+    total = sum(v for k, v in c.items() if k not in ("num_moe_layers", "mtp_params"))
     inactive = n_moe * (moe.num_experts - moe.top_k) * expert_params_per_expert(moe)
     active = total - inactive
     input_embedding = model.vocab_size * model.dim
@@ -124,10 +147,13 @@ def model_size(run_cfg: RunConfig) -> ModelSize:
     matmul_active = active - input_embedding - c["norm_params"]
     if model.tie_embeddings:
         matmul_active += input_embedding
+    blocks = model.num_layers + model.mtp_depth
+    # each multi-token-prediction module runs the (shared) head once more
+    matmul_active += model.mtp_depth * model.vocab_size * model.dim
     if model.attention == "mla":  # the MLA q/kv norms are elementwise too
-        matmul_active -= model.num_layers * (model.kv_lora_rank + model.q_lora_rank)
+        matmul_active -= blocks * (model.kv_lora_rank + model.q_lora_rank)
     elif model.qk_norm:           # as are the query/key norms
-        matmul_active -= model.num_layers * 2 * head_dim(model)
-    fwd = 2.0 * matmul_active + model.num_layers * attention_flops_per_token(model)
+        matmul_active -= blocks * 2 * head_dim(model)
+    fwd = 2.0 * matmul_active + blocks * attention_flops_per_token(model)
     return ModelSize(total_params=total, active_params=active, flops_per_token=3.0 * fwd, **c)
 

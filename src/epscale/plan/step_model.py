@@ -97,7 +97,7 @@ from .pipeline import (bubble_time, layers_per_stage, micro_batches, stage_flops
                        stage_placement, with_mtp)
 from .shapes import (PRECISIONS, RECOMPUTE_MODULES, Work, compute_cluster, expert_parts,
                      head_recompute_time, host_bound_time, kernels_per_layer, nonexpert_parts,
-                     optimizer_bytes_per_param)
+                     optimizer_bytes_per_param, resolve_work)
 from .routing import (RoutingSpec, fit_weights, inclusion_probs, layer_shares, sample_topk,
                       shares_of)
 
@@ -197,6 +197,7 @@ def simulate(run_cfg: RunConfig, cluster: ClusterSpec, routing: RoutingSpec | No
     does not say them (:class:`epscale.plan.shapes.Work`; the published runs' features).
     """
     routing = routing or RoutingSpec()
+    work = resolve_work(run_cfg, work)        # Work.mtp_depth None: model.mtp_depth
     run_cfg = with_mtp(run_cfg, work.mtp_depth)
     for d in dispatchers:
         if d not in DISPATCHERS:
@@ -227,7 +228,8 @@ def simulate(run_cfg: RunConfig, cluster: ClusterSpec, routing: RoutingSpec | No
     # stage alone under a pipeline, so the rate the stages' FLOPs run at leaves it out
     head_again = head_recompute_time(run_cfg, ccl, T, work)
     # the knobs of ``work`` other than head_loss are modelled by part only
-    if cluster.sm_count or replace(work, head_loss=Work().head_loss) != Work():
+    if cluster.sm_count or work.mtp_depth or \
+            replace(work, head_loss=Work().head_loss, mtp_depth=None) != Work():
         ne_parts = nonexpert_parts(run_cfg, ccl, T, work)
     else:
         ne_parts = {"compute": ne_flops / rate, "recompute": head_again}

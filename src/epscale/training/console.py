@@ -52,7 +52,8 @@ class TrainConsole:
         if self.progress is not None:
             self.progress.update(self.task, completed=step, loss=f"{loss:.4f}", tps=f"{tps:,.0f}")
         elif step % self._plain_every == 0 or step == self.total:
-            extra = f"  val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
+            extra = f"  mtp {rec['mtp_loss']:.4f}" if "mtp_loss" in rec else ""
+            extra += f"  val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
             self.console.print(f"step {step:>6}/{self.total}  loss {loss:.4f}{extra}  "
                                f"{tps:,.0f} tok/s  {rec.get('step_time_s', 0) * 1e3:.0f} ms/step")
 

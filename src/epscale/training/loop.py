@@ -236,7 +236,8 @@ class Trainer:
                                     self.rank, self.world,
                                     overlap=cfg.parallel.overlap != "none",
                                     before_backward=(lambda last: micro_batch_sync(
-                                        self.model, zero, last)) if zero != 3 else None)
+                                        self.model, zero, last)) if zero != 3 else None,
+                                    mtp_weight=cfg.train.mtp_loss_weight)
         for chunk in chunks:
             chunk.timer = self.timers.section
         # activations between stages: bf16 when FSDP casts the weights, else fp32
@@ -275,8 +276,7 @@ class Trainer:
         cfg = self.cfg
         self.size = model_size(cfg)
         dtype = torch.bfloat16 if self.use_bf16 else torch.float32
-        all_moe = [(i, cfg.moe.num_experts, cfg.moe.top_k) for i in range(cfg.model.num_layers)
-                   if cfg.model.is_moe_layer(i)]
+        all_moe = [(i, cfg.moe.num_experts, cfg.moe.top_k) for i in cfg.model.moe_layer_ids()]
         self.collector = StepStatsCollector(self.model, ep=self.dims.ep, device=self.device,
                                             flops_per_token=self.size.flops_per_token,
                                             peak_flops=peak_flops(self.device, dtype),
@@ -365,12 +365,14 @@ class Trainer:
         cfg, s = self.cfg, self.size
         m, moe = cfg.model, cfg.moe
         num_moe = sum(m.is_moe_layer(i) for i in range(m.num_layers))  # all stages
+        mtp = (f" + {m.mtp_depth} multi-token-prediction module(s) (loss weight "
+               f"{cfg.train.mtp_loss_weight})" if m.mtp_depth else "")
         threads = torch.get_num_threads()
         lines = [
             f"[bold]epscale train[/] {cfg.name}: run dir {self.run_dir}",
             f"model: {s.total_params / 1e6:.2f}M parameters, {s.active_params / 1e6:.2f}M active "
             f"per token, {s.flops_per_token / 1e6:.1f} MFLOPs/token (train); {m.num_layers} layers "
-            f"({num_moe} MoE: {moe.num_experts} experts, top-{moe.top_k}), dim {m.dim}, "
+            f"({num_moe} MoE: {moe.num_experts} experts, top-{moe.top_k}){mtp}, dim {m.dim}, "
             f"seq {m.seq_len}, vocab {m.vocab_size}",
             f"data: {self.splits.description}: {self.splits.train_tokens / 1e6:.2f}M train / "
             f"{self.splits.val_tokens / 1e6:.2f}M validation tokens, of which each evaluation "
@@ -599,7 +601,7 @@ class Trainer:
                                     num_tokens=accum * cfg.train.micro_batch_size * cfg.model.seq_len,
                                     loss=loss_sum if has_loss else None, lr=lr, grad_norm=grad_norm,
                                     breakdown=breakdown, skipped=skip, extra=extra,
-                                    comm=comm)
+                                    comm=comm, mtp_loss=self.stepper.mtp_loss)
         if loads_LE is not None and cfg.moe.bias_update_speed > 0:
             update_expert_biases(self.model, self.dims, cfg.moe.bias_update_speed, loads_LE)
         if loads_LE is not None and self.rebalancer is not None:

@@ -13,6 +13,9 @@ The interface (both classes):
   gradients summed as for ``(loss + aux) / accum`` each; returns (the mean micro-batch
   loss, a 0-dim tensor; whether this rank has it: under a pipeline only the ranks of the
   last stage do, the others return 0).
+* ``mtp_loss``: after ``train``, the step's mean multi-token-prediction loss (0-dim, the
+  mean over the model's ``model.mtp_depth`` modules and the micro-batches), or None where
+  the model has no such modules (always under a pipeline, which refuses them).
 * ``validation_loss_sum(batches)``: the sum of the validation batches' losses this rank
   computes (float64, 0-dim; 0 on ranks without the last stage), forward only.
 """
@@ -43,20 +46,28 @@ class AccumulationStep:
     the replicated layout's DDP buckets: :func:`epscale.parallel.grads.set_last_micro_batch`);
     False reduces after every micro-batch (the plain path). ``before_backward(last)``:
     called before each micro-batch's backward (``last``: the step's last), e.g. FSDP's
-    ZeRO-1/2 switches (:func:`epscale.parallel.fsdp.micro_batch_sync`)."""
+    ZeRO-1/2 switches (:func:`epscale.parallel.fsdp.micro_batch_sync`). ``mtp_weight``:
+    ``train.mtp_loss_weight``, lambda of the multi-token-prediction loss: each micro-batch
+    backpropagates ``(loss + lambda * model.mtp_loss() + aux) / accum`` where the model
+    has such modules (``model.mtp_depth``)."""
 
     def __init__(self, model: nn.Module, device: torch.device, timers: StepTimers,
                  autocast: Callable[[], contextlib.AbstractContextManager], rank: int,
                  world: int, overlap: bool = True,
-                 before_backward: Callable[[bool], None] | None = None):
+                 before_backward: Callable[[bool], None] | None = None,
+                 mtp_weight: float = 0.0):
         self.model, self.device, self.timers, self.autocast = model, device, timers, autocast
         self.data_rank, self.data_world = rank, world
         self.overlap = overlap
         self.before_backward = before_backward
+        self.mtp_weight = mtp_weight
+        self.has_mtp = getattr(model, "mtp", None) is not None
+        self.mtp_loss: torch.Tensor | None = None
 
     def train(self, loader: DataLoader, accum: int) -> tuple[torch.Tensor, bool]:
         T = self.timers
         loss_sum = torch.zeros((), device=self.device)
+        mtp_sum = torch.zeros((), device=self.device) if self.has_mtp else None
         for i in range(accum):
             set_last_micro_batch(self.model, i == accum - 1 or not self.overlap)
             with T.section("data"):
@@ -66,12 +77,18 @@ class AccumulationStep:
             with T.section("forward"):
                 with self.autocast():
                     loss = self.model.loss(x_BS, y_BS)
-                    total = (loss + self.model.aux_loss()) / accum
+                    total = loss + self.model.aux_loss()
+                    if mtp_sum is not None:
+                        mtp = self.model.mtp_loss()
+                        total = total + self.mtp_weight * mtp
+                        mtp_sum += mtp.detach().float() / accum
+                    total = total / accum
             with T.section("backward"):
                 if self.before_backward is not None:
                     self.before_backward(i == accum - 1)
                 total.backward()
             loss_sum += loss.detach().float() / accum
+        self.mtp_loss = mtp_sum
         return loss_sum, True
 
     def validation_loss_sum(self, batches: list[Batch]) -> torch.Tensor:
@@ -92,6 +109,7 @@ class PipelineStep:
                  dims: ParallelDims):
         self.pipeline, self.device, self.timers = pipeline, device, timers
         self.data_rank, self.data_world = dims.stage_rank, dims.stage_size
+        self.mtp_loss = None   # pipelines refuse model.mtp_depth > 0
 
     def _stacked(self, micro_batches: list[Batch]) -> Batch:
         """A step's micro-batches as one batch each of inputs and targets (the pipeline
