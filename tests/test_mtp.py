@@ -297,6 +297,11 @@ def _worker(rank, world, corpus_dir, tmp):
         out["ep2 replicated light recompute"] = _run(
             corpus_dir, tmp / "rep", world, {**MTP, "parallel.ep": 2, "train.steps": 2,
                                              "train.recompute_modules": "[norm,router]"})
+    with runner.case("hsdp 2x1"):
+        # the deepseek-v3 recipe's layout without a pipeline is HSDP (its comment)
+        out["hsdp 2x1"] = _run(corpus_dir, tmp / "hsdp", world,
+                               {**MTP, "parallel.fsdp": True, "parallel.dp_replicate": 2,
+                                "parallel.ep": 1, "train.steps": 2})
     return runner.failures, out
 
 
@@ -314,10 +319,11 @@ def runs(tmp_path_factory):
 def test_two_ranks_follow_one_process(runs):
     """FSDP over 2 ranks with the experts (the MTP block's too) over EP 2, the same at
     ZeRO-1 under full recomputation, and the replicated layout (DDP's buckets) with EP 2
-    and the norms and routers recomputed: the main loss, the MTP loss and the gradient
-    norm of one process at the same global batch."""
+    and the norms and routers recomputed, and HSDP (2 replicas of 1-rank shards): the main
+    loss, the MTP loss and the gradient norm of one process at the same global batch."""
     got, ref, _plain, _tmp, _c = runs
-    for name in ("fsdp ep2", "fsdp ep2 zero1 ac-full", "ep2 replicated light recompute"):
+    for name in ("fsdp ep2", "fsdp ep2 zero1 ac-full", "ep2 replicated light recompute",
+                 "hsdp 2x1"):
         for i in range(3):
             assert_losses_close({s: v[i] for s, v in got[name].items()},
                                 {s: v[i] for s, v in ref.items()}, same_weights={1})
