@@ -360,3 +360,44 @@ def _ep_worker(rank, world):
 def test_ep_backends_sync_once_per_layer_forward():
     results = run_distributed(_ep_worker, 2)
     assert_no_failures(results, min_cases=len(EP_BACKENDS) * 3)
+
+
+class _TrainingLossOf(torch.nn.Module):
+    """tokens -> the training loss (the fused chunked head; with multi-token-prediction
+    modules their losses too), for count_step."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens):
+        loss = self.model.loss(tokens[:, :-1], tokens[:, 1:])
+        return loss + self.model.mtp_loss()
+
+
+@pytest.mark.parametrize("doc_masking", [False, True])
+@pytest.mark.parametrize("mtp_depth", [0, 1])
+def test_the_training_loss_adds_no_sync(mtp_depth, doc_masking):
+    """What the trainer runs (``Transformer.loss``: the head and the cross-entropy over
+    chunks of rows, and the multi-token-prediction modules' shifted targets and losses),
+    with and without document masking (the dense mask, as on CPU; the targets skipped
+    after each EOS): forward syncs are the MoE layers' (none dropless), backward none."""
+    import epscale
+    from epscale.config import ModelConfig
+    from epscale.model import Transformer
+
+    torch.manual_seed(0)
+    moe_cfg = epscale.MoEConfig(dim=DIM, hidden_dim=HIDDEN, num_experts=8, top_k=2,
+                                num_shared_experts=1, aux_loss_coeff=0.01)
+    model = Transformer(ModelConfig(vocab_size=64, dim=DIM, num_layers=2, num_heads=4,
+                                    seq_len=16, dense_hidden_dim=32, mtp_depth=mtp_depth),
+                        moe_cfg).to(torch.bfloat16)
+    model.train()
+    if doc_masking:
+        model.set_document_masking(0, "dense")
+    tokens = torch.randint(0, 64, (2, 13))
+    tokens[:, 5] = 0                                    # an EOS in each sequence
+    fwd, bwd = count_step(_TrainingLossOf(model), tokens, steps=2)
+    assert fwd == [], _names(fwd)
+    assert bwd == [], _names(bwd)
+    assert len(model.last_mtp_losses) == mtp_depth
