@@ -51,8 +51,8 @@ def test_every_stage_has_a_result(dry_run):
     mod = _driver()
     want = [s.name for s in mod.stages(mod.has_train_compile(), dry=True)]
     assert {"grouped_gemm", "layer:deepseek-like", "layer:mixtral-like", "train:ac=none",
-            "train:ac=selective", "train:ac=full", "dispatchers", "deepep",
-            "overlap"} <= set(want)
+            "train:ac=selective", "train:ac=full", "train:light-fp8-mtp", "dispatchers",
+            "deepep", "overlap"} <= set(want)
     assert list(report["stages"]) == want
     assert report["dry_run"] is True and report["environment"]["device"] == "cpu"
     for name, r in report["stages"].items():
@@ -83,6 +83,8 @@ def test_the_stages_report_their_figures(dry_run):
         assert isinstance(r["host_syncs_per_step"], int)
         assert r["describe_memory"]["total"] > 0
         assert "parallel.fsdp=true" in r["overrides"] and "train.dtype=bfloat16" in r["overrides"]
+    assert st["train:light-fp8-mtp"]["final_mtp_loss"] > 0
+    assert st["train:ac=none"]["final_mtp_loss"] is None
     backends = st["dispatchers"]["backends"]
     assert {"allgather", "alltoall", "dedup", "hierarchical"} <= set(backends)
     for name, b in backends.items():
