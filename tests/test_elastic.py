@@ -85,8 +85,12 @@ def _log(tmp_path: Path, name: str) -> str:
 def test_lose_a_node_train_on_and_grow_back(tmp_path):
     run = tmp_path / "run"
     port = free_port()
-    a = _node(tmp_path, run, port, "a")
-    _wait_listening(port, a)  # node a hosts the rendezvous (the node whose loss ends a job)
+    # Node a hosts the rendezvous (the node whose loss ends a job). Its rendezvous rounds
+    # wait 20 s for a second node once it is in: node b starts a few seconds after it, and
+    # under CPU load (a full suite in two workers) b's start-up took longer than the
+    # default 4 s, so a trained alone first and the changes below were off by one.
+    a = _node(tmp_path, run, port, "a", rejoin=20)
+    _wait_listening(port, a)
     b = _node(tmp_path, run, port, "b")
     nodes = [a, b]
     try:
