@@ -21,7 +21,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 from epscale.config import load_config  # noqa: E402
-from epscale.metrics.held import forward_kept_bytes  # noqa: E402
+from epscale.metrics.held import median_kept_bytes  # noqa: E402
 from epscale.model import build_model  # noqa: E402
 from epscale.moe.layer import moe_layers  # noqa: E402
 from epscale.plan.layout import Layout  # noqa: E402
@@ -56,15 +56,10 @@ def _kept(cfg, net, forward) -> tuple[int, float]:
         moe.drop_kept_buffers()
     forward().backward()
     net.zero_grad(set_to_none=True)
-    samples = []
-    for _ in range(3):
-        kept, loss = forward_kept_bytes(forward)
-        loss.backward()
-        net.zero_grad(set_to_none=True)
-        samples.append(kept)
+    kept = median_kept_bytes(forward, net)
     impl = "cpu_fused" if cfg.moe.experts_impl in ("auto", "cpu_fused") else "grouped_mm"
     est = estimate(cfg, Layout.from_config(cfg, 1, ep=1), Activations("none", "float32", impl))
-    return sorted(samples)[1], est.activations
+    return kept, est.activations
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from epscale.config import ConfigError, ParallelConfig, RunConfig, load_config
-from epscale.metrics.held import forward_kept_bytes, live_allocated_bytes
+from epscale.metrics.held import forward_kept_bytes, live_allocated_bytes, median_kept_bytes
 from epscale.model import Transformer, build_model
 from epscale.moe.layer import moe_layers
 from epscale.parallel.activation import apply_activation_checkpointing, apply_activation_storage
@@ -111,13 +111,7 @@ def test_kept_activations_are_what_a_forward_keeps(impl, ac, rule):
     # (of 660 KB) on the CPU kernel under full recomputation: likely the profiler's stale
     # free sizes, which forward_kept_bytes no longer counts
     # (test_forward_kept_bytes_ignores_frees_of_blocks_allocated_before)
-    samples = []
-    for _ in range(3):
-        kept, loss = forward_kept_bytes(forward)
-        loss.backward()
-        net.zero_grad(set_to_none=True)
-        samples.append(kept)
-    kept = sorted(samples)[1]
+    kept = median_kept_bytes(forward, net)
     lay = Layout.from_config(cfg, 1, ep=1, fsdp=rule == "bf16 fsdp")
     dtype = "float32" if rule == "fp32" else "bfloat16"
     est = estimate(cfg, lay, Activations(ac, dtype, impl))

@@ -19,7 +19,7 @@ import torch
 
 from dist_utils import CaseRunner, assert_no_failures, copy_checkpoint, run_distributed, run_trainer
 from epscale.config import ConfigError, load_config, load_recipe
-from epscale.metrics.held import forward_kept_bytes
+from epscale.metrics.held import median_kept_bytes
 from epscale.model import Transformer, build_model
 from epscale.moe.layer import moe_layers, named_moe_layers
 from epscale.parallel.activation import apply_activation_checkpointing, transformer_blocks
@@ -245,13 +245,7 @@ def test_memory_model_counts_what_the_modules_keep(depth, rule, ac, impl):
 
     forward().backward()
     net.zero_grad(set_to_none=True)
-    samples = []
-    for _ in range(3):
-        kept, loss = forward_kept_bytes(forward)
-        loss.backward()
-        net.zero_grad(set_to_none=True)
-        samples.append(kept)
-    kept = sorted(samples)[1]
+    kept = median_kept_bytes(forward, net)
     lay = Layout.from_config(cfg, 1, ep=1, fsdp=rule == "bf16 fsdp")
     acts = Activations(ac, "float32" if rule == "fp32" else "bfloat16", impl)
     est = estimate(cfg, lay, acts)
