@@ -66,6 +66,15 @@ class ReportedByRankZero(ConfigError):
     quiet = True
 
 
+def every_rank(exc: BaseException) -> BaseException:
+    """``exc`` marked as a stop that every rank raises at the same point, having agreed
+    on it through a collective (bad data, divergence): :func:`train` then tears down with
+    the barrier (all ranks reach it), so no rank leaves gloo mid-exchange at exit (seen:
+    a rank aborting with "terminate called without an active exception")."""
+    exc.every_rank = True
+    return exc
+
+
 REBALANCER_FILE = "rebalancer.pt"  # the re-placement load window, beside a checkpoint's shards
 STOP_FILE = "STOP"  # touch RUN_DIR/STOP to stop gracefully (what `--nproc` forwards signals as)
 _NULL = contextlib.nullcontext()
@@ -773,16 +782,14 @@ class Trainer:
         bad = next((m for m in msgs if m), None)
         if bad is not None:
             self.writer.event("bad_data", step=self.step, message=bad)
-            raise DataError(bad) if self.rank == 0 else ReportedByRankZero(bad)
+            raise every_rank(DataError(bad) if self.rank == 0 else ReportedByRankZero(bad))
 
     def _diverged(self, reason: str, message: str) -> None:
         """Stop the run: the loss will not settle at this config (an event for `monitor
         --check`, then :class:`Diverged`: exit status 2, and no restart by the launcher)."""
         self.writer.event("diverged", step=self.step, reason=reason, message=message)
         self._log(f"error: {message}")
-        if self.rank != 0:
-            raise ReportedByRankZero(message)
-        raise Diverged(message)
+        raise every_rank(Diverged(message) if self.rank == 0 else ReportedByRankZero(message))
 
     # ================================================================== the loop
     def run(self) -> RunResult:
@@ -879,6 +886,9 @@ def train(cfg: RunConfig, run_dir: str | Path, env: LaunchEnv | None = None,
         result = trainer.run()
         clean = True
         return result
+    except BaseException as e:
+        clean = getattr(e, "every_rank", False)   # a stop all ranks agreed on
+        raise
     finally:
         # After an error, no barrier: the other ranks may be stuck in a collective, and
         # the launcher tears them down once this process exits non-zero.
