@@ -79,6 +79,21 @@ MEASURE = ["model.dim=64", "model.num_layers=3", "model.num_heads=4", "model.seq
            "moe.hidden_dim=96", "moe.num_experts=8", "moe.top_k=2", "train.micro_batch_size=2"]
 
 
+def measured_model(over: list[str], rule: str, ac: str):
+    """(config, model) of the overrides ``over``, its weights in bf16 under the "bf16 fsdp"
+    rule, recomputing ``ac``, with fresh MoE buffers (allocated inside the forward)."""
+    cfg = load_config(None, over)
+    torch.manual_seed(0)
+    net = build_model(cfg)
+    if rule == "bf16 fsdp":
+        for p in net.parameters():
+            p.data = p.data.to(torch.bfloat16)
+    apply_activation_checkpointing(net, ac)
+    for moe in moe_layers(net):
+        moe.drop_kept_buffers()
+    return cfg, net
+
+
 @pytest.mark.parametrize("rule", ["fp32", "bf16 autocast", "bf16 fsdp"])
 @pytest.mark.parametrize("impl", ["cpu_fused", "grouped_mm"])
 @pytest.mark.parametrize("ac", ["none", "selective", "full"])
@@ -88,15 +103,7 @@ def test_kept_activations_are_what_a_forward_keeps(impl, ac, rule):
     kept for backward); bf16 under FSDP's MixedPrecisionPolicy, which hands every module
     bf16 parameters: one process does the same by casting them before the forward (the
     gathered copies FSDP makes are the estimate's ``gathered``, not activations)."""
-    cfg = load_config(None, MEASURE + [f"moe.experts_impl={impl}"])
-    torch.manual_seed(0)
-    net = build_model(cfg)
-    if rule == "bf16 fsdp":
-        for p in net.parameters():
-            p.data = p.data.to(torch.bfloat16)
-    apply_activation_checkpointing(net, ac)
-    for moe in moe_layers(net):
-        moe.drop_kept_buffers()       # fresh buffers each step: allocated inside the forward
+    cfg, net = measured_model(MEASURE + [f"moe.experts_impl={impl}"], rule, ac)
     B, S = cfg.train.micro_batch_size, cfg.model.seq_len
     x, y = torch.randint(0, 256, (B, S)), torch.randint(0, 256, (B, S))
 

@@ -22,7 +22,8 @@ from epscale.config import ConfigError, load_config, load_recipe
 from epscale.metrics.held import median_kept_bytes
 from epscale.model import Transformer, build_model
 from epscale.moe.layer import moe_layers, named_moe_layers
-from epscale.parallel.activation import apply_activation_checkpointing, transformer_blocks
+from epscale.parallel.activation import transformer_blocks
+from test_memory import measured_model
 from epscale.plan import load_cluster, simulate
 from epscale.plan.layout import Layout
 from epscale.plan.memory import Activations, estimate, param_shapes
@@ -228,15 +229,8 @@ MEASURE = ["model.dim=64", "model.num_layers=3", "model.num_heads=4", "model.seq
                                                 (1, "bf16 autocast", "selective", "grouped_mm")])
 def test_memory_model_counts_what_the_modules_keep(depth, rule, ac, impl):
     """As tests/test_memory.py measures a forward: within 5% for the whole model."""
-    cfg = load_config(None, MEASURE + [f"moe.experts_impl={impl}", f"model.mtp_depth={depth}"])
-    torch.manual_seed(0)
-    net = build_model(cfg)
-    if rule == "bf16 fsdp":
-        for p in net.parameters():
-            p.data = p.data.to(torch.bfloat16)
-    apply_activation_checkpointing(net, ac)
-    for moe in moe_layers(net):
-        moe.drop_kept_buffers()
+    cfg, net = measured_model(MEASURE + [f"moe.experts_impl={impl}", f"model.mtp_depth={depth}"],
+                              rule, ac)
     x, y = torch.randint(0, 256, (2, 128)), torch.randint(0, 256, (2, 128))
 
     def forward():
