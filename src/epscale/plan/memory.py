@@ -66,8 +66,10 @@ rows (T*K rows of D, twice).
 Pipeline (``parallel.pp`` = p > 1): world
 = p x (the layout above, inside each stage); dp_shard and dp are each stage's. A pipeline
 rank holds the parameters (gradients, AdamW state) of its stages' blocks only, the
-embedding where it holds stage 0, the final norm and head where it holds stage n - 1,
-sharded inside the stage as without a pipeline; FSDP's gathered block is its largest; the
+embedding where it holds stage 0, the final norm and head where it holds stage n - 1
+(and there the multi-token-prediction modules, and a copy of the embedding for a tied
+head or the modules' lookups: ``epscale.parallel.pipeline``'s stage embedding, also on a
+V schedule's rank 0, which holds both), sharded inside the stage as without a pipeline; FSDP's gathered block is its largest; the
 dispatch rows are there where it holds an MoE block. Activations: the set of stage s for
 one micro-batch (``stage_activations``) is its blocks' (plus the embedding's and head's
 where it has them), plus the stage output the schedule keeps until that micro-batch's
@@ -834,13 +836,18 @@ def pipeline_memory(cfg: RunConfig, lay: Layout, acts: Activations | None = None
     embed, blocks, kept, head = _activation_parts(cfg, lay, acts)
     rebuilt = [b - k for b, k in zip(blocks, kept)]
     head_chunk = head_transient_bytes(cfg, lay, acts)
+    # the multi-token-prediction modules' blocks run on the last stage, after the head
+    mtp_blocks = list(range(model.num_layers, model.num_layers + model.mtp_depth))
+    # the last stage's copy of the embedding (a tied head, the MTP modules' lookups)
+    copy = ([ParamShape("tok_embeddings.weight", (model.vocab_size, model.dim))]
+            if model.tie_embeddings or model.mtp_depth else [])
     recomputes = acts.activation_checkpointing in ("full", "selective") or bool(acts.recompute_modules)
 
     def stage_set(s: int) -> float:
         r = ranges[s]
         out = sum(kept[i] for i in r) + (embed if s == 0 else 0.0)
         if s == n - 1:
-            out += head                              # (its output: a 0-dim loss)
+            out += head + sum(kept[i] for i in mtp_blocks)   # (its output: a 0-dim loss)
         else:
             out += act                               # the output the schedule keeps
         if s > 0 and (acts.activation_checkpointing == "full" or "norm" in acts.recompute_modules):
@@ -850,16 +857,17 @@ def pipeline_memory(cfg: RunConfig, lay: Layout, acts: Activations | None = None
     sets = {s: stage_set(s) for s in range(n)}
     out = []
     for rank, stages in enumerate(placement):
-        keys: list[int | str] = [i for s in stages for i in ranges[s]]
-        keys += ["embed"] * (0 in stages) + ["head"] * (n - 1 in stages)
-        count = sum(held.get(k, 0) for k in keys)
+        last = n - 1 in stages
+        layers = [i for s in stages for i in ranges[s]] + (mtp_blocks if last else [])
+        keys: list[int | str] = layers + ["embed"] * (0 in stages) + ["head"] * last
+        mine, copied = set(keys), copy if last else []
+        states = zero_state_bytes([p for p in cached_param_shapes(model, cfg.moe)
+                                   if block_of(p) in mine] + copied, lay, cb)
+        count = sum(held.get(k, 0) for k in keys) + sum(local_numel(p, lay) for p in copied)
         peak, sets_held = _rank_peak(lay.pp_schedule, lay.pp, m, lay.pp_virtual_stages, rank,
                                      tuple(sorted(sets.items())))
-        layers = [i for s in stages for i in ranges[s]]
         moe_here = any(model.is_moe_layer(i) for i in layers)
-        mine = set(keys)
-        states = zero_state_bytes((p for p in cached_param_shapes(model, cfg.moe)
-                                   if block_of(p) in mine), lay, cb)
+        gathered = {**full, "head": full.get("head", 0) + sum(p.numel for p in copied)}
         receives = sum(_receive_peaks(lay.pp_schedule, lay.pp, m, lay.pp_virtual_stages)[rank][i][1]
                        for i in range(2))   # in flight only (parallel/pipeline_buffers.py)
         sends = sum((s < n - 1 and owner[s + 1] != rank) + (s > 0 and owner[s - 1] != rank)
@@ -870,7 +878,7 @@ def pipeline_memory(cfg: RunConfig, lay: Layout, acts: Activations | None = None
             activations=peak,
             recompute=max((rebuilt[i] for i in layers), default=0.0) if recomputes else 0.0,
             head_chunk=head_chunk if n - 1 in stages else 0.0,
-            gathered=max(full[k] for k in keys if k in full) * cb if lay.fsdp else 0.0,
+            gathered=max(gathered[k] for k in keys if k in gathered) * cb if lay.fsdp else 0.0,
             comm=2 * T * cfg.moe.top_k * model.dim * cb if lay.ep > 1 and moe_here else 0.0,
             params_per_rank=count, p2p_buffers=receives * act,
             unsharded=states["unsharded"])

@@ -9,7 +9,10 @@ attention + router + the top-k routed and the shared experts of an MoE block), p
 output head on the last stage (2 D V per token forward) and the embedding lookup on the
 first (counted as nothing: a gather). A dense first-k block therefore weighs less than
 an MoE block of a wide MoE, and the last stage takes fewer blocks when the vocabulary is
-large. The split is the contiguous one whose most expensive stage is cheapest.
+large. The split is the contiguous one whose most expensive stage is cheapest. The
+model's multi-token-prediction modules (``model.mtp_depth``) run on the last stage after
+the head: their blocks, projections and head passes are part of its cost
+(:func:`mtp_cost`), so it takes fewer of the model's own blocks.
 """
 
 from __future__ import annotations
@@ -66,6 +69,20 @@ def mtp_flops(cfg: RunConfig, depth: int) -> float:
     return depth * (2.0 * 2 * D * D + head_flops(cfg))
 
 
+def mtp_block_flops(cfg: RunConfig, depth: int) -> list[float]:
+    """Forward FLOPs per token of ``depth`` multi-token-prediction modules' blocks (block
+    ids ``num_layers`` ..: an MoE block where the model's pattern makes that id one)."""
+    L = cfg.model.num_layers
+    longer = replace(cfg, model=replace(cfg.model, num_layers=L + depth, mtp_depth=0))
+    return block_flops(longer)[L:]
+
+
+def mtp_cost(cfg: RunConfig, depth: int) -> float:
+    """Forward FLOPs per token the last stage pays for ``depth`` multi-token-prediction
+    modules: their blocks, projections and head passes."""
+    return sum(mtp_block_flops(cfg, depth)) + mtp_flops(cfg, depth) if depth else 0.0
+
+
 def with_mtp(cfg: RunConfig, depth: int) -> RunConfig:
     """The run with ``depth`` multi-token-prediction modules as the step model charges them:
     ``depth`` more blocks after the last (each an MoE block where the model's own pattern
@@ -75,9 +92,11 @@ def with_mtp(cfg: RunConfig, depth: int) -> RunConfig:
     projections, head passes), then the modules' blocks appended to the last stage. The
     returned config counts the modules' blocks as layers and has ``model.mtp_depth`` 0
     (whatever ``cfg`` said: ``depth`` replaces it), so sizing does not count them twice;
-    the projections and head passes are :func:`mtp_flops`. The trainer builds the modules
-    of ``model.mtp_depth`` without a pipeline only; ``Work.mtp_depth`` (None: the
-    recipe's) reaches this through the step model."""
+    the projections and head passes are :func:`mtp_flops`. ``Work.mtp_depth`` (None: the
+    recipe's) reaches this through the step model. When ``depth`` is the model's own
+    ``model.mtp_depth`` the split is the trainer's (:func:`layers_per_stage`, by stage,
+    the modules' blocks then appended to the last stage); another depth (a published
+    run's, whose split is not published) is placed as described above."""
     if depth < 0:
         raise ConfigError(f"mtp_depth = {depth} is invalid: must be >= 0")
     if depth == 0:
@@ -89,6 +108,10 @@ def with_mtp(cfg: RunConfig, depth: int) -> RunConfig:
     n = num_stages(cfg)
     if n == 1:
         return replace(cfg, model=model)
+    if depth == cfg.model.mtp_depth:            # the trainer's own modules: its own split
+        base = layers_per_stage(cfg)
+        split = list(base[:-1]) + [base[-1] + depth]
+        return replace(cfg, model=model, parallel=replace(cfg.parallel, pp_layers_per_stage=split))
     blocks = block_flops(replace(cfg, model=model,
                                  parallel=replace(cfg.parallel, pp_layers_per_stage=None)))
     if cfg.parallel.pp_layers_per_stage is not None or L < n:
@@ -116,8 +139,9 @@ def num_stages(cfg: RunConfig) -> int:
 
 
 def layers_per_stage(cfg: RunConfig) -> list[int]:
-    """The blocks of each stage: ``parallel.pp_layers_per_stage`` when set, else the
-    contiguous split that minimises the most expensive stage's cost."""
+    """The model's own blocks of each stage: ``parallel.pp_layers_per_stage`` when set,
+    else the contiguous split that minimises the most expensive stage's cost (the last
+    stage's includes the head and the ``model.mtp_depth`` modules, :func:`mtp_cost`)."""
     n, L = num_stages(cfg), cfg.model.num_layers
     given = cfg.parallel.pp_layers_per_stage
     if given is not None:
@@ -131,7 +155,8 @@ def layers_per_stage(cfg: RunConfig) -> list[int]:
     if L < n:
         raise ConfigError(f"config key 'parallel.pp' = {cfg.parallel.pp} is invalid: {n} "
                           f"pipeline stages need at least {n} layers; model.num_layers is {L}")
-    return _balanced(tuple(block_flops(cfg)), n, head_flops(cfg))
+    return _balanced(tuple(block_flops(cfg)), n,
+                     head_flops(cfg) + mtp_cost(cfg, cfg.model.mtp_depth))
 
 
 def balance_ranks(sizes: list[int], costs: list[float], last: float,
