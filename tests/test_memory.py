@@ -79,16 +79,19 @@ MEASURE = ["model.dim=64", "model.num_layers=3", "model.num_heads=4", "model.seq
            "moe.hidden_dim=96", "moe.num_experts=8", "moe.top_k=2", "train.micro_batch_size=2"]
 
 
-def measured_model(over: list[str], rule: str, ac: str):
+def measured_model(over: list[str], rule: str, ac: str, modules: tuple[str, ...] = (),
+                   storage: str = "compute"):
     """(config, model) of the overrides ``over``, its weights in bf16 under the "bf16 fsdp"
-    rule, recomputing ``ac``, with fresh MoE buffers (allocated inside the forward)."""
+    rule, recomputing ``ac`` (or with ``ac`` 'none' the parts ``modules``), its activations
+    stored as ``storage``, with fresh MoE buffers (allocated inside the forward)."""
     cfg = load_config(None, over)
     torch.manual_seed(0)
     net = build_model(cfg)
     if rule == "bf16 fsdp":
         for p in net.parameters():
             p.data = p.data.to(torch.bfloat16)
-    apply_activation_checkpointing(net, ac)
+    apply_activation_checkpointing(net, ac, modules)
+    apply_activation_storage(net, storage)
     for moe in moe_layers(net):
         moe.drop_kept_buffers()
     return cfg, net

@@ -224,13 +224,20 @@ MEASURE = ["model.dim=64", "model.num_layers=3", "model.num_heads=4", "model.seq
            "moe.hidden_dim=96", "moe.num_experts=8", "moe.top_k=2", "train.micro_batch_size=2"]
 
 
-@pytest.mark.parametrize("depth,rule,ac,impl", [(1, "fp32", "none", "grouped_mm"),
-                                                (2, "bf16 fsdp", "full", "cpu_fused"),
-                                                (1, "bf16 autocast", "selective", "grouped_mm")])
-def test_memory_model_counts_what_the_modules_keep(depth, rule, ac, impl):
-    """As tests/test_memory.py measures a forward: within 5% for the whole model."""
+LIGHT_FP8 = (("norm", "moe_act"), "fp8")   # DeepSeek-V3's light recomputation (no MLA)
+
+
+@pytest.mark.parametrize("depth,rule,ac,impl,light", [
+    (1, "fp32", "none", "grouped_mm", None), (2, "bf16 fsdp", "full", "cpu_fused", None),
+    (1, "bf16 autocast", "selective", "grouped_mm", None),
+    (1, "bf16 fsdp", "none", "grouped_mm", LIGHT_FP8)])
+def test_memory_model_counts_what_the_modules_keep(depth, rule, ac, impl, light):
+    """As tests/test_memory.py measures a forward: within 5% for the whole model; also
+    with the norms and the expert activation recomputed and fp8 storage (``light``), where
+    the MTP block stores its FFN and attention rows in fp8 as the main blocks do."""
+    modules, storage = light or ((), "compute")
     cfg, net = measured_model(MEASURE + [f"moe.experts_impl={impl}", f"model.mtp_depth={depth}"],
-                              rule, ac)
+                              rule, ac, modules, storage)
     x, y = torch.randint(0, 256, (2, 128)), torch.randint(0, 256, (2, 128))
 
     def forward():
@@ -241,7 +248,7 @@ def test_memory_model_counts_what_the_modules_keep(depth, rule, ac, impl):
     net.zero_grad(set_to_none=True)
     kept = median_kept_bytes(forward, net)
     lay = Layout.from_config(cfg, 1, ep=1, fsdp=rule == "bf16 fsdp")
-    acts = Activations(ac, "float32" if rule == "fp32" else "bfloat16", impl)
+    acts = Activations(ac, "float32" if rule == "fp32" else "bfloat16", impl, modules, storage)
     est = estimate(cfg, lay, acts)
     assert est.activations == pytest.approx(kept, rel=0.05), (kept, est.activations)
     # the modules' parameters, gradients and AdamW state are in the held state
