@@ -435,6 +435,49 @@ def test_balance_ranks_balances_each_ranks_stages_as_a_whole():
     assert balance_ranks([1, 1, 1, 2], [1.0] * 5, 6.0, v_placement, min_last=2)[-1] >= 2
 
 
+def test_blocks_sit_as_late_as_the_slowest_stage_allows():
+    """The trainer's split keeps the bottleneck of the balanced one and moves blocks to
+    later stages (fewer micro-batches in flight): 8 equal blocks over 3 stages go [3, 3, 2]
+    balanced and [2, 3, 3] late; no stage becomes slower than the slowest was; a looped or
+    V schedule keeps its ranks' worst cost."""
+    from epscale.plan.pipeline import _balanced, _late_as_possible, stage_placement
+
+    costs = (1.0,) * 8
+    assert _balanced(costs, 3, 0.0) == [3, 3, 2]
+    assert _late_as_possible(costs, [3, 3, 2], 0.0) == [2, 3, 3]
+    # with a head, the last stage takes no block that would make it the slowest
+    assert _late_as_possible(costs, [3, 3, 2], 0.5) == [3, 3, 2]
+    # a heavy head stays alone with its one block; the others move back to it
+    assert _late_as_possible(costs, [4, 3, 1], 3.0) == [3, 4, 1]
+    # dense first blocks (cheap): the late split gives the first stage fewer of them
+    mixed = (0.5, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
+    late = _late_as_possible(mixed, _balanced(mixed, 4, 0.0), 0.0)
+    assert late[0] < _balanced(mixed, 4, 0.0)[0] and sum(late) == 8 and min(late) >= 1
+
+    def stage_costs(split, c, head):
+        out, start = [], 0
+        for k in split:
+            out.append(sum(c[start:start + k]))
+            start += k
+        out[-1] += head
+        return out
+
+    for split in ([3, 3, 2], [4, 3, 1], [2, 2, 2, 2]):
+        for head in (0.0, 0.5, 2.0):
+            assert max(stage_costs(_late_as_possible(costs, split, head), costs, head)) <= \
+                max(stage_costs(split, costs, head))
+    # layers_per_stage: never a worse rank than the balanced split, under every schedule
+    for schedule, v in SCHEDULES:
+        cfg = _cfg(pp=2, schedule=schedule, virtual=v, layers=8, dense=2)
+        par = cfg.parallel
+        placement = stage_placement(par.pp_schedule, par.pp, par.pp_virtual_stages)
+        n = sum(len(h) for h in placement)
+        blocks, head = block_flops(cfg), head_flops(cfg)
+        balanced = _balanced(tuple(blocks), n, head)
+        assert rank_costs(layers_per_stage(cfg), blocks, head, placement)[0] <= \
+            rank_costs(balanced, blocks, head, placement)[0] * (1 + 1e-9)
+
+
 def test_mtp_modules_sit_on_the_last_stage_with_their_head_passes():
     """Work.mtp_depth's run: depth more (MoE) blocks on the last stage, and per module a
     2 D -> D projection and one more head pass there (DeepSeek-V3's MTP, depth 1)."""

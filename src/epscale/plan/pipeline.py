@@ -9,7 +9,9 @@ attention + router + the top-k routed and the shared experts of an MoE block), p
 output head on the last stage (2 D V per token forward) and the embedding lookup on the
 first (counted as nothing: a gather). A dense first-k block therefore weighs less than
 an MoE block of a wide MoE, and the last stage takes fewer blocks when the vocabulary is
-large. The split is the contiguous one whose most expensive stage is cheapest. The
+large. The split is the contiguous one whose most expensive stage is cheapest, with its
+blocks then as late as those stage costs allow (the early stages hold the most micro-batches
+in flight: fewer blocks there, less memory, the same slowest stage). The
 model's multi-token-prediction modules (``model.mtp_depth``) run on the last stage after
 the head: their blocks, projections and head passes are part of its cost
 (:func:`mtp_cost`), so it takes fewer of the model's own blocks.
@@ -141,7 +143,9 @@ def num_stages(cfg: RunConfig) -> int:
 def layers_per_stage(cfg: RunConfig) -> list[int]:
     """The model's own blocks of each stage: ``parallel.pp_layers_per_stage`` when set,
     else the contiguous split that minimises the most expensive stage's cost (the last
-    stage's includes the head and the ``model.mtp_depth`` modules, :func:`mtp_cost`)."""
+    stage's includes the head and the ``model.mtp_depth`` modules, :func:`mtp_cost`),
+    its blocks moved as late as that allows (:func:`_late_as_possible`) unless that makes
+    the most expensive rank costlier (a rank of a looped or V schedule holds several)."""
     n, L = num_stages(cfg), cfg.model.num_layers
     given = cfg.parallel.pp_layers_per_stage
     if given is not None:
@@ -155,8 +159,46 @@ def layers_per_stage(cfg: RunConfig) -> list[int]:
     if L < n:
         raise ConfigError(f"config key 'parallel.pp' = {cfg.parallel.pp} is invalid: {n} "
                           f"pipeline stages need at least {n} layers; model.num_layers is {L}")
-    return _balanced(tuple(block_flops(cfg)), n,
-                     head_flops(cfg) + mtp_cost(cfg, cfg.model.mtp_depth))
+    costs, last = tuple(block_flops(cfg)), head_flops(cfg) + mtp_cost(cfg, cfg.model.mtp_depth)
+    balanced = _balanced(costs, n, last)
+    late = _late_as_possible(costs, balanced, last)
+    par = cfg.parallel
+    placement = stage_placement(par.pp_schedule, par.pp, par.pp_virtual_stages)
+    # (by rank no worse: a rank of a looped or V schedule holds several stages)
+    if rank_costs(late, list(costs), last, placement)[0] <= \
+            rank_costs(balanced, list(costs), last, placement)[0] * (1 + 1e-9):
+        return late
+    return balanced
+
+
+def _late_as_possible(costs: tuple[float, ...], sizes: list[int], head: float) -> list[int]:
+    """``sizes`` (a split of the blocks ``costs``, the last stage also paying ``head``)
+    with every block as late as the split's own stage costs allow: from the last stage
+    back, each stage takes blocks while it costs no more than the most expensive of the
+    other stages did (the last stage: or than it did itself, if more), keeping one block
+    for each earlier stage. The slowest stage is unchanged; the early stages, which every
+    schedule keeps the most micro-batches of in flight, hold fewer blocks (deepseek-v3's
+    DualPipeV rank 0: 68 -> 45 GiB by the memory model, the largest rank 68 -> 67)."""
+    n = len(sizes)
+    if n == 1:
+        return list(sizes)
+    stage, start = [], 0
+    for k in sizes:
+        stage.append(sum(costs[start:start + k]))
+        start += k
+    slowest_other = max(stage[:-1])
+    caps = [slowest_other] * (n - 1) + [max(stage[-1] + head, slowest_other)]
+    out, end = [], len(costs)
+    for s in range(n - 1, 0, -1):
+        used, k = (head if s == n - 1 else 0.0), 0
+        while end - k - 1 >= s and (k == 0 or used + costs[end - k - 1]
+                                    <= caps[s] * (1 + 1e-9)):
+            used += costs[end - k - 1]
+            k += 1
+        out.append(k)
+        end -= k
+    out.append(end)
+    return out[::-1]
 
 
 def balance_ranks(sizes: list[int], costs: list[float], last: float,
@@ -167,10 +209,11 @@ def balance_ranks(sizes: list[int], costs: list[float], last: float,
     V) is balanced as a whole: under a V schedule rank 0 holds the first stage and the
     last one with the head, so its first stage takes fewer blocks. Stages keep at least
     one block (the last ``min_last``). With one stage per rank the split comes back as it
-    is (:func:`_balanced` is exact there). Only :func:`with_mtp` balances by rank: the
-    trainer's own split (:func:`layers_per_stage`) stays balanced by stage, which also
-    keeps the early stages (most micro-batches in flight) from taking extra blocks; by rank,
-    deepseek-v3's recipe went from 76 to 88 GiB on its largest rank."""
+    is (:func:`_balanced` is exact there). Only :func:`with_mtp`'s placement of another
+    depth than the model's balances by rank: the trainer's own split
+    (:func:`layers_per_stage`) stays balanced by stage, which also keeps the early stages
+    (most micro-batches in flight) from taking extra blocks; by rank, deepseek-v3's recipe
+    went from 76 to 88 GiB on its largest rank."""
     if all(len(held) == 1 for held in placement):
         return list(sizes)
     best, score = list(sizes), rank_costs(sizes, costs, last, placement)
