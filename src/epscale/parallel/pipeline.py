@@ -163,7 +163,7 @@ class StageChunk(nn.Module):
         if self.mtp is None or not (self.mtp.training and torch.is_grad_enabled()):
             return loss.clone()
         mtp = torch.stack(self._mtp_loss_terms(h_BSD, tokens_BS, targets_BS)).mean()
-        self.mtp_losses.append(mtp.detach().float())
+        self.mtp_losses.append(mtp.detach())
         aux = [b.ffn.aux_loss for b in self.run_order()[len(self.blocks):]
                if isinstance(b.ffn, MoE) and isinstance(b.ffn.aux_loss, torch.Tensor)
                and b.ffn.aux_loss.requires_grad]

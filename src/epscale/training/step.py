@@ -140,7 +140,7 @@ class PipelineStep:
         if not self.has_mtp:
             return None
         mtp = self.pipeline.mtp_losses()
-        return torch.stack(mtp).mean() if mtp else torch.zeros((), device=self.device)
+        return torch.stack(mtp).float().mean() if mtp else torch.zeros((), device=self.device)
 
     def validation_loss_sum(self, batches: list[Batch]) -> torch.Tensor:
         """A step's worth of micro-batches at a time, forward only; the last stage sums."""
