@@ -63,7 +63,9 @@ CASES = {
                 "parallel.ep": 2, "parallel.zero": 1}),
     "dualpipev dp2 overlap none": ("mb1", {**V, "parallel.pp_schedule": "dualpipev",
                                            "parallel.dp": 2, "parallel.overlap": "none"}),
-    "zbv ep2": ("mb1", {**V, "parallel.pp_schedule": "zbv", "parallel.ep": 2}),
+    # the split backward recomputes the blocks (the MTP block's too) for each part
+    "zbv ep2 ac-full": ("mb1", {**V, "parallel.pp_schedule": "zbv", "parallel.ep": 2,
+                                "train.activation_checkpointing": "full"}),
     "gpipe dp2 mtp depth 2": ("mb2 depth2", {**PP2, "parallel.pp_schedule": "gpipe",
                                              "parallel.dp": 2, "model.mtp_depth": 2}),
     "interleaved ep2 untied mtp": ("mb2 untied", {

@@ -592,7 +592,8 @@ class Trainer:
                     with clock.intercept("dp", dist, ("all_reduce",)):
                         sync_gradients(self.model, self.dims)
             # the embedding and the last pipeline stage's copy: both get their sum
-            sum_embedding_gradients(self.model, self.dims)
+            with clock.intercept("pp", dist, ("batch_isend_irecv",)) if self.pp > 1 else _NULL:
+                sum_embedding_gradients(self.model, self.dims)
         with T.section("optimizer"):  # the norm and clipping are compute, not communication
             grad_norm, stop, skip = grad_norm_and_flags(
                 self.model, self.dims, cfg.train.grad_clip, self._stop_requested(), loss_sum)
