@@ -129,11 +129,14 @@ class StageChunk(nn.Module):
         backward twice (the second time over a freed graph)."""
         return not (self.is_last and self.output is None and self.mtp is not None)
 
+    def mtp_blocks(self) -> list[nn.Module]:
+        """The multi-token-prediction modules' blocks (the last stage's; [] elsewhere)."""
+        return [m.block for m in self.mtp.values()] if self.mtp is not None else []
+
     def run_order(self) -> list[nn.Module]:
         """The chunk's transformer blocks in the order its forward runs them: its own, then
         (last stage) the multi-token-prediction modules'."""
-        mtp = getattr(self, "mtp", None)
-        return list(self.blocks) + ([m.block for m in mtp.values()] if mtp is not None else [])
+        return list(self.blocks) + self.mtp_blocks()
 
     def forward(self, x: torch.Tensor, targets_BS: torch.Tensor | None = None,
                 tokens_BS: torch.Tensor | None = None) -> torch.Tensor:
@@ -164,19 +167,24 @@ class StageChunk(nn.Module):
             return loss.clone()
         mtp = torch.stack(self._mtp_loss_terms(h_BSD, tokens_BS, targets_BS)).mean()
         self.mtp_losses.append(mtp.detach())
-        aux = [b.ffn.aux_loss for b in self.run_order()[len(self.blocks):]
-               if isinstance(b.ffn, MoE) and isinstance(b.ffn.aux_loss, torch.Tensor)
-               and b.ffn.aux_loss.requires_grad]
-        extra = self.mtp_weight * mtp + (torch.stack(aux).sum() if aux else 0.0)
-        return AuxLossIntoBackward.apply(loss, extra.reshape(()).to(loss.dtype))
+        extra = self.mtp_weight * mtp
+        aux = _aux_losses(self.mtp_blocks())
+        if aux:
+            extra = extra + torch.stack(aux).sum()
+        return AuxLossIntoBackward.apply(loss, extra.to(loss.dtype))
+
+
+def _aux_losses(blocks) -> list[torch.Tensor]:
+    """The MoE auxiliary losses (0-dim, with a graph) of ``blocks``' last forward."""
+    aux = [b.ffn.aux_loss for b in blocks if isinstance(b.ffn, MoE)]
+    return [a for a in aux if isinstance(a, torch.Tensor) and a.requires_grad]
 
 
 def _with_aux_losses(h_BSD: torch.Tensor, blocks) -> torch.Tensor:
     """``h_BSD`` carrying the MoE auxiliary losses of ``blocks``' last forward into
     backward (:class:`AuxLossIntoBackward`): a stage's router losses never travel to the
     next stage."""
-    aux = [b.ffn.aux_loss for b in blocks if isinstance(b.ffn, MoE)]
-    aux = [a for a in aux if isinstance(a, torch.Tensor) and a.requires_grad]
+    aux = _aux_losses(blocks)
     if aux and torch.is_grad_enabled():
         return AuxLossIntoBackward.apply(h_BSD, torch.stack(aux).sum())
     return h_BSD
@@ -222,8 +230,9 @@ class Pipeline:
     output shapes, so no extra forward runs to infer them. ``train_step(x, y)`` runs one
     step's ``micro_batches`` micro-batches (``x``, ``y``: all of them stacked, [m B, S])
     forward and backward and returns the micro-batches' losses on the ranks of the last
-    stage ([] elsewhere); ``eval_losses(x, y)`` the same forward only. The last stage
-    computes each loss itself (:func:`stage_loss`).
+    stage ([] elsewhere; their multi-token-prediction losses then from
+    :meth:`mtp_losses`); ``eval_losses(x, y)`` the same forward only (the next-token loss
+    alone). The last stage computes each loss itself (:func:`stage_loss`).
 
     ``overlap`` (``parallel.overlap`` != 'none'): DualPipeV's paired forward and backward
     of two micro-batches run interleaved at their communication points
