@@ -85,7 +85,8 @@ RESUMES = {
         ("dualpipev resumed", CASES["dualpipev fsdp2 ep2 zero1 overlapped pairs"][1]),
         ("dualpipev -> pp1 dp4", {"parallel.dp": 4, "train.micro_batch_size": 1,
                                   "train.grad_accum": 2})],
-    "mb2": [("pp1 -> 1f1b ep2", CASES["1f1b ep2"][1])],
+    "mb2": [("pp1 -> 1f1b ep2", CASES["1f1b ep2"][1]),
+            ("pp1 -> 1f1b fsdp2 ep2", CASES["1f1b fsdp2 ep2 zero3"][1])],
     "mb1": [("pp1 -> dualpipev dp2", CASES["dualpipev dp2 overlap none"][1])],
 }
 
@@ -232,7 +233,8 @@ def test_checkpoints_resume_bit_for_bit_and_move_between_pp(runs):
     """Written at pp=2 (1F1B: the copy on the other rank, renamed on load; DualPipeV: on the
     rank of the embedding, copied after the load) a checkpoint resumes at the same layout
     bit for bit and continues at pp=1 (FSDP, replicated) as the uninterrupted run; one
-    written at pp=1 continues at pp=2 as the one-process run."""
+    written at pp=1 continues at pp=2 (replicated, FSDP shards, a V) as the one-process
+    run, the copy loaded equal to the embedding."""
     refs, got, _one, _tmp = runs
     pairs = [("1f1b ep2 resumed", "1f1b ep2", True), ("1f1b ep2 -> pp1 fsdp4 ep2", "1f1b ep2", False),
              ("dualpipev resumed", "dualpipev fsdp2 ep2 zero1 overlapped pairs", True),
@@ -244,7 +246,8 @@ def test_checkpoints_resume_bit_for_bit_and_move_between_pp(runs):
             assert records[3] == whole[3], name
         for key in ("loss", "mtp_loss", "grad_norm"):
             assert records[3][key] == pytest.approx(whole[3][key], rel=1e-5), (name, key)
-    for name, ref in (("pp1 -> 1f1b ep2", "mb2"), ("pp1 -> dualpipev dp2", "mb1")):
+    for name, ref in (("pp1 -> 1f1b ep2", "mb2"), ("pp1 -> 1f1b fsdp2 ep2", "mb2"),
+                      ("pp1 -> dualpipev dp2", "mb1")):
         records = got[name]["records"]
         assert all(got[name]["copies equal"])
         for key in ("loss", "mtp_loss", "grad_norm"):
