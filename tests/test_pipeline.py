@@ -366,12 +366,10 @@ def test_bubble_and_micro_batch_rules():
 
 
 @pytest.mark.parametrize("over, key", [
-    ({"parallel.pp": 2, "model.tie_embeddings": True}, "model.tie_embeddings"),
     ({"parallel.pp": 4}, "parallel.pp"),  # 2 layers, 4 stages
     ({"parallel.pp": 2, "parallel.pp_layers_per_stage": [1, 2]}, "parallel.pp_layers_per_stage"),
     ({"parallel.pp": 2, "parallel.pp_schedule": "interleaved_1f1b"}, "parallel.pp_virtual_stages"),
     ({"parallel.pp": 2, "parallel.pp_schedule": "bogus"}, "parallel.pp_schedule"),
-    ({"parallel.pp": 2, "data.doc_masking": True}, "data.doc_masking"),
     ({"parallel.pp": 2, "parallel.redundant_experts": 2, "parallel.ep": 2},
      "parallel.redundant_experts"),
     ({"parallel.pp": 2, "parallel.spill_threshold": 1.5, "parallel.ep": 2},

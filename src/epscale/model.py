@@ -489,6 +489,10 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg, moe_cfg, i) for i in range(cfg.num_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        # under a pipeline, the last stage's copy of tok_embeddings where that stage uses
+        # the embedding (a tied head, the MTP modules); None in a whole model (see
+        # epscale.parallel.stage_embedding)
+        self.stage_embedding: nn.Embedding | None = None
         # model.mtp_depth multi-token-prediction modules, keyed by their block's layer id
         # (num_layers + k - 1); None without (the state dict is then the plain model's)
         L = cfg.num_layers
@@ -592,9 +596,15 @@ class Transformer(nn.Module):
                 h_BSD = block(h_BSD) if mask is None else block(h_BSD, None, mask)
         return h_BSD
 
+    def head_side_embedding(self) -> nn.Embedding:
+        """The embedding the head's side of the model uses (the tied head, the
+        multi-token-prediction modules' shifted tokens): ``tok_embeddings``, or where the
+        model is cut into pipeline stages the last stage's copy of it."""
+        return self.tok_embeddings if self.stage_embedding is None else self.stage_embedding
+
     def head_weight(self) -> torch.Tensor:
         """The output head's weight [V, D]: the embedding's when tied."""
-        return self.tok_embeddings.weight if self.output is None else self.output.weight
+        return self.head_side_embedding().weight if self.output is None else self.output.weight
 
     def logits(self, h_BSD: torch.Tensor) -> torch.Tensor:
         """The final norm and the output head: fp32 logits [B, S, V] of the last block's
@@ -635,9 +645,9 @@ class Transformer(nn.Module):
         cross-entropy (:func:`epscale.head_loss.head_loss`: no [T, V] logits) of its own
         final norm's output against :meth:`mtp_targets`."""
         mask = self.attention_mask(tokens_BS)
-        losses = []
+        embedding, losses = self.head_side_embedding(), []
         for k, module in enumerate(self.mtp.values(), start=1):
-            e_BSD = self.tok_embeddings(tokens_BS.roll(-k, dims=1))
+            e_BSD = embedding(tokens_BS.roll(-k, dims=1))
             h_BSD = module(h_BSD, e_BSD, mask)
             y_T = self.mtp_targets(tokens_BS, targets_BS, k).reshape(-1)
             losses.append(head_loss(module.norm(h_BSD).flatten(0, 1), self.head_weight(), y_T))

@@ -860,20 +860,6 @@ class RunConfig:
             fail("parallel.pp_layers_per_stage", split,
                  f"must hold {stages} layer counts (parallel.pp = {par.pp} x {stages // par.pp} "
                  f"stage(s) per rank) that add up to model.num_layers = {m.num_layers}")
-        if m.tie_embeddings:
-            fail("model.tie_embeddings", True, "cannot be combined with parallel.pp > 1 (the "
-                 "embedding sits on the first stage and the output head on the last); set "
-                 "model.tie_embeddings: false, or parallel.pp: 1")
-        if m.mtp_depth > 0:
-            fail("model.mtp_depth", m.mtp_depth, "cannot be combined with parallel.pp > 1 "
-                 "yet (the multi-token-prediction modules need the embedding of the first "
-                 "stage and the output head of the last; pipelines are not supported with "
-                 "them); set model.mtp_depth: 0, or parallel.pp: 1 (a layout without a "
-                 "pipeline: FSDP/HSDP and expert parallelism work)")
-        if self.data.doc_masking:
-            fail("data.doc_masking", True, "cannot be combined with parallel.pp > 1 yet (the "
-                 "later stages do not see the token ids the mask is made from); set "
-                 "data.doc_masking: false, or parallel.pp: 1")
         if self.train.compile and par.pp_schedule == "dualpipev" and par.overlap != "none":
             fail("train.compile", True, "cannot be combined with parallel.pp_schedule: "
                  "dualpipev under parallel.overlap: auto yet (its paired forward and backward "

@@ -6,8 +6,9 @@ itself knows nothing of parallelism.
 The order, and why:
 
 1. pipeline split: a rank keeps only its stages' blocks (names unchanged), each stage run
-   by a :class:`~epscale.parallel.pipeline.StageChunk`; everything below then touches
-   only what this rank holds.
+   by a :class:`~epscale.parallel.pipeline.StageChunk` (the last one with the
+   multi-token-prediction modules and the copy of the embedding it uses); everything
+   below then touches only what this rank holds.
 2. expert parallelism: each EP rank keeps its experts' rows (or its slots of a
    redundant-expert placement) and a dispatcher that moves tokens to them; spill-over
    wraps that dispatcher.
@@ -103,7 +104,8 @@ def parallelize_model(model: Transformer, dims: ParallelDims, cfg: RunConfig,
                                      par.pp_virtual_stages)[dims.pp_rank]
         keep_stages(model, out.stages, layers_per_stage)
         ranges = stage_layers(layers_per_stage)
-        out.chunks = [StageChunk(model, s, len(ranges), ranges[s], autocast=autocast)
+        out.chunks = [StageChunk(model, s, len(ranges), ranges[s], autocast=autocast,
+                                 mtp_weight=train.mtp_loss_weight)
                       for s in out.stages]
 
     # 2. expert parallelism: sharding, dispatcher wiring, spill-over

@@ -6,8 +6,10 @@ are all-gathered before each group's forward and freed after.
 Legend: E experts, e = E/ep local experts, D model dim, F expert hidden dim, W world size.
 
 Groups (bottom-up, as fully_shard wants): every transformer block (its attention, norms,
-router, shared and routed experts, dense FFN), then the root (embedding, final norm,
-head). Dense weights are sharded on the dense mesh; routed-expert weights, in the same
+router, shared and routed experts, dense FFN; the multi-token-prediction modules' blocks
+too), then the root (embedding, final norm, head, the MTP modules' norms and projections;
+under a pipeline each stage is a root, the last one also holding its copy of the
+embedding). Dense weights are sharded on the dense mesh; routed-expert weights, in the same
 unit, on the expert mesh (dp_replicate, efsdp): FSDP2 keeps one parameter group per mesh.
 
 Gradient scale. The objective is the mean of every rank's loss. FSDP averages a group's
@@ -123,7 +125,9 @@ def apply_fsdp(model: nn.Module, dims: Dims, param_dtype: torch.dtype | None = N
     and optimizer state stay fp32. ``prefetch``: the explicit block-to-block prefetch.
     ``roots``: the modules that run (and are sharded last) instead of ``model``: a
     pipeline rank's stages (``epscale.parallel.pipeline.StageChunk``), each holding some
-    of the blocks; blocks prefetch within their stage. ``reshard_after_forward``: False
+    of the blocks (the last one also the multi-token-prediction modules' blocks, and the
+    copy of the embedding, sharded like the first stage's); blocks prefetch within their
+    stage, in the order it runs them. ``reshard_after_forward``: False
     keeps gathered weights until the step's last backward (ZeRO-1/2, see the module
     docstring). Returns lines for the start-up header.
 
@@ -146,7 +150,7 @@ def apply_fsdp(model: nn.Module, dims: Dims, param_dtype: torch.dtype | None = N
     for root in roots or [model]:
         fully_shard(root, **kw)
         if prefetch:
-            _prefetch(list(root.blocks) if roots else transformer_blocks(model))
+            _prefetch(root.run_order() if roots else transformer_blocks(model))
     for moe in moe_layers(model):  # FSDP registered new parameter objects
         mark_expert_params(moe.experts)
     return notes

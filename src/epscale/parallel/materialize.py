@@ -2,7 +2,8 @@
 its shards and fills them with the values a single process would hold at those positions
 (``epscale.model_init``: values are a function of (seed, name, position)). No rank ever
 builds the whole model, at any layout (FSDP, pipelines, and the replicated dp x ep one,
-whose expert slots may be copies of a redundant-expert placement).
+whose expert slots may be copies of a redundant-expert placement). The last pipeline
+stage's copy of the embedding is drawn under the embedding's name: the same values.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ..model_init import InitSpec, fill_normal_, initialize_
 from ..moe.layer import moe_layers
 from ..placement.replicas import get_placement
 from ..plan.layout import Dims
+from .stage_embedding import COPY, ORIGINAL
 from .shard import (EXPERT_PARAMS, expert_global_rows, held_slots, is_expert_param,
                     mark_all_expert_params)
 
@@ -100,7 +102,22 @@ def materialize(model: Transformer, device: torch.device | str, seed: int, dims=
         root.to_empty(device=device)
     mark_all_expert_params(model)  # to_empty registered new parameter objects
     placed = placed_expert_rows(model)
-    rest = [n for n, _ in model.named_parameters() if n not in placed]
+    rest = [n for n, _ in model.named_parameters() if n not in placed and n != COPY]
     initialize_(model, model.param_init, seed, view=lambda p: full_view(p, dims), names=rest)
     _fill_placed(model, model.param_init, seed, placed)
+    _fill_embedding_copy(model, seed, dims)
     reset_buffers_(model)
+
+
+@torch.no_grad()
+def _fill_embedding_copy(model: Transformer, seed: int, dims) -> None:
+    """The last pipeline stage's copy of the embedding (``stage_embedding``) gets the
+    values ``tok_embeddings.weight`` holds at the same positions (drawn under that name):
+    equal to the first stage's shards, with no communication."""
+    copy = model.stage_embedding
+    if copy is None:
+        return
+    kind, std = model.param_init(ORIGINAL)
+    assert kind == "normal", kind  # the embedding's initialisation (Transformer.param_init)
+    local, shape, offset = full_view(copy.weight, dims)
+    fill_normal_(local, shape, offset, std, seed, ORIGINAL)

@@ -5,12 +5,13 @@ and graceful stop.
 Legend: B micro-batch sequences per rank, S sequence length, E experts, L MoE layers.
 
 One step on every rank: ``grad_accum`` x (data -> forward -> backward), or the pipeline
-schedule over them (``training.step``) -> sync_gradients
--> grad norm (one all-reduce that also carries the stop flag and non-finite losses) ->
-AdamW (or a skip) -> the step's expert loads from the MoE layers' counters (one
-all-reduce) -> validation when due -> StepStatsCollector.record (ONE all-reduce of every
-per-rank number) -> expert-bias update and re-placement from those loads ->
-metrics.jsonl/heartbeat -> spike check -> checkpoint when due.
+schedule over them (``training.step``) -> sync_gradients (and, under a pipeline, the
+embedding's and its last-stage copy's gradients summed) -> grad norm (one all-reduce that
+also carries the stop flag and non-finite losses) -> AdamW (or a skip) -> the step's
+expert loads from the MoE layers' counters (one all-reduce) -> validation when due ->
+StepStatsCollector.record (ONE all-reduce of every per-rank number) -> expert-bias update
+and re-placement from those loads -> metrics.jsonl/heartbeat -> spike check -> checkpoint
+when due.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from ..parallel import parallelize_model, sync_gradients
 from ..parallel.compile import compile_note, disable_section_timers
 from ..parallel.fsdp import finish_gradients, micro_batch_sync, reshard
 from ..parallel.pipeline import Pipeline, StageChunk, stage_layers
+from ..parallel.stage_embedding import needs_embedding_copy, sum_embedding_gradients
 from ..placement import plan_placement
 from ..placement.replicas import Rebalancer, get_placement, placement_from_dict, placement_to_dict
 from ..plan.layout import Layout, record_label
@@ -255,7 +257,8 @@ class Trainer:
         pipeline = Pipeline(chunks, self.dims, cfg.parallel.pp_schedule, cfg.train.grad_accum,
                             (cfg.train.micro_batch_size, cfg.model.seq_len), cfg.model.dim,
                             act, self.device, overlap=cfg.parallel.overlap != "none")
-        return PipelineStep(pipeline, self.device, self.timers, self.dims)
+        return PipelineStep(pipeline, self.device, self.timers, self.dims,
+                            has_mtp=cfg.model.mtp_depth > 0)
 
     def _build_optimizer(self, placement) -> None:
         """AdamW over this rank's parameters, and the re-placement of experts that moves
@@ -508,10 +511,13 @@ class Trainer:
         runs = [f"{r.start}-{r.stop - 1}" if len(r) > 1 else f"{r.start}"
                 for r in stage_layers(self.layers_per_stage)]
         bubble = bubble_fraction(par.pp_schedule, self.pp, m, par.pp_virtual_stages)
+        mtp = " and the multi-token-prediction modules" if self.cfg.model.mtp_depth else ""
+        copy = (" with a copy of the embedding (its gradient summed with the first's)"
+                if needs_embedding_copy(self.cfg.model) else "")
         return (f"pipeline: {par.pp_schedule}, {len(runs)} stages over pp={self.pp} ranks "
-                f"(layers {', '.join(runs)}; embedding on the first, head on the last), {m} "
-                f"micro-batches per step, bubble {bubble:.0%} for equal stages; this rank: "
-                f"stage(s) {', '.join(map(str, self.stages))}")
+                f"(layers {', '.join(runs)}; embedding on the first, head{mtp} on the "
+                f"last{copy}), {m} micro-batches per step, bubble {bubble:.0%} for equal "
+                f"stages; this rank: stage(s) {', '.join(map(str, self.stages))}")
 
     def _dtype_text(self) -> str:
         if not self.use_bf16:
@@ -585,6 +591,9 @@ class Trainer:
                 else:
                     with clock.intercept("dp", dist, ("all_reduce",)):
                         sync_gradients(self.model, self.dims)
+            # the embedding and the last pipeline stage's copy: both get their sum
+            with clock.intercept("pp", dist, ("batch_isend_irecv",)) if self.pp > 1 else _NULL:
+                sum_embedding_gradients(self.model, self.dims)
         with T.section("optimizer"):  # the norm and clipping are compute, not communication
             grad_norm, stop, skip = grad_norm_and_flags(
                 self.model, self.dims, cfg.train.grad_clip, self._stop_requested(), loss_sum)

@@ -15,6 +15,7 @@ from torch.optim.adam import adam as torch_adam
 
 from ..config import TrainConfig
 from ..parallel import is_expert_param
+from ..parallel.stage_embedding import copied_parameters
 from ..placement.replicas import expert_grad_sq_norm
 from ..plan.layout import Dims
 
@@ -164,12 +165,16 @@ def grad_norm_and_flags(model: nn.Module, dims: Dims, max_norm: float, stop: boo
     dp_replicate, so each rank sends its whole local part / dp_replicate. Pipeline stages
     (pp > 1) hold disjoint weights: the dense part then travels in the all-reduce too
     (each of a stage's ranks sends its copy / the stage's size), and the sum over the
-    world adds the stages up.
+    world adds the stages up. The last stage's copy of the embedding
+    (:mod:`epscale.parallel.stage_embedding`), whose gradient is the embedding's, is
+    clipped like it and counted once, as the original: the norm is one process's.
     """
-    dense, expert = [], []
+    dense, expert, copies = [], [], []
+    copied = {id(p) for p in copied_parameters(model)}
     for p in model.parameters():
         if p.grad is not None:
-            (expert if is_expert_param(p) else dense).append(_local(p.grad))
+            group = copies if id(p) in copied else expert if is_expert_param(p) else dense
+            group.append(_local(p.grad))
     device = loss.device
     if getattr(dims, "fsdp", False):
         share = (_sq_norm(dense, device) + _sq_norm(expert, device)) / dims.dp_replicate
@@ -189,8 +194,9 @@ def grad_norm_and_flags(model: nn.Module, dims: Dims, max_norm: float, stop: boo
         dist.all_reduce(flags)
     total = (local_dense + flags[0]).sqrt()
     finite = bool(torch.isfinite(total))  # host sync: decides clip/skip on every rank
-    if max_norm > 0 and finite and (dense or expert):
-        torch._foreach_mul_(dense + expert, torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    if max_norm > 0 and finite and (dense or expert or copies):
+        torch._foreach_mul_(dense + expert + copies,
+                            torch.clamp(max_norm / (total + 1e-6), max=1.0))
     vals = flags.tolist()
     return float(total), vals[1] > 0, vals[2] > 0 or not finite
 

@@ -14,8 +14,9 @@ The interface (both classes):
   loss, a 0-dim tensor; whether this rank has it: under a pipeline only the ranks of the
   last stage do, the others return 0).
 * ``mtp_loss``: after ``train``, the step's mean multi-token-prediction loss (0-dim, the
-  mean over the model's ``model.mtp_depth`` modules and the micro-batches), or None where
-  the model has no such modules (always under a pipeline, which refuses them).
+  mean over the model's ``model.mtp_depth`` modules and the micro-batches; under a
+  pipeline 0 on the ranks without the last stage, like the loss), or None where the model
+  has no such modules.
 * ``validation_loss_sum(batches)``: the sum of the validation batches' losses this rank
   computes (float64, 0-dim; 0 on ranks without the last stage), forward only.
 """
@@ -103,13 +104,16 @@ class PipelineStep:
     """A step's micro-batches through the pipeline schedule (``pipeline``: this rank's
     stages); the ranks of one stage read different data, a stage's pipeline ranks the
     same. Timed: each stage's forward as 'forward', the rest of the schedule as
-    'backward' (so it includes the point-to-point waits and the pipeline's bubble)."""
+    'backward' (so it includes the point-to-point waits and the pipeline's bubble).
+    ``has_mtp``: the model has multi-token-prediction modules (``model.mtp_depth`` > 0;
+    the last stage runs them, ``train.mtp_loss_weight`` given to its chunk)."""
 
     def __init__(self, pipeline: Pipeline, device: torch.device, timers: StepTimers,
-                 dims: ParallelDims):
+                 dims: ParallelDims, has_mtp: bool = False):
         self.pipeline, self.device, self.timers = pipeline, device, timers
         self.data_rank, self.data_world = dims.stage_rank, dims.stage_size
-        self.mtp_loss = None   # pipelines refuse model.mtp_depth > 0
+        self.has_mtp = has_mtp
+        self.mtp_loss: torch.Tensor | None = None
 
     def _stacked(self, micro_batches: list[Batch]) -> Batch:
         """A step's micro-batches as one batch each of inputs and targets (the pipeline
@@ -125,9 +129,18 @@ class PipelineStep:
         x_BS, y_BS = self._stacked(batches)
         with T.section("backward"):
             losses = self.pipeline.train_step(x_BS, y_BS)
+        self.mtp_loss = self._mean_mtp_loss()
         if not losses:
             return torch.zeros((), device=self.device), False
         return torch.stack([l.detach().float() for l in losses]).mean(), True
+
+    def _mean_mtp_loss(self) -> torch.Tensor | None:
+        """The step's mean MTP loss over its micro-batches (the last stage's ranks; 0 on the
+        others: the step statistics average it over the ranks that have a loss)."""
+        if not self.has_mtp:
+            return None
+        mtp = self.pipeline.mtp_losses()
+        return torch.stack(mtp).float().mean() if mtp else torch.zeros((), device=self.device)
 
     def validation_loss_sum(self, batches: list[Batch]) -> torch.Tensor:
         """A step's worth of micro-batches at a time, forward only; the last stage sums."""

@@ -3,7 +3,8 @@ optimizer: routed-expert tensors as DTensors on the (dp, ep) mesh (Replicate ove
 Shard(0) over ep), everything else as plain replicated tensors, so that a checkpoint
 written at one (dp, ep) loads at any other (DCP reads the overlapping slices). Experts
 under a redundant-expert placement are seen in their logical layout, so checkpoints never
-depend on the placement.
+depend on the placement; the last pipeline stage's copy of the embedding is never saved
+(:mod:`epscale.parallel.stage_embedding`), so they never depend on the pipeline either.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ...moe.layer import named_moe_layers
 from ...parallel import is_expert_param
+from ...parallel.stage_embedding import checkpoint_names, load_renames
 from ...placement.replicas import expert_state, get_placement, logical_layout, relayout_rows
 from ...plan.layout import Dims
 from ..optim import ensure_optimizer_state
@@ -103,50 +105,58 @@ class PlacedExperts:
 
 
 def build_state(model: nn.Module, opt: torch.optim.Optimizer | None, dims: Dims,
-                placed: "PlacedExperts | None" = None) -> dict[str, Any]:
+                placed: "PlacedExperts | None" = None, load: bool = False) -> dict[str, Any]:
     """``{"model": {name: tensor}, "optim": {name: {"step", "exp_avg", "exp_avg_sq"}}}``
     whose tensors share storage with the live parameters and optimizer state (a DCP load
     writes straight into them). Experts under a redundant-expert placement appear in their
     logical layout instead (``placed``: a :class:`PlacedExperts` prepared for save or
-    load)."""
+    load). The last pipeline stage's copy of the embedding is never a key of its own: left
+    out (the first stage saves the original), or for a ``load`` on a rank without the
+    original, under the original's name (:func:`~epscale.parallel.stage_embedding.load_renames`)."""
     if opt is not None:
         ensure_optimizer_state(opt)
     views = placed.views if placed is not None else {}
     params = dict(model.named_parameters())
+    names = checkpoint_names(model, load)
     model_sd = {}
     for name, t in model.state_dict().items():
+        if name not in names:
+            continue
         p = params.get(name)
         if name in views:
             t = views[name]["param"]
-        model_sd[name] = _wrap(t, p is not None and is_expert_param(p), dims)
+        model_sd[names[name]] = _wrap(t, p is not None and is_expert_param(p), dims)
     state: dict[str, Any] = {"model": model_sd}
     if opt is not None:
         optim_sd = {}
         for name, p in params.items():
             st = opt.state.get(p)
-            if not st:
+            if not st or name not in names:
                 continue
             expert = is_expert_param(p)
             src = views.get(name, st)
-            optim_sd[name] = {"step": st["step"], "exp_avg": _wrap(src["exp_avg"], expert, dims),
-                              "exp_avg_sq": _wrap(src["exp_avg_sq"], expert, dims)}
+            optim_sd[names[name]] = {"step": st["step"],
+                                     "exp_avg": _wrap(src["exp_avg"], expert, dims),
+                                     "exp_avg_sq": _wrap(src["exp_avg_sq"], expert, dims)}
         state["optim"] = optim_sd
     return state
 
 
 def copy_back(model: nn.Module, opt, state: dict, skip: set[str] = frozenset()) -> None:
     """Copy DTensor local shards into the live tensors when DCP did not load in place
-    (``skip``: names whose tensors are not the live ones, the placed experts)."""
+    (``skip``: names whose tensors are not the live ones, the placed experts); a tensor
+    loaded under another name (the last stage's embedding copy) goes to its live one."""
     live = model.state_dict()
+    params = dict(model.named_parameters())
+    renames = load_renames(model)
     for name, t in state["model"].items():
         if name not in skip:
-            copy_local(_local(live[name]), t)
+            copy_local(_local(live[renames.get(name, name)]), t)
     if opt is not None and "optim" in state:
-        params = dict(model.named_parameters())
         for name, entry in state["optim"].items():
             if name in skip:
                 continue
-            st = opt.state[params[name]]
+            st = opt.state[params[renames.get(name, name)]]
             for k, t in entry.items():
                 copy_local(_local(st[k]), t)
 

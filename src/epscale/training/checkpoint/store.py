@@ -25,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 
+from ...parallel.stage_embedding import copy_original_into_copy
 from ...plan.layout import Dims
 from .paths import (FORMAT_VERSION, CheckpointError, checkpoints_root, prune, read_meta,
                     sha256, step_dir)
@@ -289,7 +290,7 @@ def load(path: Path, model: nn.Module, opt, dims: Dims, restore_rng: bool = True
     checkpoint has it) into the live tensors, resharding as needed; returns meta.json."""
     meta = read_meta(path)
     placed = PlacedExperts(model, opt, dims).for_load()
-    state = build_state(model, opt, dims, placed)
+    state = build_state(model, opt, dims, placed, load=True)
     check_compatible(path, state)
     if opt is not None and not any(k.startswith("optim.") for k in saved_keys(path)):
         del state["optim"]  # model-only checkpoint (epscale checkpoint import): fresh AdamW
@@ -305,6 +306,7 @@ def load(path: Path, model: nn.Module, opt, dims: Dims, restore_rng: bool = True
                 copy_local(entry[k], state["optim"][name][k])
     placed.scatter()
     copy_back(model, opt, state, skip=set(placed.views))
+    copy_original_into_copy(model, opt if "optim" in state else None)
     if restore_rng:
         saved_world = int(meta.get("world_size", 1))
         f = path / f"rank_{_rank() % max(1, saved_world)}.pt"
