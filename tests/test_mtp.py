@@ -168,11 +168,6 @@ def test_mtp_gradient_reaches_the_shared_embedding_and_head(tied):
 
 
 def test_config_errors():
-    with pytest.raises(ConfigError, match=r"'model.mtp_depth' = 1 is invalid: cannot be "
-                                          r"combined with parallel.pp > 1 yet.*pipelines are "
-                                          r"not supported.*model.mtp_depth: 0, or parallel.pp: 1"):
-        load_config(None, TINY + ["model.mtp_depth=1", "parallel.pp=2", "parallel.dp=1",
-                                  "model.tie_embeddings=false"])
     with pytest.raises(ConfigError, match=r"'model.mtp_depth' = -1 is invalid: must be an "
                                           r"integer >= 0"):
         _tiny(-1)
@@ -182,9 +177,10 @@ def test_config_errors():
     with pytest.raises(ConfigError, match=r"'model.mtp_depth' = True is invalid"):
         _tiny(0, "model.mtp_depth=true")
     assert _tiny(1).train.mtp_loss_weight == 0.3 and _tiny(0).model.mtp_depth == 0
-    # the published recipe is laid out as a 16-stage pipeline: MTP stays off there
-    with pytest.raises(ConfigError, match="model.mtp_depth"):
-        load_recipe("deepseek-v3", ["model.mtp_depth=1"])
+    # pipelines take the modules (on the last stage): the recipe's own PP16 layout trains them
+    assert load_config(None, TINY + ["model.mtp_depth=1", "parallel.pp=2", "parallel.dp=1",
+                                     "model.tie_embeddings=false"]).model.mtp_depth == 1
+    assert load_recipe("deepseek-v3", []).parallel.pp == 16
 
 
 def test_sizing_counts_the_modules_and_the_step_model_takes_the_depth():

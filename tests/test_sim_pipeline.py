@@ -173,6 +173,37 @@ def test_stage_parameters_add_up_to_the_model(schedule, v):
     assert all(r.memory.gathered > 0 for r in f)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "dualpipev"])
+@pytest.mark.parametrize("tie,depth", [(True, 0), (False, 1), (True, 2)])
+def test_the_last_stage_holds_the_mtp_modules_and_a_copy_of_the_embedding(schedule, tie, depth):
+    """At pp > 1 the rank with the last stage holds the multi-token-prediction modules and
+    its own copy of the embedding (a tied head, the modules' lookups), also where it holds
+    the first stage too (DualPipeV's rank 0); the trainer's split counts the modules in
+    the last stage's cost."""
+    from dataclasses import replace
+
+    base = _cfg(pp=2, schedule=schedule, m=8, layers=8)
+    cfg = replace(base, model=replace(base.model, tie_embeddings=tie, mtp_depth=depth))
+    V, D = cfg.model.vocab_size, cfg.model.dim
+    size = model_size(cfg)
+    for world, extra in ((2, {}), (4, {"ep": 2, "fsdp": True})):
+        ranks = pipeline_memory(cfg, Layout.from_config(cfg, world, **extra))
+        last = next(r for r in ranks if max(r.stages) == max(s for q in ranks for s in q.stages))
+        alone = pipeline_memory(base, Layout.from_config(base, world, **extra))[last.rank]
+        if world == 2:   # every parameter once, plus the copy
+            assert sum(r.memory.params_per_rank for r in ranks) == size.total_params + V * D
+        # ``base`` is untied: a tied head's copy weighs what its output head does
+        mine, before = last.memory.params_per_rank, alone.memory.params_per_rank
+        assert (mine == before) if depth == 0 else (mine > before)
+        assert last.memory.activations > alone.memory.activations or depth == 0
+    # the trainer's split: the modules weigh on the last stage (fewer of the model's blocks)
+    plain = layers_per_stage(replace(cfg, model=replace(cfg.model, mtp_depth=0)))
+    split = layers_per_stage(cfg)
+    assert sum(split) == 8 and (split[-1] < plain[-1] if depth else split == plain)
+    # the step model charges that split, the modules' blocks on the last stage
+    assert layers_per_stage(with_mtp(cfg, depth)) == split[:-1] + [split[-1] + depth]
+
+
 def test_1f1b_ranks_keep_p_to_one_micro_batches():
     p, m = 4, 8
     cfg = _cfg(pp=p, m=m, layers=8, dense=0, pp_layers_per_stage=[2, 2, 2, 2])
@@ -214,8 +245,9 @@ def test_pipeline_layout_errors_name_the_key():
         memory_per_rank(_cfg(pp=2, m=2), world=4, pp=4)
     with pytest.raises(ConfigError, match="'parallel.pp' = 16 .*model.num_layers is 8"):
         memory_per_rank(cfg, pp=16)
-    with pytest.raises(ConfigError, match="model.tie_embeddings"):
-        memory_per_rank(load_recipe("tiny"), pp=2)
+    # a tied head under a pipeline: the last stage holds a copy of the embedding
+    tied = load_recipe("tiny", ["train.grad_accum=2"])
+    assert tied.model.tie_embeddings and memory_per_rank(tied, pp=2).total > 0
     with pytest.raises(ConfigError, match=r"'train.global_batch_size' = 10 .* at 4 data-parallel ranks \(8 / pp 2\)"):
         memory_per_rank(RunConfig(model=cfg.model, moe=cfg.moe, parallel=cfg.parallel,
                                   train=TrainConfig(micro_batch_size=1, global_batch_size=10)),
@@ -394,6 +426,10 @@ def test_fit_tries_each_pipeline_once():
     assert len(pipes) == len(set(pipes))
     assert len({(pp, s) for pp, s, _ in pipes}) == len(pipes)
     assert (16, "dualpipev", 2) in pipes
+    # pipelines take a tied head, MTP modules and document masking: --fit tries them too
+    mtp = load_recipe("deepseek-v3", ["model.mtp_depth=1", "model.tie_embeddings=true",
+                                      "data.doc_masking=true"])
+    assert pipelines(mtp, cl) == pipes
     split = [1] * 32
     split[-1] = 61 - 31
     own = load_recipe("deepseek-v3", ["parallel.pp_layers_per_stage=[" + ",".join(map(str, split)) + "]"])
@@ -502,6 +538,35 @@ def test_mtp_modules_sit_on_the_last_stage_with_their_head_passes():
     # a given split keeps its stages, the modules join the last one
     given = _cfg(pp=2, layers=8, pp_layers_per_stage=[3, 5])
     assert layers_per_stage(with_mtp(given, 2)) == [3, 7]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "dualpipev"])
+def test_the_embedding_copys_gradient_exchange_is_charged_between_different_ranks(schedule):
+    """A tied head at pp > 1: the copy replaces the untied head's weight on the last stage
+    (the same parameters), and its gradient shard crosses once per step between the first
+    and the last stage's ranks (fp32, over the NIC here: W = 8 GPUs a node); DualPipeV's
+    rank 0 holds both ends and only adds."""
+    from dataclasses import replace
+
+    T, m, V, D = 64, 4, 4096, 32
+    cl = ClusterSpec(nodes=2, gpus_per_node=8, inter_bw_GBps=10, intra_bw_GBps=100)
+    untied = RunConfig(model=ModelConfig(vocab_size=V, dim=D, num_layers=4, num_heads=4,
+                                         seq_len=T, tie_embeddings=False),
+                       moe=MoEConfig(dim=D, hidden_dim=48, num_experts=8, top_k=2),
+                       parallel=ParallelConfig(pp=2, pp_schedule=schedule, ep=8, fsdp=True,
+                                               dp_shard=8),
+                       train=TrainConfig(micro_batch_size=1, grad_accum=m))
+    tied = replace(untied, model=replace(untied.model, tie_embeddings=True))
+
+    def run(cfg):
+        return simulate(cfg, cl, RoutingSpec.parse("uniform"), strategies=("none",),
+                        dispatchers=("dedup",), overlap="none", step_samples=2)[0]
+
+    a, b = run(untied), run(tied)
+    exchange = V * D * 4 / 8 / (cl.inter_bw_GBps * 1e9) + cl.inter_latency_us * 1e-6
+    assert b.dp_comm_s - a.dp_comm_s == pytest.approx(0.0 if schedule == "dualpipev" else exchange,
+                                                      abs=1e-12)
+    assert b.compute_s == pytest.approx(a.compute_s, rel=1e-12)
 
 
 def test_mtp_slows_the_rank_with_the_head_and_charges_its_head_passes():

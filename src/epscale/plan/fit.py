@@ -119,8 +119,6 @@ def pipelines(cfg: RunConfig, cluster: ClusterSpec) -> list[tuple[int, str, int]
     each once."""
     model, world, gpn = cfg.model, cluster.world, cluster.gpus_per_node
     out = [(1, "1f1b", 1)]
-    if model.tie_embeddings or cfg.data.doc_masking or model.mtp_depth:
-        return out                      # each refuses a pipeline (RunConfig's checks)
     schedules = list(FIT_SCHEDULES)
     pp_own, schedule_own, v_own = own_pipeline(cfg)
     if pp_own > 1 and (schedule_own, v_own) not in schedules:

@@ -778,16 +778,18 @@ def _p2p_time(cluster: ClusterSpec, W: int, nbytes: float, owner: dict, stages: 
     each stage's input from the rank before it and its output gradient from the rank
     after it, ``nbytes`` each, over NVLink when both ranks' W GPUs share a node, else the
     NIC; nothing between two stages of the same rank."""
-    gpn = cluster.gpus_per_node
-
-    def hop(a: int) -> float:
-        same_node = W < gpn and (a * W) // gpn == (r * W) // gpn
-        bw = (cluster.intra_bw_GBps if same_node else cluster.inter_bw_GBps) * 1e9
-        lat = cluster.intra_latency_us if same_node else cluster.inter_latency_us
-        return nbytes / bw + lat * 1e-6
-
-    return sum(hop(owner[t]) for s in stages for t in (s - 1, s + 1)
+    return sum(_hop_time(cluster, W, nbytes, r, owner[t]) for s in stages for t in (s - 1, s + 1)
                if t in owner and owner[t] != r)
+
+
+def _hop_time(cluster: ClusterSpec, W: int, nbytes: float, r: int, a: int) -> float:
+    """Seconds ``nbytes`` take from pipeline rank ``a`` to rank ``r`` (each of W GPUs):
+    over NVLink when both share a node, else the NIC."""
+    gpn = cluster.gpus_per_node
+    same_node = W < gpn and (a * W) // gpn == (r * W) // gpn
+    bw = (cluster.intra_bw_GBps if same_node else cluster.inter_bw_GBps) * 1e9
+    lat = cluster.intra_latency_us if same_node else cluster.inter_latency_us
+    return nbytes / bw + lat * 1e-6
 
 
 def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, run_cfg: RunConfig,
@@ -820,6 +822,11 @@ def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, ru
     # exceeds the compute.
     hides_p2p = PP_SCHEDULES[par.pp_schedule] != "single" and (overlap != "none" or work.p2p_overlap)
     tp = work.tp
+    # the last stage's copy of the embedding (a tied head, MTP's lookups: epscale's
+    # parallel/stage_embedding.py, Megatron's embedding group): its weights on that rank,
+    # and after the reductions its gradient shard exchanged with the first stage's rank
+    copy_params = model.vocab_size * model.dim if model.tie_embeddings or work.mtp_depth else 0
+    copy_shard_bytes = copy_params / tp * 4 / (W if par.fsdp else 1)      # fp32 gradients
     ranks = []
     for r, stages in enumerate(placement):
         layers = [i for s in stages for i in ranges[s]]
@@ -833,12 +840,15 @@ def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, ru
         if hides_p2p:
             p2p = max(0.0, p2p - compute)
         keys = layers + ["embed"] * (0 in stages) + ["head"] * (n - 1 in stages)
-        d_params = sum(dense.get(k, 0) for k in keys) / tp
+        d_params = (sum(dense.get(k, 0) for k in keys) + copy_params * (n - 1 in stages)) / tp
         e_params = sum(expert.get(k, 0) for k in keys)
         fsdp_t, fsdp_step, ar = _stage_collectives(cluster, lay, par, d_params, e_params,
                                                    grad_bytes, tp, busy, len(layers))
-        dp_t = fsdp_step + (ar if overlap == "none"
-                            else max(0.0, ar - 2.0 / 3.0 * (busy + p2p + fsdp_t)))
+        ends = (0 in stages, n - 1 in stages)
+        exchange = (_hop_time(cluster, W, copy_shard_bytes, r, owner[n - 1 if ends[0] else 0])
+                    if copy_params and ends[0] != ends[1] else 0.0)   # one rank holding both: an add
+        dp_t = fsdp_step + exchange + (ar if overlap == "none"
+                                       else max(0.0, ar - 2.0 / 3.0 * (busy + p2p + fsdp_t)))
         launch = float((launch_L * weights).sum())
         ranks.append(dict(time=busy + p2p + fsdp_t, compute=compute, nonexpert=nonexpert,
                           launch=launch, expert_comm=busy - compute - launch,
