@@ -6,7 +6,8 @@ one process at the same global batch; a ZeRO-1 pp=2 checkpoint resumes bit for b
 continues at pp=1 (ZeRO-3, dp_shard=4 x ep=2); the memory model's weight, gradient,
 AdamW and gathered-weight bytes are what FSDP holds on every rank, exactly (at the step's
 last forward, after earlier micro-batches' backwards), under ZeRO-1/2 and under ZeRO-3
-in a pipeline (bf16 compute there: gathered bf16, fp32 gradients).
+in a pipeline (bf16 compute there: gathered bf16, fp32 gradients), and with the last
+stage's embedding copy and an MTP module under 1F1B and DualPipeV.
 
 One spawn of 4 ranks runs every case; the one-process references run here."""
 
@@ -41,7 +42,15 @@ CASES = {
     "zero2 fsdp4 ep2": {**NO_PP, "parallel.zero": 2},
 }
 MEMORY_ONLY = {"zero3 pp2 fsdp2 bf16": {**PP_ZERO1, "parallel.zero": 3, "train.steps": 1,
-                                        "train.dtype": "bfloat16"}}
+                                        "train.dtype": "bfloat16"},
+               # the last stage's embedding copy (a tied head) and an MTP module, on the
+               # rank of both ends (DualPipeV's rank 0) and of the last alone (1F1B's rank 1)
+               "zero1 pp2 fsdp2 ep2 dualpipev tied mtp": {
+                   **PP_ZERO1, "parallel.ep": 2, "parallel.pp_schedule": "dualpipev",
+                   "train.steps": 1, "model.tie_embeddings": True, "model.mtp_depth": 1},
+               "zero1 pp2 fsdp2 1f1b tied mtp": {**PP_ZERO1, "train.steps": 1,
+                                                 "model.tie_embeddings": True,
+                                                 "model.mtp_depth": 1}}
 
 
 def _fsdp_params(modules) -> list:
