@@ -427,12 +427,15 @@ PIPE_CASES = {  # name -> overrides
     "bf16 autocast, selective recompute": ["train.dtype=bfloat16",
                                            "train.activation_checkpointing=selective"],
     "bf16 FSDP": ["train.dtype=bfloat16", "parallel.fsdp=true"],
+    # the last stage runs a multi-token-prediction module with the embedding's copy
+    "fp32 tied, MTP": ["train.dtype=float32", "model.tie_embeddings=true", "model.mtp_depth=1"],
 }
 
 
 def _stage_kept_bytes(t, cfg) -> int:
     """What one micro-batch's forward of this rank's stage leaves for backward (its output;
-    on the last stage the fused head's saved tensors and the loss, no logits)."""
+    on the last stage the fused head's saved tensors and the loss, no logits, and the
+    multi-token-prediction modules' sets)."""
     chunk = t.stepper.pipeline.chunks[0]
     for moe in moe_layers(chunk):
         moe.drop_kept_buffers()
@@ -444,9 +447,10 @@ def _stage_kept_bytes(t, cfg) -> int:
         x = torch.randn(B, S, cfg.model.dim, generator=g).to(
             t.stepper.pipeline.act_BSD.dtype).requires_grad_(True)
     y = torch.randint(0, V, (B, S), generator=g)
+    tokens = x if chunk.is_first else torch.randint(0, V, (B, S), generator=g)
 
     def forward():
-        return chunk(x, y)
+        return chunk(x, y, tokens)
 
     samples = []
     for _ in range(3):
