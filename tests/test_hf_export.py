@@ -39,6 +39,7 @@ CASES = {
                                     "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8",
                                     "model.v_head_dim=8"], "deepseek_v3"),
     "sigmoid-mha": ("deepseek-v3", ["model.attention=mha", "model.qk_norm=true",
+                                    "model.mtp_depth=0",   # (glm4_moe stores no MTP module)
                                     "train.recompute_modules=[norm,moe_act]",
                                     "moe.bias_update_speed=0.05", "moe.num_experts=16"],
                     "glm4_moe"),

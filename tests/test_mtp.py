@@ -208,9 +208,11 @@ def test_sizing_counts_the_modules_and_the_step_model_takes_the_depth():
     cl = load_cluster("h100-node")
     kw = dict(strategies=("none",), dispatchers=("alltoall",), step_samples=2,
               sample_tokens=256, routing=RoutingSpec.parse("uniform"))
-    own = simulate(load_recipe("deepseek-v3", tiny + ["model.mtp_depth=1"]), cl, **kw)
-    work = simulate(load_recipe("deepseek-v3", tiny), cl, work=Work(mtp_depth=1), **kw)
-    none = simulate(load_recipe("deepseek-v3", tiny), cl, **kw)
+    own = simulate(load_recipe("deepseek-v3", tiny), cl, **kw)   # the recipe's own module
+    plain = tiny + ["model.mtp_depth=0"]
+    work = simulate(load_recipe("deepseek-v3", plain), cl, work=Work(mtp_depth=1), **kw)
+    none = simulate(load_recipe("deepseek-v3", plain), cl, **kw)
+    assert load_recipe("deepseek-v3").model.mtp_depth == 1
     assert own[0].as_dict() == work[0].as_dict()
     assert own[0].step_time_s > none[0].step_time_s
 

@@ -71,6 +71,13 @@ CASES = {
     "interleaved ep2 untied mtp": ("mb2 untied", {
         **PP2, **UNTIED, "parallel.pp_schedule": "interleaved_1f1b",
         "parallel.pp_virtual_stages": 2, "parallel.ep": 2}),
+    # the last stage with the MTP module and the head alone (Megatron's DeepSeek-V3 layout;
+    # the trainer's default where the module outweighs a stage of blocks)
+    "1f1b ep2 mtp alone on the last stage": ("mb2", {**PP2, "parallel.ep": 2,
+                                                     "parallel.pp_layers_per_stage": [4, 0]}),
+    "dualpipev fsdp2 ep2 zero1 mtp alone": (
+        "mb1", {**V, "parallel.pp_schedule": "dualpipev", "parallel.fsdp": True,
+                "parallel.ep": 2, "parallel.zero": 1, "parallel.pp_layers_per_stage": [1, 2, 1, 0]}),
     "zero_bubble dp2 tied without mtp": ("mb2 tied only", {
         **PP2, "parallel.pp_schedule": "zero_bubble", "parallel.pp_virtual_stages": 2,
         "parallel.dp": 2, "model.mtp_depth": 0}),
@@ -358,3 +365,26 @@ def test_pipelines_take_the_tied_head_mtp_and_document_masking(tmp_path, over):
     with pytest.raises(ConfigError, match=r"train\.compile"):  # still refused, as before
         tiny_cfg(tmp_path, **{"parallel.pp": 2, "model.num_layers": 4, **over,
                               "parallel.pp_schedule": "dualpipev", "train.compile": True})
+
+
+def test_a_last_stage_without_layers_needs_mtp_modules(tmp_path):
+    """``parallel.pp_layers_per_stage`` may give the last stage 0 layers only when it holds
+    the MTP modules; no other stage may be empty; the default split takes that layout where
+    the modules outweigh a stage of blocks (a large head and vocabulary here)."""
+    from epscale.plan.pipeline import layers_per_stage
+    from test_train import tiny_cfg
+
+    pp2 = {"parallel.pp": 2, "model.num_layers": 4, "model.tie_embeddings": False,
+           "train.grad_accum": 2}
+    assert tiny_cfg(tmp_path, **pp2, **{"model.mtp_depth": 1,
+                                        "parallel.pp_layers_per_stage": [4, 0]}) is not None
+    with pytest.raises(ConfigError, match=r"'parallel.pp_layers_per_stage' = \[4, 0\] is "
+                                          r"invalid: gives the last stage no layer.*mtp_depth"):
+        tiny_cfg(tmp_path, **pp2, **{"parallel.pp_layers_per_stage": [4, 0]})
+    with pytest.raises(ConfigError, match=r"must be a list of positive layer counts"):
+        tiny_cfg(tmp_path, **pp2, **{"model.mtp_depth": 1,
+                                     "parallel.pp_layers_per_stage": [0, 4]})
+    heavy = tiny_cfg(tmp_path, **{**pp2, "parallel.pp": 3, "model.num_layers": 4,
+                                  "train.grad_accum": 3, "model.mtp_depth": 1,
+                                  "model.vocab_size": 32768})
+    assert layers_per_stage(heavy)[-1] == 0 and sum(layers_per_stage(heavy)) == 4

@@ -23,8 +23,8 @@ from ..plan.fit import AC_MODES
 from ..plan.layout import Layout
 from ..plan.memory import DTYPE_BYTES, Activations, estimate, pipeline_memory, resolve
 from ..plan.overlap import assumption, calibration_from
-from ..plan.pipeline import bubble_fraction, stage_flops
-from ..plan.sizing import model_size
+from ..plan.pipeline import bubble_fraction, stage_flops, with_mtp
+from ..plan.sizing import model_size, published_size
 from .args import add_overlap_calibration, parse_size
 
 
@@ -167,11 +167,12 @@ def describe(config: str, overrides: list[str] | None = None, *, overlap_from: s
         out["rows_per_expert"] = tokens * cfg.moe.top_k / cfg.moe.num_experts
     out["overlap"] = _overlap_report(cfg, overlap_from, overlap_cluster)
     pub = PUBLISHED.get(cfg.name)
-    if pub is not None:
+    if pub is not None:   # published counts leave multi-token-prediction modules out
         out["published"] = dict(pub)
+        main = published_size(cfg).as_dict()
         for key in ("total", "active"):
             if pub[key]:
-                out["published"][f"{key}_rel_err"] = size.as_dict()[f"{key}_params"] / pub[key] - 1
+                out["published"][f"{key}_rel_err"] = main[f"{key}_params"] / pub[key] - 1
     return out
 
 
@@ -195,11 +196,14 @@ def pipeline_report(cfg: RunConfig, lay: Layout, acts: Activations) -> dict:
     keys): stages, bubble, p2p traffic and each pipeline rank's memory (``largest_rank``:
     the one ``memory`` reports)."""
     ranks = pipeline_memory(cfg, lay, acts)
-    flops = stage_flops(cfg)
+    depth = cfg.model.mtp_depth       # the MTP modules run on the last stage, after the head
+    flops = stage_flops(with_mtp(cfg, depth), depth)
     owner = {s: r.rank for r in ranks for s in r.stages}
     stages, start = [], 0
+    n = len(lay.layers_per_stage)
     for s, k in enumerate(lay.layers_per_stage):
         stages.append({"stage": s, "layers": [start, start + k], "rank": owner[s],
+                       "mtp_modules": depth if s == n - 1 else 0,
                        "flops_share": flops[s] / sum(flops)})
         start += k
     largest = max(ranks, key=lambda r: r.memory.total)
@@ -287,6 +291,13 @@ def _layout_args(args) -> dict:
             "pp_schedule": args.pp_schedule, "pp_virtual_stages": args.pp_virtual_stages}
 
 
+def _layers(a: int, b: int, mtp: int = 0) -> str:
+    """Blocks a .. b - 1 of a stage ('-': none), and its multi-token-prediction modules."""
+    parts = ([f"{a}-{b - 1}" if b - a > 1 else str(a)] if b > a else []) + \
+        ([f"MTP x{mtp}"] if mtp else [])
+    return " + ".join(parts) or "-"
+
+
 def _print_pipeline(info: dict, console) -> None:
     """The stage split and each pipeline rank's memory (the largest in bold red)."""
     from rich.table import Table
@@ -298,9 +309,8 @@ def _print_pipeline(info: dict, console) -> None:
     for col in ("stage", "layers", "rank", "FLOPs share"):
         split.add_column(col, justify="right")
     for st in pipe["stages"]:
-        a, b = st["layers"]
-        split.add_row(str(st["stage"]), f"{a}-{b - 1}" if b - a > 1 else str(a), str(st["rank"]),
-                      f"{st['flops_share']:.1%}")
+        split.add_row(str(st["stage"]), _layers(*st["layers"], st.get("mtp_modules", 0)),
+                      str(st["rank"]), f"{st['flops_share']:.1%}")
     console.print(split)
     console.print(f"bubble: {pipe['bubble']:.1%} of the step for {lay['pp_schedule']} at "
                   f"{lay['micro_batches']} micro-batches per step and pp={lay['pp']} (equal "
@@ -313,7 +323,9 @@ def _print_pipeline(info: dict, console) -> None:
         t.add_column(col, justify="right")
     for r in pipe["ranks"]:
         mem = r["memory"]
-        layers = ", ".join(f"{a}-{b - 1}" if b - a > 1 else str(a) for a, b in r["layers"])
+        last = pipe["num_stages"] - 1
+        layers = ", ".join(_layers(a, b, pipe["stages"][s].get("mtp_modules", 0) if s == last
+                                   else 0) for s, (a, b) in zip(r["stages"], r["layers"]))
         style = "bold red" if r["rank"] == pipe["largest_rank"] else None
         t.add_row(str(r["rank"]), ", ".join(map(str, r["stages"])), layers,
                   _fmt_count(mem["params_per_rank"]),
@@ -357,7 +369,8 @@ def run(args) -> int:
         ref = pub.get(key)
         rel = pub.get(f"{key}_rel_err")
         t.add_row(f"{key} parameters", _fmt_count(info[f"{key}_params"]),
-                  f"{_fmt_count(ref)} ({rel:+.2%})" if ref else "-")
+                  f"{_fmt_count(ref)} ({rel:+.2%}{' without MTP' if info.get('mtp_params') else ''})"
+                  if ref else "-")
     for key in ("embedding_params", "attention_params", "expert_params", "shared_expert_params",
                 "dense_ffn_params", "router_params", "norm_params"):
         t.add_row(key.replace("_params", "").replace("_", " "), _fmt_count(info[key]), "")

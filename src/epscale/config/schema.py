@@ -368,7 +368,9 @@ class ParallelConfig:
     # pp_schedule: 1f1b | gpipe (one stage per rank) | interleaved_1f1b | zero_bubble
     # (pp_virtual_stages >= 2 stages per rank, looped) | zbv | dualpipev (two stages per
     # rank in a V). pp_layers_per_stage: layers of each of the pp x virtual stages, in
-    # order (null: balanced by compute).
+    # order (null: balanced by compute); the last may be 0 with model.mtp_depth > 0 (a
+    # stage of the multi-token-prediction modules and the head alone, as Megatron's
+    # DeepSeek-V3 layout).
     pp: int = 1
     pp_schedule: str = "1f1b"
     pp_virtual_stages: int = 1
@@ -431,9 +433,11 @@ class ParallelConfig:
         if self.pp_layers_per_stage is not None:
             v = self.pp_layers_per_stage
             if not isinstance(v, list) or not v or any(
-                    not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in v):
+                    not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in v[:-1]) \
+                    or not isinstance(v[-1], int) or isinstance(v[-1], bool) or v[-1] < 0:
                 fail("parallel.pp_layers_per_stage", v, "must be a list of positive layer "
-                     "counts, one per pipeline stage (pp x stages per rank), or null")
+                     "counts, one per pipeline stage (pp x stages per rank; the last may be 0 "
+                     "when it holds model.mtp_depth modules), or null")
 
     def _check_fsdp(self) -> None:
         if not isinstance(self.dp_replicate, int) or self.dp_replicate < 1:
@@ -860,6 +864,10 @@ class RunConfig:
             fail("parallel.pp_layers_per_stage", split,
                  f"must hold {stages} layer counts (parallel.pp = {par.pp} x {stages // par.pp} "
                  f"stage(s) per rank) that add up to model.num_layers = {m.num_layers}")
+        if split is not None and split[-1] == 0 and m.mtp_depth == 0:
+            fail("parallel.pp_layers_per_stage", split, "gives the last stage no layer, which "
+                 "only a last stage with multi-token-prediction modules may have "
+                 "(model.mtp_depth > 0); give it at least one layer")
         if self.train.compile and par.pp_schedule == "dualpipev" and par.overlap != "none":
             fail("train.compile", True, "cannot be combined with parallel.pp_schedule: "
                  "dualpipev under parallel.overlap: auto yet (its paired forward and backward "

@@ -145,7 +145,9 @@ def layers_per_stage(cfg: RunConfig) -> list[int]:
     else the contiguous split that minimises the most expensive stage's cost (the last
     stage's includes the head and the ``model.mtp_depth`` modules, :func:`mtp_cost`),
     its blocks moved as late as that allows (:func:`_late_as_possible`) unless that makes
-    the most expensive rank costlier (a rank of a looped or V schedule holds several)."""
+    the most expensive rank costlier (a rank of a looped or V schedule holds several).
+    With MTP modules the last stage may hold them and the head alone (0 of the model's
+    blocks), where that makes the most expensive rank cheaper."""
     n, L = num_stages(cfg), cfg.model.num_layers
     given = cfg.parallel.pp_layers_per_stage
     if given is not None:
@@ -160,15 +162,25 @@ def layers_per_stage(cfg: RunConfig) -> list[int]:
         raise ConfigError(f"config key 'parallel.pp' = {cfg.parallel.pp} is invalid: {n} "
                           f"pipeline stages need at least {n} layers; model.num_layers is {L}")
     costs, last = tuple(block_flops(cfg)), head_flops(cfg) + mtp_cost(cfg, cfg.model.mtp_depth)
-    balanced = _balanced(costs, n, last)
-    late = _late_as_possible(costs, balanced, last)
     par = cfg.parallel
     placement = stage_placement(par.pp_schedule, par.pp, par.pp_virtual_stages)
+
+    def worst_rank(split: list[int]) -> float:
+        return rank_costs(split, list(costs), last, placement)[0]
+
+    balanced = _balanced(costs, n, last)
+    late = _late_as_possible(costs, balanced, last)
     # (by rank no worse: a rank of a looped or V schedule holds several stages)
-    if rank_costs(late, list(costs), last, placement)[0] <= \
-            rank_costs(balanced, list(costs), last, placement)[0] * (1 + 1e-9):
-        return late
-    return balanced
+    best = late if worst_rank(late) <= worst_rank(balanced) * (1 + 1e-9) else balanced
+    if cfg.model.mtp_depth and n > 2:
+        # the modules and the head alone on the last stage (Megatron's DeepSeek-V3 layout):
+        # where the modules weigh more than a stage of blocks, the model's blocks spread
+        # over the other stages instead
+        others = _balanced(costs, n - 1, 0.0)
+        alone = _late_as_possible(costs, others, 0.0) + [0]
+        if worst_rank(alone) < worst_rank(best) * (1 - 1e-9):
+            best = alone
+    return best
 
 
 def _late_as_possible(costs: tuple[float, ...], sizes: list[int], head: float) -> list[int]:

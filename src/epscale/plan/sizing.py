@@ -36,7 +36,7 @@ output head.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from ..config import ModelConfig, MoEConfig, RunConfig
 
@@ -130,6 +130,15 @@ def _counts(model: ModelConfig, moe: MoEConfig) -> dict[str, int]:
     c["mtp_params"] = (sum(v for k, v in mtp.items() if k != "num_moe_layers")
                        + Dm * (3 * D + 2 * D * D))
     return c
+
+
+def published_size(run_cfg: RunConfig) -> ModelSize:
+    """:func:`model_size` of the model without its multi-token-prediction modules: what
+    published counts give (DeepSeek-V3's 671B total and 37B active leave out its MTP
+    module, listed apart: 685B on the hub)."""
+    if not run_cfg.model.mtp_depth:
+        return model_size(run_cfg)
+    return model_size(replace(run_cfg, model=replace(run_cfg.model, mtp_depth=0)))
 
 
 def model_size(run_cfg: RunConfig) -> ModelSize:
