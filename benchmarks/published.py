@@ -74,7 +74,8 @@ class Run:
 
 
 def _pipe(pp: int, schedule: str, v: int, dp: int, ep: int, m: int, mbs: int, seq: int) -> list[str]:
-    return [f"parallel.pp={pp}", f"parallel.pp_schedule={schedule}", f"parallel.pp_virtual_stages={v}",
+    # the model without the recipe's MTP modules: a run's own depth is its Work.mtp_depth
+    return ["model.mtp_depth=0", f"parallel.pp={pp}", f"parallel.pp_schedule={schedule}", f"parallel.pp_virtual_stages={v}",
             "parallel.pp_layers_per_stage=null", "parallel.fsdp=false", "parallel.zero=3",
             f"parallel.dp={dp}",
             "parallel.dp_replicate=1", "parallel.dp_shard=null", f"parallel.ep={ep}",
