@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ..config import RunConfig
+from ..config.schema import SPLIT_BACKWARD_SCHEDULES
 from ..dispatch.comm import counters_of
 from ..model import Transformer
 from ..moe.layer import moe_layers
@@ -125,7 +126,9 @@ def parallelize_model(model: Transformer, dims: ParallelDims, cfg: RunConfig,
 
     # 4. compile, per transformer block
     if train.compile:
-        out.notes += compile_blocks(model, dims.ep, param_dtype or torch.float32, device)
+        out.notes += compile_blocks(model, dims.ep, param_dtype or torch.float32, device,
+                                    split_backward=par.pp > 1
+                                    and par.pp_schedule in SPLIT_BACKWARD_SCHEDULES)
 
     # 5. FSDP
     roots: list[nn.Module] | None = out.chunks or None

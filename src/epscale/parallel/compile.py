@@ -100,15 +100,21 @@ def graph_break_reason(moe: MoE, ep: int, dtype: torch.dtype, device: torch.devi
 
 
 def compile_blocks(model: torch.nn.Module, ep: int, dtype: torch.dtype,
-                   device: torch.device) -> list[str]:
+                   device: torch.device, split_backward: bool = False) -> list[str]:
     """Compile every transformer block's forward of ``model`` (after activation
     checkpointing, before FSDP; see the module docstring). ``ep``: the expert-parallel
     degree; ``dtype``: the blocks' compute dtype (bf16 under autocast or mixed precision).
     A MoE layer that cannot be one graph runs its dispatcher eagerly inside the compiled
     block (``MoE.dispatch_eagerly``), with its experts compiled on their own where they
     read nothing on the host (rows a dynamic dimension: their number changes every step).
-    Returns the start-up header's lines."""
+    ``split_backward``: a pipeline schedule that splits each backward into its input and
+    weight halves (zero-bubble, ZB-V, DualPipeV) runs the compiled graphs' backward with
+    ``retain_graph=True`` for the input half, which AOTAutograd's donated buffers (a
+    compiled backward reusing its saved tensors' memory) refuse; they are switched off for
+    this process. Returns the start-up header's lines."""
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    if split_backward:
+        torch._functorch.config.donated_buffer = False
     whole, broken, experts_alone = 0, {}, 0
     for block in transformer_blocks(model):
         reasons = set()
