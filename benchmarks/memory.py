@@ -66,23 +66,12 @@ def measure_activations(over: list[str], impl: str, ac: str, device: str = "cpu"
     import torch
 
     from epscale.config import load_config
-    from epscale.metrics.held import forward_kept_bytes
-    from epscale.model import build_model
-    from epscale.moe.layer import moe_layers
-    from epscale.parallel.activation import apply_activation_checkpointing, apply_activation_storage
+    from epscale.metrics.held import forward_kept_bytes, measured_model
     from epscale.plan.layout import Layout
     from epscale.plan.memory import Activations, estimate
 
     cfg = load_config(None, BASE + over + [f"moe.experts_impl={impl}"])
-    torch.manual_seed(0)
-    net = build_model(cfg, device=device)
-    if rule == "fsdp":
-        for p in net.parameters():
-            p.data = p.data.to(torch.bfloat16)
-    apply_activation_checkpointing(net, ac, modules)
-    apply_activation_storage(net, storage)
-    for moe in moe_layers(net):
-        moe.drop_kept_buffers()
+    net = measured_model(cfg, rule == "fsdp", ac, modules, storage, device)
     B, S, V = cfg.train.micro_batch_size, cfg.model.seq_len, cfg.model.vocab_size
     x, y = (torch.randint(0, V, (B, S), device=device) for _ in range(2))
     cuda = device.startswith("cuda")

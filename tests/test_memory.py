@@ -12,6 +12,7 @@ import torch
 
 from epscale.config import ConfigError, ParallelConfig, RunConfig, load_config
 from epscale.metrics.held import forward_kept_bytes, live_allocated_bytes, median_kept_bytes
+from epscale.metrics.held import measured_model as held_model
 from epscale.model import Transformer, build_model
 from epscale.moe.layer import moe_layers
 from epscale.parallel.activation import apply_activation_checkpointing, apply_activation_storage
@@ -85,16 +86,7 @@ def measured_model(over: list[str], rule: str, ac: str, modules: tuple[str, ...]
     rule, recomputing ``ac`` (or with ``ac`` 'none' the parts ``modules``), its activations
     stored as ``storage``, with fresh MoE buffers (allocated inside the forward)."""
     cfg = load_config(None, over)
-    torch.manual_seed(0)
-    net = build_model(cfg)
-    if rule == "bf16 fsdp":
-        for p in net.parameters():
-            p.data = p.data.to(torch.bfloat16)
-    apply_activation_checkpointing(net, ac, modules)
-    apply_activation_storage(net, storage)
-    for moe in moe_layers(net):
-        moe.drop_kept_buffers()
-    return cfg, net
+    return cfg, held_model(cfg, rule == "bf16 fsdp", ac, modules, storage)
 
 
 @pytest.mark.parametrize("rule", ["fp32", "bf16 autocast", "bf16 fsdp"])

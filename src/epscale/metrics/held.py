@@ -66,6 +66,31 @@ def forward_kept_bytes(fn: Callable[[], object]) -> tuple[int, object]:
                                 if e.extra_fields.device.type == "cpu"), out
 
 
+def measured_model(cfg, bf16_weights: bool, ac: str, modules: tuple[str, ...] = (),
+                   storage: str = "compute", device: torch.device | str | None = None
+                   ) -> torch.nn.Module:
+    """``cfg``'s model as the memory measurements build it (tests/test_memory.py,
+    benchmarks/memory.py): seed 0; its weights in bf16 with ``bf16_weights`` (what FSDP's
+    mixed precision hands every module); recomputing ``ac`` (or, with 'none', the parts
+    ``modules``); activations stored as ``storage`` (``train.activation_storage``); the
+    MoE layers' kept buffers dropped, so a forward allocates them as a training step's
+    first forward does."""
+    from ..model import build_model
+    from ..moe.layer import moe_layers
+    from ..parallel.activation import apply_activation_checkpointing, apply_activation_storage
+
+    torch.manual_seed(0)
+    net = build_model(cfg, device=device)
+    if bf16_weights:
+        for p in net.parameters():
+            p.data = p.data.to(torch.bfloat16)
+    apply_activation_checkpointing(net, ac, modules)
+    apply_activation_storage(net, storage)
+    for moe in moe_layers(net):
+        moe.drop_kept_buffers()
+    return net
+
+
 def median_kept_bytes(forward: Callable[[], torch.Tensor], model: torch.nn.Module,
                       samples: int = 3) -> int:
     """The median of :func:`forward_kept_bytes` over ``samples`` forwards of ``forward``
