@@ -476,7 +476,11 @@ def test_blocks_sit_as_late_as_the_slowest_stage_allows():
     later stages (fewer micro-batches in flight): 8 equal blocks over 3 stages go [3, 3, 2]
     balanced and [2, 3, 3] late; no stage becomes slower than the slowest was; a looped or
     V schedule keeps its ranks' worst cost."""
-    from epscale.plan.pipeline import _balanced, _late_as_possible, stage_placement
+    from epscale.plan.pipeline import _balanced, _late_as_possible, layers_label, stage_placement
+
+    # how the header and describe print a stage (an empty last stage holds the MTP modules)
+    assert [layers_label(0, 3), layers_label(7, 8), layers_label(8, 8, 1),
+            layers_label(5, 7, 2), layers_label(4, 4)] == ["0-2", "7", "MTP x1", "5-6 + MTP x2", "-"]
 
     costs = (1.0,) * 8
     assert _balanced(costs, 3, 0.0) == [3, 3, 2]

@@ -23,7 +23,7 @@ from ..plan.fit import AC_MODES
 from ..plan.layout import Layout
 from ..plan.memory import DTYPE_BYTES, Activations, estimate, pipeline_memory, resolve
 from ..plan.overlap import assumption, calibration_from
-from ..plan.pipeline import bubble_fraction, stage_flops, with_mtp
+from ..plan.pipeline import bubble_fraction, layers_label, stage_flops, with_mtp
 from ..plan.sizing import model_size, published_size
 from .args import add_overlap_calibration, parse_size
 
@@ -291,13 +291,6 @@ def _layout_args(args) -> dict:
             "pp_schedule": args.pp_schedule, "pp_virtual_stages": args.pp_virtual_stages}
 
 
-def _layers(a: int, b: int, mtp: int = 0) -> str:
-    """Blocks a .. b - 1 of a stage ('-': none), and its multi-token-prediction modules."""
-    parts = ([f"{a}-{b - 1}" if b - a > 1 else str(a)] if b > a else []) + \
-        ([f"MTP x{mtp}"] if mtp else [])
-    return " + ".join(parts) or "-"
-
-
 def _print_pipeline(info: dict, console) -> None:
     """The stage split and each pipeline rank's memory (the largest in bold red)."""
     from rich.table import Table
@@ -309,7 +302,7 @@ def _print_pipeline(info: dict, console) -> None:
     for col in ("stage", "layers", "rank", "FLOPs share"):
         split.add_column(col, justify="right")
     for st in pipe["stages"]:
-        split.add_row(str(st["stage"]), _layers(*st["layers"], st.get("mtp_modules", 0)),
+        split.add_row(str(st["stage"]), layers_label(*st["layers"], st.get("mtp_modules", 0)),
                       str(st["rank"]), f"{st['flops_share']:.1%}")
     console.print(split)
     console.print(f"bubble: {pipe['bubble']:.1%} of the step for {lay['pp_schedule']} at "
@@ -324,7 +317,7 @@ def _print_pipeline(info: dict, console) -> None:
     for r in pipe["ranks"]:
         mem = r["memory"]
         last = pipe["num_stages"] - 1
-        layers = ", ".join(_layers(a, b, pipe["stages"][s].get("mtp_modules", 0) if s == last
+        layers = ", ".join(layers_label(a, b, pipe["stages"][s].get("mtp_modules", 0) if s == last
                                    else 0) for s, (a, b) in zip(r["stages"], r["layers"]))
         style = "bold red" if r["rank"] == pipe["largest_rank"] else None
         t.add_row(str(r["rank"]), ", ".join(map(str, r["stages"])), layers,

@@ -36,6 +36,14 @@ def stage_placement(schedule: str, pp: int, virtual_stages: int = 1) -> list[lis
     return [[r + k * pp for k in range(v)] for r in range(pp)]
 
 
+def layers_label(a: int, b: int, mtp: int = 0) -> str:
+    """Blocks a .. b - 1 of a stage ('-': none) and its multi-token-prediction modules, as
+    the start-up header and ``describe`` print them: '3-5', '7', 'MTP x1', '60 + MTP x1'."""
+    parts = ([f"{a}-{b - 1}" if b - a > 1 else str(a)] if b > a else []) + \
+        ([f"MTP x{mtp}"] if mtp else [])
+    return " + ".join(parts) or "-"
+
+
 def stage_layers(layers_per_stage: list[int]) -> list[range]:
     """The block indices of each stage: consecutive runs of the given lengths."""
     out, start = [], 0

@@ -48,7 +48,7 @@ from ..parallel.stage_embedding import needs_embedding_copy, sum_embedding_gradi
 from ..placement import plan_placement
 from ..placement.replicas import Rebalancer, get_placement, placement_from_dict, placement_to_dict
 from ..plan.layout import Layout, record_label
-from ..plan.pipeline import bubble_fraction, layers_per_stage
+from ..plan.pipeline import bubble_fraction, layers_label, layers_per_stage
 from ..plan.sizing import model_size
 from . import checkpoint as ckpt
 from .console import TrainConsole
@@ -508,8 +508,9 @@ class Trainer:
     def _pipeline_text(self) -> str:
         """The start-up header's pipeline line: schedule, stages and their blocks."""
         par, m = self.cfg.parallel, self.cfg.train.grad_accum
-        runs = [f"{r.start}-{r.stop - 1}" if len(r) > 1 else f"{r.start}"
-                for r in stage_layers(self.layers_per_stage)]
+        ranges = stage_layers(self.layers_per_stage)
+        runs = [layers_label(r.start, r.stop, self.cfg.model.mtp_depth if i == len(ranges) - 1
+                             else 0) for i, r in enumerate(ranges)]
         bubble = bubble_fraction(par.pp_schedule, self.pp, m, par.pp_virtual_stages)
         mtp = " and the multi-token-prediction modules" if self.cfg.model.mtp_depth else ""
         copy = (" with a copy of the embedding (its gradient summed with the first's)"
