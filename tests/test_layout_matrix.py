@@ -104,7 +104,7 @@ def _watch_precision(t, seen: dict) -> None:
 def _run(corpus_dir: Path, run_dir: Path, world: int, over: dict) -> dict:
     seen: dict = {}
     records = run_trainer(tiny_cfg(corpus_dir, **{**BASE, **over}), run_dir, world,
-                          inspect=lambda t: _watch_precision(t, seen))
+                          inspect=lambda t: _watch_precision(t, seen), final_checkpoint=False)
     return {"steps": {r["step"]: {"loss": r["loss"], "grad_norm": r["grad_norm"]}
                       for r in records},
             "val_loss": records[-1].get("val_loss"), "seen": seen}

@@ -1,6 +1,7 @@
 """The trainer end to end: run directory contents, exact resume, graceful stop, non-finite
-skips, the spike rollback, and (torchrun, gloo) EP x DP runs whose checkpoints resume bit
-for bit and reshard to other layouts with the same loss."""
+skips, the spike rollback, and EP x DP runs on gloo (one through ``epscale train --nproc 2``,
+the others in ranks of the test's own) whose checkpoints resume bit for bit and reshard to
+other layouts with the same loss."""
 
 from __future__ import annotations
 
@@ -219,7 +220,7 @@ def test_cli_reports_a_missing_data_path(tmp_path, capsys):
 
 
 # --------------------------------------------------------------------------------------
-# several processes through `epscale train --nproc N` (torchrun, gloo)
+# several processes: `epscale train --nproc N` (torchrun, gloo) and run_distributed's ranks
 # --------------------------------------------------------------------------------------
 
 
@@ -278,104 +279,170 @@ def assert_loads_exactly(tmp_path: Path, step_dir: Path, **overrides) -> None:
 
 
 EP2 = ("parallel.ep=2", "train.micro_batch_size=2")
+# the same runs in the ranks below (run_distributed's, from a fork server), as config keys
+RUN = {"train.steps": 4, "train.ckpt_every": 0, "train.eval_every": 0, "train.preflight": False}
+EP2_KEYS = {"parallel.ep": 2, "train.micro_batch_size": 2}
+FOUR_KEYS = {"parallel.dp": 2, "parallel.ep": 2, "train.micro_batch_size": 1}
+PLACED_KEYS = {**EP2_KEYS, "parallel.redundant_experts": 2, "parallel.rebalance_every": 1}
 
 
 @pytest.fixture(scope="module")
 def plain_ep2(tmp_path_factory) -> list[dict]:
-    """The step records of one uninterrupted (dp=1, ep=2) run of 2 processes x 2 sequences,
-    the reference of the tests below (the corpus is the same text in every tmp_path)."""
+    """The step records of one uninterrupted (dp=1, ep=2) run of 2 processes x 2 sequences
+    through ``epscale train --nproc 2`` (torchrun), the reference of the tests below (the
+    corpus is the same text in every tmp_path). The runs below train in ranks of this
+    process's own (tests/dist_utils.py, as a worker of torchrun's runs the trainer: the same
+    code from :class:`Trainer` on; a launch costs each process seconds of start-up), so
+    their bitwise comparisons with it also say that the CLI's ranks compute what they do."""
     tmp = tmp_path_factory.mktemp("plain_ep2")
     epscale_train(tmp, tmp / "run", 2, *EP2)
     return read_metrics(tmp / "run")[0]
 
 
+def _train_ranks(tmp: Path, run_dir: Path, world: int, over: dict, stop_at=None,
+                 stdout: list | None = None) -> None:
+    """One run of this rank's share; rank 0's console in ``stdout`` when given."""
+    import contextlib
+    import io
+
+    from dist_utils import run_trainer
+
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        run_trainer(tiny_cfg(tmp, **{**RUN, **over}), run_dir, world, stop_at=stop_at)
+    if stdout is not None:
+        stdout.append(text.getvalue())
+
+
+def _copy_run(src: Path, *dst: Path) -> None:
+    """Rank 0 copies a whole run directory (every rank has finished with it)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for d in dst:
+            shutil.copytree(src, d)
+    dist.barrier()
+
+
+def _resume_worker(rank, world, tmp):
+    from dist_utils import CaseRunner
+
+    tmp, runner, out = Path(tmp), CaseRunner(rank), {}
+    if world == 4:
+        with runner.case("dp2 ep2 stopped at 2, copied, continued"):
+            _train_ranks(tmp, tmp / "w4", 4, FOUR_KEYS, stop_at=2)
+            _copy_run(tmp / "w4", tmp / "w2", tmp / "w1")
+            _train_ranks(tmp, tmp / "w4", 4, FOUR_KEYS)
+        return runner.failures, runner.num_cases, out
+    with runner.case("ep2 stopped at 2, copied, resumed"):
+        _train_ranks(tmp, tmp / "part", 2, EP2_KEYS, stop_at=2)
+        _copy_run(tmp / "part", tmp / "one")
+        _train_ranks(tmp, tmp / "part", 2, EP2_KEYS)
+    with runner.case("spill"):
+        # Least-loaded spill-over moves rows between ranks without changing the function.
+        _train_ranks(tmp, tmp / "spill", 2, {**EP2_KEYS, "parallel.spill_threshold": 1.0,
+                                             "parallel.spill_min_rows": 1})
+    with runner.case("dp2 ep2's checkpoint continued at ep2"):
+        _train_ranks(tmp, tmp / "w2", 2, EP2_KEYS)
+    with runner.case("redundant experts"):
+        _train_ranks(tmp, tmp / "placed_full", 2, PLACED_KEYS)
+        _train_ranks(tmp, tmp / "placed_part", 2, PLACED_KEYS, stop_at=2)
+        _copy_run(tmp / "placed_part", tmp / "placed_more", tmp / "placed_one")
+        _train_ranks(tmp, tmp / "placed_part", 2, PLACED_KEYS)
+        # another slot count: the placement is re-planned from the saved load window
+        out["placed_more stdout"] = []
+        _train_ranks(tmp, tmp / "placed_more", 2, {**EP2_KEYS, "parallel.redundant_experts": 4},
+                     stdout=out["placed_more stdout"])
+    return runner.failures, runner.num_cases, out
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory) -> tuple[Path, dict]:
+    """Every multi-process resume and reshard below, in one spawn of 4 ranks and one of 2
+    (the 2-rank runs continue a 4-rank checkpoint): the directory they ran in, and what
+    rank 0 printed."""
+    from dist_utils import assert_no_failures, run_distributed
+
+    tmp = tmp_path_factory.mktemp("resumed")
+    out = {}
+    for world in (4, 2):
+        results = run_distributed(_resume_worker, world, args=(str(tmp),), timeout_s=600)
+        assert_no_failures([r[:2] for r in results])
+        out.update(results[0][2])
+    return tmp, out
+
+
 @pytest.mark.timeout(900)
-def test_ep2_resume_is_bitwise_and_reshards_to_ep1(tmp_path, plain_ep2):
+def test_ep2_resume_is_bitwise_and_reshards_to_ep1(tmp_path, plain_ep2, resumed):
     """(dp=1, ep=2), 2 processes x 2 sequences: stopped at step 2 and resumed equals the
     uninterrupted run bit for bit; the step-2 checkpoint loaded by one process (ep=1,
     4 sequences: the same global batch) gives the same losses up to summation order."""
-    ep2 = EP2
-    epscale_train(tmp_path, tmp_path / "part", 2, *ep2, stop_at=2)
-    shutil.copytree(tmp_path / "part", tmp_path / "one")
-    epscale_train(tmp_path, tmp_path / "part", 2, *ep2)
+    ran, _ = resumed
     full = plain_ep2
-    part, events = read_metrics(tmp_path / "part")
+    part, events = read_metrics(ran / "part")
     assert losses_by_step(full) == losses_by_step(part)  # bitwise, steps 1-4
     assert [r["step"] for r in part] == [1, 2, 3, 4]
     assert full[-1]["world_size"] == 2 and len(full[-1]["rank_step_time_s"]) == 2
     assert all(len(lay["rank_load"]) == 2 for lay in full[-1]["layers"])
     assert any(e["event"] == "resume" for e in events)
-    meta = json.loads((tmp_path / "one" / "checkpoints" / "step_00000002" / "meta.json").read_text())
+    meta = json.loads((ran / "one" / "checkpoints" / "step_00000002" / "meta.json").read_text())
     assert (meta["dp"], meta["ep"], meta["world_size"]) == (1, 2, 2)
     step2 = tmp_path / "checkpoints_step2"
-    shutil.copytree(tmp_path / "one" / "checkpoints" / "step_00000002", step2)
+    shutil.copytree(ran / "one" / "checkpoints" / "step_00000002", step2)
     assert_loads_exactly(tmp_path, step2, **{"train.micro_batch_size": 4})
-    one = resume_in_process(tmp_path, tmp_path / "one", **{"train.micro_batch_size": 4})
+    one = resume_in_process(ran, ran / "one", **{"train.micro_batch_size": 4})
     ref = losses_by_step(full)
     assert set(one) == {3, 4}
     assert_losses_close(one, ref, same_weights=(3,))
-    # Least-loaded spill-over moves rows between ranks without changing the function.
-    epscale_train(tmp_path, tmp_path / "spill", 2, *ep2, "parallel.spill_threshold=1.0",
-                  "parallel.spill_min_rows=1")
-    spill, _ = read_metrics(tmp_path / "spill")
+    spill, _ = read_metrics(ran / "spill")
     assert sum(r["spilled_rows"] for r in spill) > 0
     assert_losses_close(losses_by_step(spill), ref, same_weights=(1,))
 
 
 @pytest.mark.timeout(900)
-def test_dp2_ep2_checkpoint_loads_at_ep2_and_ep1(tmp_path):
+def test_dp2_ep2_checkpoint_loads_at_ep2_and_ep1(tmp_path, resumed):
     """A checkpoint written by 4 processes (dp=2, ep=2) continues at 2 processes (ep=2)
     and at 1 process with the same loss on the same global batch."""
-    four = ("parallel.dp=2", "parallel.ep=2", "train.micro_batch_size=1")
-    epscale_train(tmp_path, tmp_path / "w4", 4, *four, stop_at=2)
-    shutil.copytree(tmp_path / "w4", tmp_path / "w2")
-    shutil.copytree(tmp_path / "w4", tmp_path / "w1")
-    epscale_train(tmp_path, tmp_path / "w4", 4, *four)
-    epscale_train(tmp_path, tmp_path / "w2", 2, "parallel.ep=2", "train.micro_batch_size=2")
-    ref = losses_by_step(read_metrics(tmp_path / "w4")[0])
-    got2 = losses_by_step(read_metrics(tmp_path / "w2")[0])
-    assert_loads_exactly(tmp_path, tmp_path / "w1" / "checkpoints" / "step_00000002",
+    ran, _ = resumed
+    ref = losses_by_step(read_metrics(ran / "w4")[0])
+    got2 = losses_by_step(read_metrics(ran / "w2")[0])
+    assert_loads_exactly(tmp_path, ran / "w1" / "checkpoints" / "step_00000002",
                          **{"train.micro_batch_size": 4})
-    got1 = resume_in_process(tmp_path, tmp_path / "w1", **{"train.micro_batch_size": 4})
+    got1 = resume_in_process(ran, ran / "w1", **{"train.micro_batch_size": 4})
     assert set(got1) == {3, 4} and {3, 4} <= set(got2)
     assert_losses_close({s: got2[s] for s in (3, 4)}, ref, same_weights=(3,))
     assert_losses_close(got1, ref, same_weights=(3,))
 
 
 @pytest.mark.timeout(900)
-def test_redundant_experts_train_like_plain_ep_resume_and_reshard(tmp_path, plain_ep2):
+def test_redundant_experts_train_like_plain_ep_resume_and_reshard(plain_ep2, resumed):
     """parallel.redundant_experts: 8 experts in 10 slots over ep=2, re-placed after every
     step (weights and AdamW state move between ranks). Training matches one process
     without copies (same global batch) up to summation order; stopped at step 2 and
     resumed (placement and load window restored) it is bitwise the uninterrupted run; its
     checkpoint holds logical experts, so it continues with 12 slots and at ep=1 (one
     process, the same global batch) too."""
-    placed = ("parallel.ep=2", "train.micro_batch_size=2", "parallel.redundant_experts=2",
-              "parallel.rebalance_every=1")
-    epscale_train(tmp_path, tmp_path / "full", 2, *placed)
-    epscale_train(tmp_path, tmp_path / "part", 2, *placed, stop_at=2)
-    shutil.copytree(tmp_path / "part", tmp_path / "more")
-    shutil.copytree(tmp_path / "part", tmp_path / "one")
-    epscale_train(tmp_path, tmp_path / "part", 2, *placed)
-    full, events = read_metrics(tmp_path / "full")
-    part, part_events = read_metrics(tmp_path / "part")
+    ran, printed = resumed
+    full, events = read_metrics(ran / "placed_full")
+    part, part_events = read_metrics(ran / "placed_part")
     assert losses_by_step(full) == losses_by_step(part)  # bitwise, steps 1-4
     moves = [e for e in events if e["event"] == "replacement"]
     assert moves and all(e["imbalance_after"] <= e["imbalance_before"] + 1e-9 for e in moves)
     for rec in full:  # per-rank loads count each expert's tokens split over its copies
         for lay in rec["layers"]:
             assert sum(lay["rank_load"]) == pytest.approx(sum(lay["tokens_per_expert"]), abs=2)
-    meta = json.loads((tmp_path / "one" / "checkpoints" / "step_00000002" / "meta.json").read_text())
+    one_dir = ran / "placed_one"
+    meta = json.loads((one_dir / "checkpoints" / "step_00000002" / "meta.json").read_text())
     assert len(meta["placement"]["phy2log"][0]) == 10
-    assert (tmp_path / "one" / "checkpoints" / "step_00000002" / "rebalancer.pt").is_file()
+    assert (one_dir / "checkpoints" / "step_00000002" / "rebalancer.pt").is_file()
     ref = losses_by_step(plain_ep2)
     assert_losses_close(losses_by_step(full), ref, same_weights=(1,))
     # Another slot count: the placement is re-planned from the saved load window.
-    proc = epscale_train(tmp_path, tmp_path / "more", 2, "parallel.ep=2",
-                         "train.micro_batch_size=2", "parallel.redundant_experts=4")
-    assert "planned from the loads saved in step_00000002" in proc.stdout
-    one = resume_in_process(tmp_path, tmp_path / "one", **{"train.micro_batch_size": 4})
-    more = losses_by_step(read_metrics(tmp_path / "more")[0])
+    assert "planned from the loads saved in step_00000002" in " ".join(
+        printed["placed_more stdout"][0].split())
+    one = resume_in_process(ran, one_dir, **{"train.micro_batch_size": 4})
+    more = losses_by_step(read_metrics(ran / "placed_more")[0])
     assert set(one) == {3, 4} and {3, 4} <= set(more)
     assert_losses_close({s: more[s] for s in (3, 4)}, ref, same_weights=(3,))
     assert_losses_close(one, ref, same_weights=(3,))
