@@ -93,8 +93,8 @@ def main() -> int:
     def attach(on: bool) -> None:
         collector.close()
         if on:
-            collector._hooks = [m.register_forward_hook(collector._make_hook(k))
-                                for k, (_l, _n, m) in enumerate(collector.layers)]
+            collector._hooks = [m.register_forward_hook(collector.count_forward)
+                                for _l, _n, m in collector.layers]
 
     for i in range(args.warmup):
         attach(True), step(i, True)
@@ -126,7 +126,7 @@ def main() -> int:
     probe.reset()
     attach(True)
     moe0 = collector.layers[0][2]
-    hook = collector._make_hook(0)
+    hook = collector.count_forward
     c0 = time.perf_counter()
     for _ in range(2000):
         hook(moe0, (), None)

@@ -85,6 +85,8 @@ def eager(corpus_dir, tmp_path_factory) -> dict:
 
 @pytest.mark.timeout(900)  # compiling is CPU-bound: slow on a busy machine
 def test_one_process_compiles_each_block_as_one_graph(eager, corpus_dir, tmp_path):
+    from torch._dynamo.utils import counters
+
     from epscale.parallel.compile import CompiledForward
 
     blocks, notes = [], []
@@ -93,10 +95,16 @@ def test_one_process_compiles_each_block_as_one_graph(eager, corpus_dir, tmp_pat
         blocks.extend(t.model.layers.values())
         notes.extend(t.fsdp_notes)
 
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
     plain = run_trainer(_cfg(corpus_dir, 1, **{"train.compile": True}), tmp_path / "c", 1,
                         stop_at=STOP, inspect=inspect)
     got = _summary(plain)
     assert len(blocks) == 2
+    # one graph for both blocks, all steps: nothing per layer or per forward in a guard
+    # (the metrics hook once held the layer's index and host counts: a graph per MoE
+    # layer, and at a model's depth past dynamo's recompilation limit)
+    assert counters["stats"]["unique_graphs"] - before == 1
     assert "compile: torch.compile per block: 2 block(s) as one graph (fullgraph)" in notes
     for block in blocks:  # fullgraph: a graph break would have raised at the first step
         assert isinstance(block._forward, CompiledForward) and block._forward.fullgraph

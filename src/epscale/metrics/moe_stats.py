@@ -58,7 +58,8 @@ def _routed_fields(num_experts: int) -> Fields:
     """A layer's device accumulator: what its training forwards routed since the last
     record (summed on the device, no host sync)."""
     return Fields([("tokens_per_expert", (num_experts,)), ("router_entropy_sum", ()),
-                   ("nonfinite_inputs", ()), ("dropped", ())])
+                   ("nonfinite_inputs", ()), ("dropped", ()), ("num_tokens", ()),
+                   ("num_forwards", ())])
 
 
 # A rank's communication of the step (CommClock.totals()): in flight and exposed seconds,
@@ -68,7 +69,8 @@ _COMM_PAIR = Fields([("s", ()), ("n", ()), ("exposed_s", ())])
 COMM_FIELDS = Fields([("s", ()), ("exposed_s", ())] + [(k, _COMM_PAIR) for k in COMM_KINDS])
 
 _BIAS = Fields([("min", ()), ("max", ())])          # a layer's expert-bias range
-_FORWARDS = Fields([("num_tokens", ()), ("num_forwards", ())])  # a layer's host counters
+# the name of the buffer on each MoE layer that sums its routing statistics between records
+STATS_BUFFER = "step_routed_sums"
 
 
 def process_memory_mb(device: torch.device | None = None) -> float:
@@ -168,10 +170,18 @@ class StepStatsCollector:
                 placement = np.arange(E) // (E // ep)
             self.expert_to_rank.append(placement)
         self.placement = None
-        self._routed = [_routed_fields(m.cfg.num_experts) for _lid, _n, m in self.layers]
-        self._dev_acc = [torch.zeros(f.size, dtype=torch.float64, device=self.device)
-                         for f in self._routed]
-        self._host_acc = [{"num_tokens": 0, "num_forwards": 0} for _ in self.layers]
+        self._routed = {m.cfg.num_experts: _routed_fields(m.cfg.num_experts)
+                        for _lid, _n, m in self.layers}
+        # Each layer's sums since the last record live on the layer itself (a non-persistent
+        # buffer on the device, token and forward counts included), so that the one hook
+        # below reads nothing layer-specific from its closure and no host number that
+        # changes: a block compiled with torch.compile traces it once for all its layers.
+        # (With the layer's index in the closure and the counts in a host dict, dynamo
+        # guarded on both and compiled a graph per MoE layer and per forward.)
+        for _lid, _n, m in self.layers:
+            m.register_buffer(STATS_BUFFER, torch.zeros(
+                self._routed[m.cfg.num_experts].size, dtype=torch.float64, device=self.device),
+                persistent=False)
         # The step's ONE all-reduce, by name: every MoE layer of the whole model (zeros for
         # the ones another pipeline stage holds), then the step's numbers, then one row
         # per rank. Device parts first, then the host ones (one host tensor).
@@ -183,41 +193,39 @@ class StepStatsCollector:
                ("num_tokens", ()),
                ("breakdown", Fields([(k, ()) for k in STANDARD_SECTIONS])),
                ("comm", COMM_FIELDS)]
-            + [(f"layers.{lid}.forwards", _FORWARDS) for lid, _i in self.slots]
             + [("ranks", (self.world, len(_RANK_FIELDS)))])
         self._zero_streak = [np.zeros(E, dtype=np.int64) for E in self.num_experts]
-        self._hooks = [m.register_forward_hook(self._make_hook(i))
-                       for i, (_lid, _name, m) in enumerate(self.layers)]
+        self._hooks = [m.register_forward_hook(self.count_forward) for _l, _n, m in self.layers]
 
     # ------------------------------------------------------------------ accumulation
-    def _make_hook(self, idx: int):
-        def hook(module: nn.Module, _inputs: Any, _output: Any) -> None:
-            if not module.training or is_recomputing():  # recomputed forwards count once
-                return
-            st = module.last_stats
-            counts = st.get("tokens_per_expert")
-            if counts is None:
-                return
-            acc, at = self._dev_acc[idx], self._routed[idx].slices
-            with torch.no_grad():  # device adds only: no host sync here
-                acc[at["tokens_per_expert"]] += counts.to(acc.device, torch.float64)
-                ent = st.get("router_entropy")
-                if isinstance(ent, torch.Tensor):
-                    acc[at["router_entropy_sum"]] += ent.to(acc.device, torch.float64)
-                elif ent is not None:
-                    acc[at["router_entropy_sum"]] += float(ent)
-                bad = st.get("num_nonfinite_inputs")
-                if isinstance(bad, torch.Tensor):
-                    acc[at["nonfinite_inputs"]] += bad.to(acc.device, torch.float64)
-                drop = st.get("num_dropped", 0)  # a device tensor under capacity, else 0
-                if isinstance(drop, torch.Tensor):
-                    acc[at["dropped"]] += drop.to(acc.device, torch.float64)
-                elif drop:
-                    acc[at["dropped"]] += float(drop)
-            host = self._host_acc[idx]
-            host["num_tokens"] += int(st.get("num_tokens", 0))
-            host["num_forwards"] += 1
-        return hook
+    def count_forward(self, module: nn.Module, _inputs: Any, _output: Any) -> None:
+        """The forward hook of every MoE layer: adds the layer's routing statistics of
+        this forward to the layer's sums (device adds, no host sync)."""
+        if not module.training or is_recomputing():  # recomputed forwards count once
+            return
+        st = module.last_stats
+        counts = st.get("tokens_per_expert")
+        if counts is None:
+            return
+        acc = getattr(module, STATS_BUFFER)
+        at = self._routed[module.cfg.num_experts].slices
+        with torch.no_grad():  # device adds only: no host sync here
+            acc[at["tokens_per_expert"]] += counts.to(acc.device, torch.float64)
+            ent = st.get("router_entropy")
+            if isinstance(ent, torch.Tensor):
+                acc[at["router_entropy_sum"]] += ent.to(acc.device, torch.float64)
+            elif ent is not None:
+                acc[at["router_entropy_sum"]] += float(ent)
+            bad = st.get("num_nonfinite_inputs")
+            if isinstance(bad, torch.Tensor):
+                acc[at["nonfinite_inputs"]] += bad.to(acc.device, torch.float64)
+            drop = st.get("num_dropped", 0)  # a device tensor under capacity, else 0
+            if isinstance(drop, torch.Tensor):
+                acc[at["dropped"]] += drop.to(acc.device, torch.float64)
+            elif drop:
+                acc[at["dropped"]] += float(drop)
+            acc[at["num_tokens"]] += int(st.get("num_tokens", 0))
+            acc[at["num_forwards"]] += 1
 
     def set_placement(self, placement: Any) -> None:
         """Count per-rank loads under a redundant-expert placement (an
@@ -239,10 +247,8 @@ class StepStatsCollector:
 
     def reset(self) -> None:
         """Drop what was accumulated since the last record (``record`` calls this)."""
-        for acc in self._dev_acc:
-            acc.zero_()
-        for host in self._host_acc:
-            host.update(num_tokens=0, num_forwards=0)
+        for _lid, _name, m in self.layers:
+            getattr(m, STATS_BUFFER).zero_()
 
     def close(self) -> None:
         """Remove the forward hooks."""
@@ -303,14 +309,12 @@ class StepStatsCollector:
                 key = f"layers.{lid}"
                 if idx is None:  # a layer another pipeline stage holds
                     values.update({f"{key}.routed": zeros(_routed_fields(E).size),
-                                   f"{key}.bias": zeros(_BIAS.size),
-                                   f"{key}.forwards": {"num_tokens": 0.0, "num_forwards": 0.0}})
+                                   f"{key}.bias": zeros(_BIAS.size)})
                     continue
                 bias = self.layers[idx][2].router.expert_bias.detach().to(self.device,
                                                                           torch.float64)
-                values.update({f"{key}.routed": self._dev_acc[idx],
-                               f"{key}.bias": torch.stack([bias.min(), bias.max()]),
-                               f"{key}.forwards": self._host_acc[idx]})
+                values.update({f"{key}.routed": getattr(self.layers[idx][2], STATS_BUFFER),
+                               f"{key}.bias": torch.stack([bias.min(), bias.max()])})
             flat = self.fields.pack(values, self.device)
         if self.distributed and self.world > 1:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)  # the one collective
@@ -345,8 +349,8 @@ class StepStatsCollector:
                            if self.placement is not None and self.layers else None)
         for idx, (lid, _local) in enumerate(self.slots):
             counts = counts_by_layer[idx]
-            forwards, bias = red[f"layers.{lid}.forwards"], red[f"layers.{lid}.bias"]
-            n_tok, n_fwd = forwards["num_tokens"], forwards["num_forwards"]
+            bias = red[f"layers.{lid}.bias"]
+            n_tok, n_fwd = routed[idx]["num_tokens"], routed[idx]["num_forwards"]
             n_drop = routed[idx]["dropped"]
             assign = n_tok * self.top_k[idx]
             total_assign += assign
