@@ -203,6 +203,26 @@ def run_trainer(cfg, run_dir, world: int, stop_at: int | None = None, inspect=No
         t.close(clean)
 
 
+def _train_worker(rank, world, config, overrides, run_dir, stop_at):
+    from pathlib import Path
+
+    from epscale.config import load_config
+
+    return run_trainer(load_config(config, list(overrides)), Path(run_dir), world, stop_at=stop_at)
+
+
+def train_in_ranks(config, overrides, run_dir, world: int, stop_at: int | None = None,
+                   timeout_s: float = 300.0) -> list[dict]:
+    """What ``epscale train --config CONFIG --nproc WORLD --run-dir RUN_DIR --stop-at STOP
+    OVERRIDES`` trains, in ranks from this process's fork server (the same trainer from
+    :class:`Trainer` on, one thread per rank, as a launch with OMP_NUM_THREADS=1): for a
+    reference run, where a launch would spend seconds of CPU per process importing torch.
+    Rank 0's step records."""
+    return run_distributed(_train_worker, world, args=(str(config) if config else None,
+                                                       tuple(overrides), str(run_dir), stop_at),
+                           timeout_s=timeout_s)[0]
+
+
 def copy_checkpoint(src_run, step: int, dst_run, rank: int) -> None:
     """Rank 0 copies ``src_run``'s checkpoint of ``step`` into a new run directory; all
     ranks wait for it."""

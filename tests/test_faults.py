@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from dist_utils import train_in_ranks
 from epscale.launch.watchdog import (HANG_EXIT_CODE, FlightRecorder, hang_report,
                                      read_flight_dumps)
 
@@ -177,10 +178,9 @@ def _parent(pid: int) -> int:
 
 def test_sigkill_rank_restarts_and_resumes_to_the_same_loss(tmp_path, corpus):
     steps = 24
-    # The uninterrupted reference.
-    ref = _launch(tmp_path / "ref", corpus, steps, max_restarts=0)
-    out_ref = ref.communicate(timeout=300)[0]
-    assert ref.returncode == 0, out_ref[-3000:]
+    # The uninterrupted reference (in ranks of the test's own: the launch is the killed run's)
+    train_in_ranks(TINY, [f"train.steps={steps}", "train.ckpt_every=5", f"data.source={corpus}",
+                          *SMALL], tmp_path / "ref", 2)
 
     run = tmp_path / "killed"
     proc = _launch(run, corpus, steps, max_restarts=2)
