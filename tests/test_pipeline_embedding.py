@@ -388,3 +388,34 @@ def test_a_last_stage_without_layers_needs_mtp_modules(tmp_path):
                                   "train.grad_accum": 3, "model.mtp_depth": 1,
                                   "model.vocab_size": 32768})
     assert layers_per_stage(heavy)[-1] == 0 and sum(layers_per_stage(heavy)) == 4
+
+
+def test_the_memory_model_frees_a_whole_backward_at_its_input_half(tmp_path):
+    """The last stage of a tied head with MTP modules runs its weight gradients with its
+    input gradients (``StageChunk.splits_backward``), so its activation sets go at the
+    input half (I), not at a deferred weight pass (W): the memory model follows. Under
+    interleaved zero-bubble, whose W comes late, that rank holds less; the V schedules run
+    the last stage's W right after its I, so nothing moves there."""
+    from epscale.plan.layout import Layout
+    from epscale.plan.memory import pipeline_memory
+    from epscale.plan.pipeline import in_flight, schedule_actions
+
+    heavy_last = {s: 3.0 if s == 7 else 1.0 for s in range(8)}   # pp=4, 2 stages per rank
+    acts = schedule_actions("zero_bubble", 4, 16, 2, 3)           # rank 3 holds stage 7
+    assert in_flight(acts, heavy_last) == (16.0, 8)
+    assert in_flight(acts, heavy_last, frozenset({7})) == (10.0, 8)
+    for schedule in ("zbv", "dualpipev"):
+        for rank in range(4):
+            acts = schedule_actions(schedule, 4, 16, 2, rank)
+            assert in_flight(acts, heavy_last) == in_flight(acts, heavy_last, frozenset({7}))
+
+    def last_rank(tied: bool):
+        cfg = load_config(None, [f"data.source={tmp_path}", "model.num_layers=4",
+                                 "model.mtp_depth=1", f"model.tie_embeddings={str(tied).lower()}",
+                                 "parallel.pp=2", "parallel.pp_schedule=zero_bubble",
+                                 "parallel.pp_virtual_stages=2", "train.grad_accum=8"])
+        return pipeline_memory(cfg, Layout.from_config(cfg, 2))[1]
+
+    tied, untied = last_rank(True), last_rank(False)
+    assert tied.stage_activations == untied.stage_activations
+    assert tied.memory.activations < untied.memory.activations

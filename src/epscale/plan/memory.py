@@ -757,9 +757,11 @@ def cached_param_shapes(model: ModelConfig, moe: MoEConfig) -> tuple[ParamShape,
 
 @lru_cache(maxsize=4096)
 def _rank_peak(schedule: str, pp: int, m: int, virtual_stages: int, rank: int,
-               stage_bytes: tuple[tuple[int, float], ...]) -> tuple[float, int]:
+               stage_bytes: tuple[tuple[int, float], ...],
+               whole_backward: frozenset[int] = frozenset()) -> tuple[float, int]:
     """:func:`epscale.plan.pipeline.in_flight` of one rank's schedule order."""
-    return in_flight(schedule_actions(schedule, pp, m, virtual_stages, rank), dict(stage_bytes))
+    return in_flight(schedule_actions(schedule, pp, m, virtual_stages, rank), dict(stage_bytes),
+                     whole_backward)
 
 
 def block_of(p: ParamShape) -> int | str:
@@ -855,6 +857,9 @@ def pipeline_memory(cfg: RunConfig, lay: Layout, acts: Activations | None = None
         return out
 
     sets = {s: stage_set(s) for s in range(n)}
+    # the last stage of a tied head with MTP modules runs its weight gradients with its
+    # input gradients (StageChunk.splits_backward): its sets are freed at the input half
+    whole_backward = frozenset({n - 1} if model.tie_embeddings and model.mtp_depth else ())
     out = []
     for rank, stages in enumerate(placement):
         last = n - 1 in stages
@@ -865,7 +870,7 @@ def pipeline_memory(cfg: RunConfig, lay: Layout, acts: Activations | None = None
                                    if block_of(p) in mine] + copied, lay, cb)
         count = sum(held.get(k, 0) for k in keys) + sum(local_numel(p, lay) for p in copied)
         peak, sets_held = _rank_peak(lay.pp_schedule, lay.pp, m, lay.pp_virtual_stages, rank,
-                                     tuple(sorted(sets.items())))
+                                     tuple(sorted(sets.items())), whole_backward)
         moe_here = any(model.is_moe_layer(i) for i in layers)
         gathered = {**full, "head": full.get("head", 0) + sum(p.numel for p in copied)}
         receives = sum(_receive_peaks(lay.pp_schedule, lay.pp, m, lay.pp_virtual_stages)[rank][i][1]

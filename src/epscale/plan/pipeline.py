@@ -567,12 +567,15 @@ def _dualpipev_actions(p: int, m: int, rank: int) -> list[tuple[int, str, int]]:
     return out
 
 
-def in_flight(actions: list[tuple[int, str, int]], stage_bytes: dict[int, float]
-              ) -> tuple[float, int]:
+def in_flight(actions: list[tuple[int, str, int]], stage_bytes: dict[int, float],
+              whole_backward: frozenset[int] = frozenset()) -> tuple[float, int]:
     """(bytes, micro-batch activation sets) a rank holds at its peak when each forward of
     stage s keeps ``stage_bytes[s]`` until that micro-batch's backward on s frees it: a
     full backward (B), or the weight half (W) of a split one (the input half, I, leaves
-    what the weight gradients need: counted as all of it)."""
+    what the weight gradients need: counted as all of it). A stage in ``whole_backward``
+    runs its weight gradients with its input gradients (the trainer's last stage of a tied
+    head with MTP modules under a split-backward schedule: ``StageChunk.splits_backward``),
+    so its I frees the set and its W frees nothing."""
     held: dict[tuple[int, int], float] = {}
     total = peak = 0.0
     count = 0
@@ -582,6 +585,6 @@ def in_flight(actions: list[tuple[int, str, int]], stage_bytes: dict[int, float]
             total += stage_bytes[stage]
             if total > peak or (total == peak and len(held) > count):
                 peak, count = total, len(held)
-        elif kind in ("B", "W"):
+        elif kind == "B" or kind == ("I" if stage in whole_backward else "W"):
             total -= held.pop((stage, mb))
     return peak, count
