@@ -353,6 +353,9 @@ def stage_train(ctx: Ctx, variant: list[str]) -> dict:
     log = ctx.out / re.sub(r"[^A-Za-z0-9_.-]", "",
                            f"train_{'_'.join(v.split('=')[-1] for v in variant)}.log")
     res: dict = dict(overrides=over, log=str(log))
+    from torch._dynamo.utils import counters
+
+    graphs_before = counters["stats"]["unique_graphs"]
     with open(log, "w") as f, contextlib.redirect_stdout(f):
         trainer = Trainer(cfg, tmp / "run", LaunchEnv("none"))
         clean = False
@@ -382,15 +385,19 @@ def stage_train(ctx: Ctx, variant: list[str]) -> dict:
                final_mtp_loss=recs[-1].get("mtp_loss"),
                host_syncs_per_step=None if events is None else len(events),
                sync_places=dict(list(by_place(events or []).items())[:10]),
-               describe_memory=estimate, target="MFU >= 40%; memory within 5% of describe")
+               describe_memory=estimate, target="MFU >= 40%; memory within 5% of describe",
+               # graphs torch.compile built over the run: one per block structure (two under
+               # full recomputation: the recomputed forward); more means recompilations
+               compiled_graphs=counters["stats"]["unique_graphs"] - graphs_before)
     mem = ""
     if "peak_allocated" in res:
         ratio = res["peak_allocated"] / estimate["total"]
         res.update(memory_measured_over_estimate=ratio, memory_target_met=abs(ratio - 1) <= 0.05,
                    mfu_target_met=res["mfu"] >= 0.40)
         mem = f", memory {ratio:.3f}x describe"
+    graphs = f", {res['compiled_graphs']} compiled graphs" if "train.compile=true" in variant else ""
     res["headline"] = (f"{res['tokens_per_s']:,.0f} tok/s, MFU {100 * res['mfu']:.1f}%, "
-                       f"{'?' if events is None else len(events)} syncs/step{mem}")
+                       f"{'?' if events is None else len(events)} syncs/step{mem}{graphs}")
     res["status"] = "ok"
     return res
 
