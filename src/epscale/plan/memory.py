@@ -83,9 +83,9 @@ a forward holding its set until the backward of that micro-batch and stage; a ba
 split in two (the zero-bubble schedules) frees it at its weight half (assumed: the input
 half frees little, the weight gradients need the saved inputs of every matrix product,
 and its output gradients too; the last stage of a tied head with MTP modules runs its
-weight gradients at its input half, which frees it there). That gives, in stage sets at the peak: 1F1B rank r of p keeps
-min(m, p - r); GPipe all m; interleaved 1F1B with v stages per rank (m a multiple of p)
-(v - 1) p + 2 (p - 1 - r) + 1 (rank 0: about p + (p - 1) / v micro-batches of all its
+weight gradients at its input half, which frees it there). That gives, in stage sets at
+the peak: 1F1B rank r of p keeps min(m, p - r); GPipe all m; interleaved 1F1B with v
+stages per rank (m a multiple of p) (v - 1) p + 2 (p - 1 - r) + 1 (rank 0: about p + (p - 1) / v micro-batches of all its
 layers, Korthikanti et al.'s figure); interleaved zero-bubble v p; ZB-V 2p on every rank
 (p micro-batches of both its stages, as 1F1B's first rank); DualPipeV 2p + 1. p2p buffers:
 torch's PipelineStage allocates a receive buffer (T x D, the residual stream's dtype) for every
