@@ -8,6 +8,7 @@ blocking path), side by side in one run, with the ratios.
     .venv/bin/python benchmarks/overlap.py --steps 12 --recipe larger
     .venv/bin/python benchmarks/overlap.py --overhead            # the clock's own cost
     .venv/bin/python benchmarks/overlap.py --cases pp2-ep2-dualpipev --rounds 3  # micro-batch pairs
+    .venv/bin/python benchmarks/overlap.py --cases ep2-alltoall-accum4,ep2-alltoall-pairs  # no pipeline
 
 Each case trains ``configs/tiny.yaml`` (or ``--recipe larger``) for ``--steps`` steps on
 gloo (``epscale train --nproc N``), once per mode; ``--rounds R`` alternates auto and none
@@ -34,7 +35,9 @@ KINDS = ("dispatch", "fsdp", "dp", "pp")
 CHUNKS = ["parallel.overlap_chunks=2"]
 DUALPIPEV = ["parallel.pp=2", "parallel.ep=2", "parallel.pp_schedule=dualpipev",
              "model.tie_embeddings=false", "train.micro_batch_size=1", "train.grad_accum=8"]
-# name -> (processes, overrides on the recipe)
+ACCUM4 = ["train.grad_accum=4", "train.micro_batch_size=1"]
+PAIRS = ["parallel.overlap_micro_batches=true"]
+# name -> (processes, overrides on the recipe[, overrides of the 'auto' run only])
 CASES = {
     "ep2-alltoall": (2, ["parallel.ep=2", "parallel.dispatcher=alltoall"]),
     "ep2-dedup": (2, ["parallel.ep=2", "parallel.dispatcher=dedup", *CHUNKS]),
@@ -53,6 +56,15 @@ CASES = {
     # micro-batches of 1 sequence per data rank
     "pp2-ep2-dualpipev": (4, DUALPIPEV + ["parallel.dispatcher=alltoall"]),
     "pp2-ep2-dualpipev-dedup": (4, DUALPIPEV + ["parallel.dispatcher=dedup", *CHUNKS]),
+    # Without a pipeline, 4 micro-batches of 1 sequence: 'auto' pairs each forward with the
+    # previous micro-batch's backward (parallel.overlap_micro_batches); the -accum4 cases
+    # are the same runs without the pairs
+    "ep2-alltoall-accum4": (2, ["parallel.ep=2", "parallel.dispatcher=alltoall", *ACCUM4]),
+    "ep2-alltoall-pairs": (2, ["parallel.ep=2", "parallel.dispatcher=alltoall", *ACCUM4], PAIRS),
+    "ep2-dedup-pairs": (2, ["parallel.ep=2", "parallel.dispatcher=dedup", *CHUNKS, *ACCUM4],
+                        PAIRS),
+    "ep4-alltoall-accum4": (4, ["parallel.ep=4", "parallel.dispatcher=alltoall", *ACCUM4]),
+    "ep4-alltoall-pairs": (4, ["parallel.ep=4", "parallel.dispatcher=alltoall", *ACCUM4], PAIRS),
 }
 RECIPES = {
     "tiny": [],
@@ -210,24 +222,25 @@ def main() -> None:
         raise SystemExit(f"unknown case(s) {unknown}; choose from {list(CASES)}")
     print(f"recipe {args.recipe}, {args.steps} steps, {args.rounds} round(s); medians over the "
           "steps after the first third (exposed and in flight: share of the step time)")
-    head = (f"{'case':<18} {'mode':<5} {'exposed':>8} {'in flight':>9} {'tok/s':>7} "
+    head = (f"{'case':<24} {'mode':<5} {'exposed':>8} {'in flight':>9} {'tok/s':>7} "
             f"{'step ms':>8}  exposed by kind")
     print(head)
     rows, figures = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
-            nproc, over = CASES[name]
+            nproc, over, *auto_only = CASES[name]
             runs: dict[str, list[dict]] = {"auto": [], "none": []}
             for r in range(args.rounds):
                 for mode in ("auto", "none") if r % 2 == 0 else ("none", "auto"):
                     run_dir = Path(tmp) / f"{name}-{mode}-{r}"
-                    recs = run_one(run_dir, nproc, args.steps,
-                                   RECIPES[args.recipe] + over + [f"parallel.overlap={mode}"])
+                    extra = auto_only[0] if auto_only and mode == "auto" else []
+                    recs = run_one(run_dir, nproc, args.steps, RECIPES[args.recipe] + over
+                                   + extra + [f"parallel.overlap={mode}"])
                     runs[mode].append(summarize(recs))
             s = {m: {k: statistics.median(x[k] for x in v) for k in v[0]} for m, v in runs.items()}
             for mode in ("auto", "none"):
                 x = s[mode]
-                print(f"{name:<18} {mode:<5} {100 * x['exposed']:>7.1f}% {100 * x['in_flight']:>8.1f}% "
+                print(f"{name:<24} {mode:<5} {100 * x['exposed']:>7.1f}% {100 * x['in_flight']:>8.1f}% "
                       f"{x['tokens_per_s']:>7.0f} {x['step_ms']:>8.1f}  {_kinds(x)}; dispatch "
                       f"{x['dispatch_n']:.0f} collectives, {x['dispatch_exposed_ms']:.0f} ms "
                       "exposed", flush=True)
@@ -236,11 +249,11 @@ def main() -> None:
             rows.append((name, ratio, speed))
             figures[name] = {"auto": s["auto"], "none": s["none"], "exposed_ratio": ratio,
                              "tokens_per_s_ratio": speed}
-            print(f"{name:<18} ratio auto/none: exposed {ratio:.2f}x, tokens/s {speed:.2f}x",
+            print(f"{name:<24} ratio auto/none: exposed {ratio:.2f}x, tokens/s {speed:.2f}x",
                   flush=True)
     print("\nsummary (auto / none)")
     for name, ratio, speed in rows:
-        print(f"  {name:<18} exposed {ratio:.2f}x  tokens/s {speed:.2f}x")
+        print(f"  {name:<24} exposed {ratio:.2f}x  tokens/s {speed:.2f}x")
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))
 

@@ -18,7 +18,7 @@ from dist_utils import CaseRunner, assert_no_failures, run_distributed, run_trai
 from epscale.config import ConfigError, load_config
 from epscale.dispatch.comm import CommCounter, Exchange, GroupInfo, has_handoff, hand_off
 from epscale.metrics.commclock import CommClock, _union
-from epscale.parallel.overlap_pair import PairStats, run_pair
+from epscale.parallel.overlap_pair import PairStats, finish_partner, run_pair
 from epscale.plan.overlap import COMM_KINDS
 from test_train import assert_losses_close, tiny_overrides
 
@@ -37,10 +37,27 @@ CASES = {
     "fsdp ep2 dedup": {"parallel.fsdp": True, "parallel.ep": 2, "parallel.overlap_chunks": 2},
 }
 
+# parallel.overlap_micro_batches: each runs with the pairs and without, 3 micro-batches a
+# step (a middle pair, and a last forward paired while DDP's reduction waits for it)
+PAIRS = {"train.grad_accum": 3, "train.micro_batch_size": 1, "parallel.ep": 2}
+PAIR_CASES = {
+    "pairs alltoall": {**PAIRS, "parallel.dispatcher": "alltoall"},
+    "pairs dedup chunks2 shared, full recompute": {
+        **PAIRS, "parallel.dispatcher": "dedup", "parallel.overlap_chunks": 2,
+        "moe.num_shared_experts": 1, "train.activation_checkpointing": "full"},
+    "pairs hierarchical, selective recompute, spill": {
+        **PAIRS, "parallel.dispatcher": "hierarchical", "parallel.ranks_per_node": 1,
+        "train.activation_checkpointing": "selective", "parallel.spill_threshold": 1.0,
+        "parallel.spill_min_rows": 1},
+    "pairs allgather, light recompute, mtp": {
+        **PAIRS, "parallel.dispatcher": "allgather", "train.recompute_modules": "[norm,router]",
+        "model.mtp_depth": 1},
+}
 
-def _records(corpus_dir: Path, run_dir: Path, over: dict) -> list[dict]:
+
+def _records(corpus_dir: Path, run_dir: Path, over: dict, inspect=None) -> list[dict]:
     cfg = load_config(None, tiny_overrides(corpus_dir, **{**BASE, **over}))
-    return run_trainer(cfg, run_dir, 2)
+    return run_trainer(cfg, run_dir, 2, inspect=inspect)
 
 
 def _check_record(rec: dict, over: dict) -> None:
@@ -147,12 +164,30 @@ def _pair_case(runner: CaseRunner, rank: int) -> None:
         assert not has_handoff()
 
 
+def _micro_batch_pair_cases(runner: CaseRunner, corpus_dir: Path, tmp: Path) -> dict:
+    """Each of PAIR_CASES with parallel.overlap_micro_batches and without: the step
+    records' losses and gradient norms, and the pairs the step ran (and their hand-offs)."""
+    out = {}
+    for name, over in PAIR_CASES.items():
+        for paired in (True, False):
+            with runner.case(f"{name} {paired}"):
+                held = {}
+                recs = _records(corpus_dir, tmp / f"{name}-{paired}".replace(" ", "_"),
+                                {**over, "parallel.overlap_micro_batches": paired},
+                                inspect=lambda t: held.update(stepper=t.stepper))
+                stats = held["stepper"].pair_stats
+                out[(name, paired)] = (
+                    [(r["step"], r["loss"], r["grad_norm"], r.get("mtp_loss")) for r in recs],
+                    None if stats is None else (stats.pairs, stats.switches))
+    return out
+
+
 def _worker(rank, world, corpus_dir, tmp, cases):
     corpus_dir, tmp = Path(corpus_dir), Path(tmp)
     runner = CaseRunner(rank)
     _clock_cases(runner, corpus_dir, tmp)
     _pair_case(runner, rank)
-    out = {}
+    out = {"micro-batch pairs": _micro_batch_pair_cases(runner, corpus_dir, tmp)}
     for name, over in cases.items():
         for mode in ("auto", "none"):
             with runner.case(f"{name} {mode}"):
@@ -164,13 +199,20 @@ def _worker(rank, world, corpus_dir, tmp, cases):
     return runner.failures, out
 
 
-def test_overlap_auto_and_none_train_the_same(tmp_path):
+@pytest.fixture(scope="module")
+def overlap_runs(tmp_path_factory):
+    """One spawn of two processes: every case of this file that trains."""
     from test_train import corpus
 
-    corpus(tmp_path)
-    results = run_distributed(_worker, 2, args=(str(tmp_path), str(tmp_path / "runs"), CASES))
+    tmp = tmp_path_factory.mktemp("overlap")
+    corpus(tmp)
+    results = run_distributed(_worker, 2, args=(str(tmp), str(tmp / "runs"), CASES))
     assert_no_failures([failures for failures, _out in results])
-    got = results[0][1]
+    return results
+
+
+def test_overlap_auto_and_none_train_the_same(overlap_runs):
+    got = overlap_runs[0][1]
     for name in CASES:
         auto, none = got[(name, "auto")], got[(name, "none")]
         assert sorted(auto) == [1, 2], name
@@ -178,6 +220,62 @@ def test_overlap_auto_and_none_train_the_same(tmp_path):
         for i in (0, 1):
             assert_losses_close({s: v[i] for s, v in none.items()},
                                 {s: v[i] for s, v in auto.items()}, same_weights=(1,))
+
+
+def test_micro_batch_pairs_train_bit_for_bit_as_one_after_the_other(overlap_runs):
+    """parallel.overlap_micro_batches: each forward but the first runs with the previous
+    micro-batch's backward, interleaved at their exchanges (every dispatcher; chunked,
+    with shared experts; full, selective and light recomputation; spill-over; MTP; DDP's
+    reduction in the last backward). The same operations on the same tensors, the
+    backwards in micro-batch order: the same losses and gradient norms, bit for bit."""
+    got = overlap_runs[0][1]["micro-batch pairs"]
+    for name in PAIR_CASES:
+        (paired, stats), (plain, none) = got[(name, True)], got[(name, False)]
+        assert none is None and [r[0] for r in plain] == [1, 2], name
+        assert paired == plain, name
+        pairs, switches = stats
+        assert pairs == 2 * (PAIRS["train.grad_accum"] - 1), (name, stats)  # 2 a step
+        # at least: the forward hands over at its first exchange, the backward at its
+        # first, and the forward's end waits for the backward's end
+        assert switches >= 2 * pairs, (name, stats)
+
+
+@pytest.mark.parametrize("over, says", [
+    ({"parallel.overlap": "none"}, "parallel.overlap is 'none'"),
+    ({"parallel.pp": 2, "model.tie_embeddings": False}, "without a pipeline"),
+    ({"parallel.fsdp": True}, "replicated layout"),
+    ({"parallel.ep": 1}, "parallel.ep = 1"),
+    ({"train.compile": True}, "train.compile"),
+    ({"train.activation_storage": "fp8", "moe.experts_impl": "grouped_mm"},
+     "activation_storage"),
+    ({"train.grad_accum": 1}, "train.grad_accum is 1"),
+])
+def test_micro_batch_pairs_refuse_what_they_cannot_run(tmp_path, over, says):
+    base = {"parallel.overlap_micro_batches": True, "parallel.ep": 2, "train.grad_accum": 2}
+    with pytest.raises(ConfigError, match="parallel.overlap_micro_batches") as err:
+        load_config(None, tiny_overrides(tmp_path, **{**base, **over}))
+    assert says in str(err.value)
+    load_config(None, tiny_overrides(tmp_path, **base))  # the base alone is fine
+
+
+def test_finish_partner_runs_the_other_side_to_its_end_first():
+    log = []
+
+    def first():
+        log.append("a1")
+        hand_off()
+        log.append("a2")
+        finish_partner()  # b hands off twice more before it ends: a waits through both
+        log.append("a3")
+
+    def second():
+        for step in ("b1", "b2", "b3"):
+            log.append(step)
+            hand_off()
+
+    run_pair(first, second)
+    assert log == ["a1", "b1", "a2", "b2", "b3", "a3"]
+    finish_partner()  # outside a pair: nothing
 
 
 def test_overlap_key_is_checked(tmp_path):

@@ -348,6 +348,14 @@ class ParallelConfig:
     # prefetch, DualPipeV's pairs one after the other), for
     # comparison and debugging. The losses are the same either way (to summation order).
     overlap: str = "auto"
+    # Across micro-batches without a pipeline (train.grad_accum >= 2): micro-batch i + 1's
+    # forward runs together with micro-batch i's backward, handing over at every expert
+    # exchange, so each one's all-to-alls are in flight while the other computes (as
+    # DualPipeV's pairs; epscale.training.step.AccumulationStep). The same losses, bit for
+    # bit; two micro-batches' activations held at a time (describe counts them). Needs
+    # parallel.overlap: auto, ep >= 2, the replicated layout (no FSDP), pp = 1,
+    # train.compile: false and train.activation_storage: compute.
+    overlap_micro_batches: bool = False
     # dispatch payload: 'auto' (the activations' dtype), 'bf16', or 'fp8' (e4m3 with
     # per-128-channel scales; dedup and hierarchical only).
     payload: str = "auto"
@@ -845,6 +853,39 @@ class RunConfig:
                  "grouped_mm) or train.activation_storage: compute")
         if self.scale == "full":  # a 'tiny' recipe is checked once it is shrunk
             self._check_pipeline()
+            self._check_micro_batch_pairs()
+
+    def _check_micro_batch_pairs(self) -> None:
+        par, train = self.parallel, self.train
+        if not par.overlap_micro_batches:
+            return
+        key = "parallel.overlap_micro_batches"
+        if par.overlap == "none":
+            fail(key, True, "overlaps, and parallel.overlap is 'none' (the plain blocking "
+                 "path): set parallel.overlap: auto, or drop the key")
+        if par.pp > 1:
+            fail(key, True, f"is for the layout without a pipeline (parallel.pp is {par.pp}): "
+                 "there the schedule orders the micro-batches; parallel.pp_schedule: "
+                 "dualpipev pairs a forward with a backward the same way")
+        if par.fsdp:
+            fail(key, True, "needs the replicated layout (parallel.fsdp: false): FSDP2 runs "
+                 "one pass of a module at a time (a forward's gathers and reshards would "
+                 "land inside the other micro-batch's backward)")
+        if par.ep < 2:
+            fail(key, True, "hands over at the expert exchanges, and with parallel.ep = "
+                 f"{par.ep} there are none: set parallel.ep >= 2, or drop the key")
+        if train.compile:
+            fail(key, True, "cannot be combined with train.compile yet (the pair runs on two "
+                 "threads, and a compiled block's recomputation flag is one per process): "
+                 "set one of them false")
+        if train.activation_storage != "compute":
+            fail(key, True, f"cannot be combined with train.activation_storage: "
+                 f"{train.activation_storage} (a module's fp8 store holds one forward at a "
+                 "time): set train.activation_storage: compute, or drop the key")
+        if train.global_batch_size is None and train.grad_accum < 2:
+            fail(key, True, "pairs consecutive micro-batches of a step, and train.grad_accum "
+                 "is 1: set train.grad_accum >= 2 (or train.global_batch_size), or drop "
+                 "the key")
 
     def _check_pipeline(self) -> None:
         par, m = self.parallel, self.model

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..ops import count_experts
 from .base import EPDispatcher
-from .comm import AllGatherRows, ReduceScatterRows, timed_blocking
+from .comm import AllGatherRows, ReduceScatterRows, finished_collective
 from .host import host_ints
 from .rows import expand_rows, reduce_rows
 
@@ -43,8 +43,8 @@ class AllGatherDispatcher(EPDispatcher):
         out = mine.new_empty((info.size, mine.shape[1]))
         info.counter.add(info.ranks, info.my_rank, [mine.numel() * 8] * info.size,
                          info.ranks_per_node)
-        with timed_blocking(info):
-            dist.all_gather_into_tensor(out, mine, group=info.group)
+        finished_collective(info, lambda async_op: dist.all_gather_into_tensor(
+            out, mine, group=info.group, async_op=async_op), (out, mine))
         return out
 
     def dispatch(self, x_TD, topk_idx_TK, topk_weight_TK):

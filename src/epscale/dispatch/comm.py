@@ -17,8 +17,9 @@ Hand-off points: a thread may register a hand-off (:func:`set_handoff`, e.g. the
 overlapped forward/backward pair of ``epscale.parallel.overlap_pair``), called once per
 collective of that thread, after the collective is issued and before it is waited for: in
 :meth:`Exchange.wait`, before a backward's gradient exchange is waited for, and in
-:func:`all_to_all_bytes`, whose blocking exchanges then run asynchronously around the
-hand-off. Another micro-batch's compute then runs while the transfer is in flight. A
+:func:`all_to_all_bytes` and :func:`finished_collective` (the all-gathers and
+reduce-scatters of the ``allgather`` dispatcher and of spill-over's counts), whose
+blocking collectives then run asynchronously around the hand-off. Another micro-batch's compute then runs while the transfer is in flight. A
 thread without one (every thread outside such a pair) runs exactly as before.
 """
 
@@ -459,9 +460,27 @@ def timed_blocking(info: GroupInfo):
     return _NULL if clock is None else clock.blocking("dispatch")
 
 
-def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+def finished_collective(info: GroupInfo, issue: Callable[[bool], object], keep: tuple) -> None:
+    """Run a collective of ``info`` whose result the caller needs at once: ``issue(async_op)``
+    issues it. Blocking, timed as 'dispatch' (:func:`timed_blocking`); from a thread with a
+    hand-off (and the exchanges not forced blocking), issued asynchronously, tracked by the
+    clock (``keep``: its tensors), the hand-off called, then waited for, as
+    :func:`all_to_all_bytes` does."""
+    if info.counter.blocking or not has_handoff():
+        with timed_blocking(info):
+            issue(False)
+        return
+    work = issue(True)
+    clock = info.counter.clock
+    if clock is not None:
+        work = clock.track("dispatch", work, keep=keep)
+    hand_off()
+    work.wait()
+
+
+def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, inp, group=group)
+    return fn(out, inp, group=group, async_op=async_op)
 
 
 class AllGatherRows(torch.autograd.Function):
@@ -477,8 +496,9 @@ class AllGatherRows(torch.autograd.Function):
         if P == 1:
             out.copy_(x_TC)
         else:
-            with timed_blocking(info):
-                dist.all_gather_into_tensor(out, x_TC.contiguous(), group=info.group)
+            x_TC = x_TC.contiguous()
+            finished_collective(info, lambda async_op: dist.all_gather_into_tensor(
+                out, x_TC, group=info.group, async_op=async_op), (out, x_TC))
         return out
 
     @staticmethod
@@ -500,8 +520,9 @@ class ReduceScatterRows(torch.autograd.Function):
         if P == 1:
             out.copy_(y_PTC)
         else:
-            with timed_blocking(info):
-                _reduce_scatter(out, y_PTC.contiguous(), info.group)
+            y_PTC = y_PTC.contiguous()
+            finished_collective(info, lambda async_op: _reduce_scatter(
+                out, y_PTC, info.group, async_op), (out, y_PTC))
         return out
 
     @staticmethod

@@ -84,8 +84,10 @@ class MoE(nn.Module):
     A 3-D input [B, S, D] is read as B sequences for the sequence-wise balance loss;
     any other shape counts as one sequence.
 
-    After each forward: ``aux_loss`` (scalar tensor, the weighted sum of the configured
-    router losses; zero when all coefficients are zero) and ``last_stats`` (dict of plain
+    After each forward (not after a recomputation in backward, which may run while another
+    micro-batch's forward is half-way: ``parallel.overlap_micro_batches``): ``aux_loss``
+    (scalar tensor, the weighted sum of the configured router losses; zero when all
+    coefficients are zero) and ``last_stats`` (dict of plain
     numbers and tensors: tokens_per_expert, num_dropped, router_entropy, ...).
     Buffer ``tokens_per_expert`` [E] accumulates routed assignments (before capacity
     drops, the router's own decisions) across micro-batches until
@@ -159,7 +161,9 @@ class MoE(nn.Module):
         y_TD = run(self.dispatcher.dispatch_compute_combine,
                    x_TD, route.topk_idx_TK, route.topk_weight_TK, self.experts, timer=self.timer,
                    side_work=shared)
-        self.aux_loss = self._aux_loss(route, num_sequences)
+        aux_loss = self._aux_loss(route, num_sequences)
+        if not is_recomputing():  # a recomputation's (in a backward) is not the last forward's
+            self.aux_loss = aux_loss
         self._record_stats(x_TD, route)
         return y_TD.to(x.dtype).view(shape)
 

@@ -4,7 +4,12 @@ all-to-alls of each run while the other computes (DualPipeV's overlapped pairs).
 torch's ``ScheduleDualPipeV`` emits ``OVERLAP_F_B`` actions: the forward of micro-batch i
 on one of the rank's two stages paired with the full backward of micro-batch j on the
 other. Its runtime runs the pair one after the other; :func:`install` registers
-:func:`overlapped_f_b` for them instead (``parallel.overlap: auto``).
+:func:`overlapped_f_b` for them instead (``parallel.overlap: auto``). Without a pipeline,
+``parallel.overlap_micro_batches`` pairs micro-batch i + 1's forward with micro-batch i's
+backward the same way (``epscale.training.step.AccumulationStep``); there both passes run
+through the same modules, so module state a forward leaves for its caller (the MoE layers'
+``aux_loss``) is not rewritten by a recomputation, and a wrapper's post-forward that must
+not run inside the other's backward waits for it (:func:`finish_partner`).
 
 How: the forward runs on the calling thread and the backward on a helper thread, ONE AT A
 TIME, handing a baton back and forth (:class:`Baton`). A thread hands it over at each of
@@ -78,11 +83,18 @@ class Baton:
             self._cv.notify_all()
             self._cv.wait_for(lambda: self._holder == me)
 
+    def partner_finished(self, me: int) -> bool:
+        with self._cv:
+            return self._finished[1 - me]
+
     def finish(self, me: int) -> None:
         with self._cv:
             self._finished[me] = True
             self._holder = 1 - me
             self._cv.notify_all()
+
+
+_PAIR = threading.local()  # .current: (baton, me, timers, keep) inside run_pair's threads
 
 
 def run_pair(first: Callable[[], Any], second: Callable[[], Any],
@@ -107,11 +119,13 @@ def run_pair(first: Callable[[], Any], second: Callable[[], Any],
             torch.cuda.set_device(stream.device)
             torch.cuda.set_stream(stream)
         set_handoff(lambda: _switch(baton, me, timers, keep))
+        _PAIR.current = (baton, me, timers, keep)
         try:
             results[me] = fn()
         except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
             errors[me] = e
         finally:
+            _PAIR.current = None
             set_handoff(None)
             baton.finish(me)
 
@@ -134,6 +148,21 @@ def _switch(baton: Baton, me: int, timers, keep: int) -> None:
     baton.switch(me)
     if timers is not None:
         timers.resume(open_)
+
+
+def finish_partner() -> None:
+    """Inside one side of a :func:`run_pair`: hand the baton over until the other side has
+    run to its end, then go on (outside a pair: nothing). For work that must not start
+    while the other side is half-way, e.g. DDP's post-forward ``prepare_for_backward`` of
+    the step's last micro-batch, which would arm the reducer's hooks inside the previous
+    micro-batch's backward. Every rank runs the pair alike, so it hands over at the same
+    points on every rank."""
+    current = getattr(_PAIR, "current", None)
+    if current is None:
+        return
+    baton, me, timers, keep = current
+    while not baton.partner_finished(me):
+        _switch(baton, me, timers, keep)
 
 
 def _timers_of(stage) -> Any:

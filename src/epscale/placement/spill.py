@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..dispatch.base import Dispatcher, EPDispatcher
-from ..dispatch.comm import GroupInfo, all_to_all_bytes, counters_of, timed_blocking
+from ..dispatch.comm import GroupInfo, all_to_all_bytes, counters_of, finished_collective
 from ..dispatch.registry import make_dispatcher
 from ..moe.layer import moe_layers
 from ..ops import count_experts
@@ -145,6 +145,10 @@ def _shipping(layout: SpillLayout, info: GroupInfo, e: int, names: tuple[str, ..
     return _Shipping(info, torch.tensor(send, dtype=torch.int64), send_splits, recv_splits, names)
 
 
+def _kept(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 class _HelperExperts(torch.autograd.Function):
     """Compute helper rows with the weights of other ranks' experts.
 
@@ -175,7 +179,11 @@ class _HelperExperts(torch.autograd.Function):
         ctx.ship, ctx.shapes = ship, [tuple(w.shape) for w in weights]
         ctx.w_dtypes = [w.dtype for w in weights]
         need_grad = any(ctx.needs_input_grad)  # forward itself runs with grad mode off
-        with torch.enable_grad() if need_grad else torch.no_grad():
+        # The inner graph keeps its own tensors, also inside a checkpointed block: else its
+        # backward (on the helper ranks only) would set off the block's recomputation there,
+        # with its collectives, while the other ranks are in this backward's all-to-all.
+        with (torch.enable_grad() if need_grad else torch.no_grad()), \
+                torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
             x_in = x_RD.detach().requires_grad_(x_RD.requires_grad)
             w_in = [g.requires_grad_(True) if need_grad else g for g in got]
             if n_recv and x_RD.shape[0]:
@@ -267,8 +275,9 @@ class SpillDispatcher(Dispatcher):
         self.info.counter.add(self.info.ranks, self.info.my_rank, [E * 8] * R,
                               self.info.ranks_per_node)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        with timed_blocking(self.info):
-            gather(out, counts_E.contiguous(), group=self.info.group)
+        counts_E = counts_E.contiguous()
+        finished_collective(self.info, lambda async_op: gather(
+            out, counts_E, group=self.info.group, async_op=async_op), (out, counts_E))
         return np.asarray(out.view(R, E).tolist(), dtype=np.int64)  # the extra host sync
 
     def dispatch(self, x_TD, topk_idx_TK, topk_weight_TK):

@@ -20,7 +20,8 @@ Held for the whole step (what ``benchmarks/memory.py`` measures):
 * optimizer: AdamW's two moments per parameter, in ``train.optimizer_state_dtype`` (fp32,
   or bf16: 2 x 2 bytes; the fp32 copies a bf16-state step makes chunk by chunk are
   transient and come after backward, off the peak) (:func:`optimizer_state_bytes`).
-* activations: the tensors autograd keeps for backward for one micro-batch, counted from
+* activations: the tensors autograd keeps for backward for one micro-batch (two with
+  ``parallel.overlap_micro_batches``: :func:`pairs_micro_batches`), counted from
   what each module saves (its inputs and intermediates; see ``_saved_per_token``); norms
   are kept in fp32, the rest in the compute dtype, index tensors in int64. The output head
   and the cross-entropy run fused over chunks of tokens (``epscale.head_loss``): they keep
@@ -772,6 +773,17 @@ def block_of(p: ParamShape) -> int | str:
     return "embed" if p.name.startswith("tok_embeddings") else "head"
 
 
+def pairs_micro_batches(cfg: RunConfig, lay: Layout) -> bool:
+    """Whether the trainer runs ``cfg`` at ``lay`` with paired micro-batches
+    (``parallel.overlap_micro_batches``: micro-batch i + 1's forward beside micro-batch i's
+    backward): then two micro-batches' activations and row buffers are held at once, an
+    upper bound (the backward frees its set as it goes; at the step's last micro-batch the
+    forward ends before the backward, which the estimate's peak then is)."""
+    par = cfg.parallel
+    return (par.overlap_micro_batches and par.overlap != "none" and lay.pp == 1
+            and not lay.fsdp and lay.ep > 1 and lay.micro_batches > 1)
+
+
 def estimate(cfg: RunConfig, lay: Layout, acts: Activations | None = None) -> MemoryEstimate:
     """Memory per rank of ``cfg`` trained at ``lay`` with its activations kept as ``acts``
     says (None: the recipe's, :meth:`Activations.of`); under a pipeline the rank that needs
@@ -796,6 +808,8 @@ def estimate(cfg: RunConfig, lay: Layout, acts: Activations | None = None) -> Me
     T = lay.micro_batch_size * cfg.model.seq_len
     comm = 2 * T * cfg.moe.top_k * cfg.model.dim * cb if lay.ep > 1 else 0.0
     kept, rebuilt = activation_bytes(cfg, lay, acts)
+    if pairs_micro_batches(cfg, lay):  # a forward beside the previous one's backward
+        kept, comm = 2 * kept, 2 * comm
     return MemoryEstimate(params=n * 4, grads=states["grads"],
                           optimizer=optimizer_state_bytes(n, cfg.train.optimizer_state_dtype),
                           activations=kept, recompute=rebuilt, gathered=gathered, comm=comm,

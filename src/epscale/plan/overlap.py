@@ -30,7 +30,7 @@ from .cluster import ClusterSpec, load_cluster
 from .layout import Layout
 from .routing import RoutingSpec
 from .shapes import Work
-from .step_model import DISPATCHERS, SimResult, simulate
+from .step_model import DISPATCHERS, SimResult, default_mode, simulate
 
 # What each kind includes (a collective is timed from its issue; a blocking one is exposed
 # whole, an asynchronous one while the rank sits in its wait()):
@@ -97,17 +97,19 @@ def model_overlap_mode(run_cfg: RunConfig) -> str:
 
 def assumption(run_cfg: RunConfig, overlap: str | None = None) -> dict[str, Any]:
     """What the step model assumes about overlap for ``run_cfg`` (``overlap``: the mode
-    asked for, else the model's default), and where that comes from: not calibrated."""
+    asked for, else the model's default, :func:`default_mode`), and where that comes
+    from: not calibrated."""
     par = run_cfg.parallel
-    mode = overlap or ("chunks" if par.overlap_chunks > 1 else "none")
+    mode = overlap or default_mode(run_cfg)
     if mode == "chunks":
         what = (f"dispatch, experts and combine pipelined over {par.overlap_chunks} chunks "
                 "(each chunk's transfers behind another's expert compute); the DP gradient "
                 "all-reduce hidden behind 2/3 of the last micro-batch where it fits")
     elif mode == "full":
         what = ("DualPipe's pairing: a forward chunk's transfers behind another micro-batch's "
-                "backward compute and the other way round; the DP gradient all-reduce "
-                "hidden behind 2/3 of the last micro-batch where it fits")
+                "backward compute and the other way round (without a pipeline the first "
+                "forward and the last backward of a step run alone); the DP gradient "
+                "all-reduce hidden behind 2/3 of the last micro-batch where it fits")
     else:
         what = ("dispatch and combine in sequence with the experts (none hidden); the DP "
                 "gradient all-reduce after the backward (none hidden)")
@@ -117,10 +119,11 @@ def assumption(run_cfg: RunConfig, overlap: str | None = None) -> dict[str, Any]
     if overlap:
         source = f"--overlap {overlap}"
     else:
-        source = (f"epscale.plan.step_model's default: 'chunks' when parallel.overlap_chunks "
-                  f"> 1 (here {par.overlap_chunks}), else 'none'")
-        if par.overlap == "none" and mode != "none":
-            source += " (it does not read parallel.overlap, here none)"
+        source = ("epscale.plan.step_model's default: 'none' under parallel.overlap: none "
+                  f"(here {par.overlap}); 'full' with paired micro-batches "
+                  "(parallel.overlap_micro_batches, or parallel.pp_schedule: dualpipev); "
+                  f"'chunks' when parallel.overlap_chunks > 1 (here {par.overlap_chunks}); "
+                  "else 'none'")
     return {"mode": mode, "calibrated": False, "assumes": what,
             "source": source + "; not calibrated against a measured run (--overlap-from "
                                "RUN_DIR --overlap-cluster CLUSTER)"}

@@ -30,8 +30,11 @@ What is modelled (one EP group stands for all ``dp`` replicas; they are statisti
   combine pipelined over ``overlap_chunks`` chunks. ``full``: DualPipe's pairing of a
   forward chunk of one micro-batch with a backward chunk of another: the forward's
   dispatch and combine hide behind the backward chunk's compute and the backward's behind
-  the forward's; what does not fit is exposed. Overlapped dispatch kernels may hold SMs
-  (``work.comm_sms``), which the compute then lacks.
+  the forward's; what does not fit is exposed. Without a pipeline that is
+  ``parallel.overlap_micro_batches``: F_i beside B_(i-1), the step's first forward and
+  last backward alone, so 1 of m micro-batches' transfers stay exposed. The default is
+  what the trainer runs (``epscale.plan.overlap.default_mode``). Overlapped dispatch
+  kernels may hold SMs (``work.comm_sms``), which the compute then lacks.
 * Data parallelism. Once per step: non-expert gradients all-reduced over all ranks, expert
   gradients over the ``dp`` ranks holding the same experts (ring, bus bandwidth of the
   slowest link crossed, log-depth latency); with overlap, hidden behind the last
@@ -177,6 +180,24 @@ def _pipeline(t1: np.ndarray, t2: np.ndarray, t3: np.ndarray, chunks: int) -> np
     return (t1 + t2 + t3) / chunks + (chunks - 1) / chunks * np.maximum(np.maximum(t1, t2), t3)
 
 
+def default_mode(run_cfg: RunConfig, chunks: int | None = None) -> str:
+    """The step model's overlap for ``run_cfg`` where none is asked for, from what the
+    trainer runs: 'none' under ``parallel.overlap: none`` (every exchange blocking);
+    'full' where micro-batches are paired, a forward beside another's backward
+    (``parallel.overlap_micro_batches`` with more than one micro-batch, or the
+    ``dualpipev`` schedule); 'chunks' where the dispatch is pipelined over ``chunks``
+    (default ``parallel.overlap_chunks``) > 1 chunks; else 'none'."""
+    par = run_cfg.parallel
+    chunks = chunks or par.overlap_chunks
+    if par.overlap == "none":
+        return "none"
+    paired = (par.pp == 1 and par.overlap_micro_batches
+              and (run_cfg.train.global_batch_size is not None or run_cfg.train.grad_accum > 1))
+    if paired or (par.pp > 1 and par.pp_schedule == "dualpipev"):
+        return "full"
+    return "chunks" if chunks > 1 else "none"
+
+
 def simulate(run_cfg: RunConfig, cluster: ClusterSpec, routing: RoutingSpec | None = None, *,
              strategies: tuple[str, ...] = ("none", "aux", "loss_free", "redundant", "spill"),
              dispatchers: tuple[str, ...] = DISPATCHERS, overlap: str | None = None,
@@ -203,9 +224,9 @@ def simulate(run_cfg: RunConfig, cluster: ClusterSpec, routing: RoutingSpec | No
         if d not in DISPATCHERS:
             raise ConfigError(f"dispatcher '{d}' is invalid: must be one of {', '.join(DISPATCHERS)}")
     chunks = overlap_chunks or run_cfg.parallel.overlap_chunks
-    # the recipe's parallel.overlap: none is the trainer's blocking path, whatever the chunks
-    blocking = run_cfg.parallel.overlap == "none"
-    overlap = overlap or ("chunks" if chunks > 1 and not blocking else "none")
+    # what the trainer runs (the recipe's parallel.overlap: none is its blocking path,
+    # whatever the chunks), unless asked
+    overlap = overlap or default_mode(run_cfg, chunks)
     if overlap not in OVERLAPS:
         raise ConfigError(f"overlap '{overlap}' is invalid: must be one of {', '.join(OVERLAPS)}")
     model, moe, train = run_cfg.model, run_cfg.moe, run_cfg.train
@@ -661,16 +682,22 @@ def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSp
     comm_max, disp_max, out_intra, out_inter = _transfer_times(
         disp, sim, lay, cluster, run_cfg, rows, row_bytes, grad_bytes)
     comp_max = comp.max(axis=2)
-    layer_time = comp_max + _exposed_transfers(overlap, chunks, comm_max, disp_max, comp_max,
-                                               dense_time_layer, transfers, redo)
-    exposed = layer_time - comp_max
+    accum = micro_batches(run_cfg, lay.world)
+    exposed = _exposed_transfers(overlap, chunks, comm_max, disp_max, comp_max,
+                                 dense_time_layer, transfers, redo)
+    if overlap == "full" and lay.pp == 1:
+        # paired micro-batches without a pipeline: F_i beside B_(i-1), the step's first
+        # forward and last backward alone (one micro-batch's transfers of m unhidden)
+        alone = _exposed_transfers("none", chunks, comm_max, disp_max, comp_max,
+                                   dense_time_layer, transfers, redo)
+        exposed = ((accum - 1) * exposed + alone) / accum
+    layer_time = comp_max + exposed
     launch = _host_bound(run_cfg, lay, sim, cluster, work, comp_max + dense_time_layer, exposed)
     layer_time = layer_time + launch
     idle = comp_max[..., None] - comp                                         # [S, L, R]
     # Weighted sum over the MoE layers each distribution stands for, mean over steps.
     wsum = lambda a: float((a.mean(axis=0) * weight_L).sum())  # noqa: E731
     micro = dense_time + wsum(layer_time)
-    accum = micro_batches(run_cfg, lay.world)
     # transfers' bytes per layer and micro-batch, in units of one in the activations' dtype
     volume = 3 + payload_row_bytes(run_cfg, disp, grad_bytes) / row_bytes
     if lay.pp > 1:

@@ -248,7 +248,8 @@ class Trainer:
                                     overlap=cfg.parallel.overlap != "none",
                                     before_backward=(lambda last: micro_batch_sync(
                                         self.model, zero, last)) if zero != 3 else None,
-                                    mtp_weight=cfg.train.mtp_loss_weight)
+                                    mtp_weight=cfg.train.mtp_loss_weight,
+                                    pair_micro_batches=cfg.parallel.overlap_micro_batches)
         for chunk in chunks:
             chunk.timer = self.timers.section
         # activations between stages: bf16 when FSDP casts the weights, else fp32
@@ -371,6 +372,17 @@ class Trainer:
                             max(1, cfg.moe.num_groups))
         return pl, f"expert placement planned from {source}"
 
+    def _pairing_text(self) -> str:
+        """The start-up header's word on ``parallel.overlap_micro_batches``."""
+        if not self.cfg.parallel.overlap_micro_batches:
+            return ""
+        m = self.cfg.train.grad_accum
+        if m < 2:
+            return ("; parallel.overlap_micro_batches: 1 micro-batch per step at this "
+                    "world size, nothing to pair (each runs alone)")
+        return (f"; {m} micro-batches, each forward but the first paired with the previous "
+                "one's backward (parallel.overlap_micro_batches)")
+
     def _print_start(self, layout_note: str | None, placement_note: str | None = None) -> None:
         if self.rank != 0:
             return
@@ -403,7 +415,8 @@ class Trainer:
             f"element-wise expert kernels: {describe_elementwise(moe.cpu.elementwise, self.device)}",
             f"expert chunks: {describe_chunks(self.device)}",
             f"batch: {self.loader.samples_per_step} sequences x {m.seq_len} = "
-            f"{self.loader.samples_per_step * m.seq_len:,} tokens per step, {cfg.train.steps} steps",
+            f"{self.loader.samples_per_step * m.seq_len:,} tokens per step, {cfg.train.steps} steps"
+            + self._pairing_text(),
         ]
         if placement_note:
             par = cfg.parallel

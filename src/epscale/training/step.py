@@ -24,6 +24,7 @@ The interface (both classes):
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Callable
 
 import torch
@@ -32,6 +33,7 @@ from torch import nn
 from ..metrics import StepTimers
 from ..parallel.dims import ParallelDims
 from ..parallel.grads import set_last_micro_batch
+from ..parallel.overlap_pair import PairStats, finish_partner, run_pair
 from ..parallel.pipeline import Pipeline
 from .data import DataLoader
 
@@ -50,13 +52,24 @@ class AccumulationStep:
     ZeRO-1/2 switches (:func:`epscale.parallel.fsdp.micro_batch_sync`). ``mtp_weight``:
     ``train.mtp_loss_weight``, lambda of the multi-token-prediction loss: each micro-batch
     backpropagates ``(loss + lambda * model.mtp_loss() + aux) / accum`` where the model
-    has such modules (``model.mtp_depth``)."""
+    has such modules (``model.mtp_depth``).
+
+    ``pair_micro_batches`` (``parallel.overlap_micro_batches``): micro-batch i + 1's
+    forward runs together with micro-batch i's backward (:func:`run_pair`: one thread at a
+    time, handing over at every expert exchange), so that each one's all-to-alls are in
+    flight while the other computes. The first forward and the last backward run alone.
+    The same operations on the same tensors as one after the other (the backwards still
+    add into the gradients in micro-batch order): the same losses and gradients, bit for
+    bit. Memory: two micro-batches' activations at a time. Replicated layout only (FSDP's
+    per-module state holds one pass of a module at a time); DDP's post-forward of a pair's
+    forward waits until the pair's backward has ended (:func:`finish_partner`), since it
+    arms the reducer for the next backward."""
 
     def __init__(self, model: nn.Module, device: torch.device, timers: StepTimers,
                  autocast: Callable[[], contextlib.AbstractContextManager], rank: int,
                  world: int, overlap: bool = True,
                  before_backward: Callable[[bool], None] | None = None,
-                 mtp_weight: float = 0.0):
+                 mtp_weight: float = 0.0, pair_micro_batches: bool = False):
         self.model, self.device, self.timers, self.autocast = model, device, timers, autocast
         self.data_rank, self.data_world = rank, world
         self.overlap = overlap
@@ -64,33 +77,57 @@ class AccumulationStep:
         self.mtp_weight = mtp_weight
         self.has_mtp = getattr(model, "mtp", None) is not None
         self.mtp_loss: torch.Tensor | None = None
+        self.pair_stats: PairStats | None = None
+        if pair_micro_batches:
+            if before_backward is not None:
+                raise ValueError("paired micro-batches run on the replicated layout only "
+                                 "(no per-micro-batch FSDP switches)")
+            self.pair_stats = PairStats()
+            # before DDP's own post-forward hook (prepend): see the class docstring
+            model.register_forward_hook(lambda _m, _args, _out: finish_partner(), prepend=True)
 
     def train(self, loader: DataLoader, accum: int) -> tuple[torch.Tensor, bool]:
+        self._loss_sum = torch.zeros((), device=self.device)
+        self._mtp_sum = torch.zeros((), device=self.device) if self.has_mtp else None
+        if self.pair_stats is not None and accum > 1:
+            total = self._forward(loader, 0, accum)
+            for i in range(1, accum):
+                total, _ = run_pair(functools.partial(self._forward, loader, i, accum),
+                                    functools.partial(self._backward, total, i - 1, accum),
+                                    self.pair_stats, self.timers)
+            self._backward(total, accum - 1, accum)
+        else:
+            for i in range(accum):
+                self._backward(self._forward(loader, i, accum), i, accum)
+        self.mtp_loss = self._mtp_sum
+        return self._loss_sum, True
+
+    def _forward(self, loader: DataLoader, i: int, accum: int) -> torch.Tensor:
+        """Micro-batch ``i``'s forward: its objective ``(loss + aux [+ mtp]) / accum``, the
+        loss (and MTP loss) added to the step's means."""
         T = self.timers
-        loss_sum = torch.zeros((), device=self.device)
-        mtp_sum = torch.zeros((), device=self.device) if self.has_mtp else None
-        for i in range(accum):
-            set_last_micro_batch(self.model, i == accum - 1 or not self.overlap)
-            with T.section("data"):
-                x_BS, y_BS = loader.next_micro_batch()
-                x_BS, y_BS = (x_BS.to(self.device, non_blocking=True),
-                              y_BS.to(self.device, non_blocking=True))
-            with T.section("forward"):
-                with self.autocast():
-                    loss = self.model.loss(x_BS, y_BS)
-                    total = loss + self.model.aux_loss()
-                    if mtp_sum is not None:
-                        mtp = self.model.mtp_loss()
-                        total = total + self.mtp_weight * mtp
-                        mtp_sum += mtp.detach().float() / accum
-                    total = total / accum
-            with T.section("backward"):
-                if self.before_backward is not None:
-                    self.before_backward(i == accum - 1)
-                total.backward()
-            loss_sum += loss.detach().float() / accum
-        self.mtp_loss = mtp_sum
-        return loss_sum, True
+        set_last_micro_batch(self.model, i == accum - 1 or not self.overlap)
+        with T.section("data"):
+            x_BS, y_BS = loader.next_micro_batch()
+            x_BS, y_BS = (x_BS.to(self.device, non_blocking=True),
+                          y_BS.to(self.device, non_blocking=True))
+        with T.section("forward"):
+            with self.autocast():
+                loss = self.model.loss(x_BS, y_BS)
+                total = loss + self.model.aux_loss()
+                if self._mtp_sum is not None:
+                    mtp = self.model.mtp_loss()
+                    total = total + self.mtp_weight * mtp
+                    self._mtp_sum += mtp.detach().float() / accum
+                total = total / accum
+        self._loss_sum += loss.detach().float() / accum
+        return total
+
+    def _backward(self, total: torch.Tensor, i: int, accum: int) -> None:
+        with self.timers.section("backward"):
+            if self.before_backward is not None:
+                self.before_backward(i == accum - 1)
+            total.backward()
 
     def validation_loss_sum(self, batches: list[Batch]) -> torch.Tensor:
         total = torch.zeros((), device=self.device, dtype=torch.float64)

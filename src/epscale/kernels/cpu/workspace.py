@@ -52,12 +52,16 @@ class Workspace:
         with self._lock:
             s = self._store.get(name)
             free = s is not None and self._free(s)
-            if free and s.device == device and s.nbytes() >= nbytes:
-                return torch.empty(0, dtype=dtype, device=device).set_(s, 0, shape)
-            t = torch.empty(shape, dtype=dtype, device=device)
-            if _use_count is not None and (s is None or free):
-                self._store[name] = t.untyped_storage()
-            return t
+            if not (free and s.device == device and s.nbytes() >= nbytes):
+                fresh = torch.UntypedStorage(nbytes, device=device)
+                if _use_count is not None and (s is None or free):
+                    self._store[name] = fresh
+                s = fresh
+            # the same two operators whether the storage is reused or fresh: a selective
+            # checkpoint replays a region's operators in order, and whether a buffer is
+            # free may differ between the forward and its recomputation (with paired
+            # micro-batches the other one's backward may still hold it)
+            return torch.empty(0, dtype=dtype, device=device).set_(s, 0, shape)
 
     def clear(self) -> None:
         with self._lock:
