@@ -205,3 +205,44 @@ def test_simulate_work_options_and_calibration(tmp_path, capsys):
     assert "fp8_tflops" in capsys.readouterr().err
     assert cli_main(base + ["--recompute-modules", "attn"]) == 2
     assert "recompute module 'attn' is invalid" in capsys.readouterr().err
+
+
+def test_paired_micro_batches_are_modelled_as_pairs_with_the_first_and_last_alone():
+    """parallel.overlap_micro_batches: the step model's default is DualPipe's pairing, with
+    one micro-batch's transfers of m unhidden (the step's first forward, its last
+    backward), so more micro-batches hide more; describe says so. The memory estimate
+    holds two micro-batches' activations and row buffers where the trainer pairs them."""
+    from epscale.plan.layout import Layout
+    from dataclasses import replace as dc_replace
+
+    from epscale.plan.memory import estimate, pairs_micro_batches
+    from epscale.plan.routing import RoutingSpec
+    from epscale.plan.step_model import simulate
+
+    def cfg(m: int, pairs: bool, **extra):
+        over = {**TINY, "parallel.overlap_chunks": 1, "train.grad_accum": m,
+                "parallel.overlap_micro_batches": pairs, **extra}
+        return load_config(None, [f"{k}={v}" for k, v in over.items()])
+
+    def exposed(c, overlap=None):
+        r = simulate(c, CLUSTER, RoutingSpec.parse("uniform"), strategies=("none",),
+                     dispatchers=("dedup",), overlap=overlap, step_samples=2)[0]
+        return r.expert_comm_s / c.train.grad_accum   # per micro-batch
+
+    a = assumption(cfg(4, True))
+    assert a["mode"] == "full" and "first forward and the last backward" in a["assumes"]
+    assert assumption(cfg(4, False))["mode"] == "none"
+    none, m2, m8 = exposed(cfg(2, False)), exposed(cfg(2, True)), exposed(cfg(8, True))
+    assert none > m2 > m8 > 0
+    assert exposed(cfg(8, True)) == exposed(cfg(8, False), "full")   # the default is 'full'
+    # per micro-batch: ((m - 1) x paired + 1 x alone) / m, so m = 2 and m = 8 give paired
+    paired = (8 * m8 - none) / 7
+    assert m2 == pytest.approx((paired + none) / 2, rel=1e-9)
+    base = estimate(cfg(4, False), Layout.from_config(cfg(4, False), 2))
+    lay = Layout.from_config(cfg(4, True), 2)
+    got = estimate(cfg(4, True), lay)
+    assert got.activations == 2 * base.activations > 0 and got.comm == 2 * base.comm > 0
+    assert pairs_micro_batches(cfg(4, True), lay)
+    # a layout the trainer would not pair (as --fit's FSDP candidates of such a recipe)
+    assert not pairs_micro_batches(cfg(4, True), dc_replace(lay, fsdp=True))
+    assert not pairs_micro_batches(cfg(4, True), dc_replace(lay, micro_batches=1))

@@ -387,6 +387,11 @@ def test_fit_ranks_pipeline_layouts_for_deepseek_v3():
         # the recipe's global batch: 128 data ranks x 64 sequences, over world / pp
         # data-parallel ranks
         assert r["layout"]["micro_batches"] == 128 * 64 // (2048 // r["layout"]["pp"])
+    # every listed layout's overrides load (a whole-block recomputation mode turns the
+    # recipe's fp8 storage off, which the overrides must say)
+    for r in info["layouts"]:
+        assert load_recipe("deepseek-v3", r["overrides"]).train.activation_checkpointing == \
+            r["layout"]["activation_checkpointing"]
 
 
 def test_pipeline_traffic_per_gpu_is_the_ranks_mean_whatever_the_overlap():

@@ -53,6 +53,8 @@ class FitResult:
         else:
             out["dp"] = par.dp
         out["pp"] = par.pp
+        if par.overlap_micro_batches:
+            out["overlap_micro_batches"] = True
         if par.pp > 1:
             out.update(pp_schedule=par.pp_schedule, pp_virtual_stages=par.pp_virtual_stages,
                        micro_batches=self.micro_batches)
@@ -78,8 +80,10 @@ class FitResult:
                                                        "[" + ",".join(map(str, split)) + "]")]
             if train.global_batch_size is None:
                 out.append(f"train.grad_accum={train.grad_accum}")
+        out.append(f"parallel.overlap_micro_batches={str(par.overlap_micro_batches).lower()}")
         return out + [f"train.activation_checkpointing={train.activation_checkpointing}",
-                      "train.recompute_modules=[" + ",".join(train.recompute_modules) + "]"]
+                      "train.recompute_modules=[" + ",".join(train.recompute_modules) + "]",
+                      f"train.activation_storage={train.activation_storage}"]
 
 
 def _divisors(n: int) -> list[int]:
@@ -180,16 +184,20 @@ def candidates(cfg: RunConfig, cluster: ClusterSpec) -> list[RunConfig]:
                 red = own.redundant_experts   # kept where the slots divide over ep
                 red = red if ep > 1 and (E + red) % ep == 0 and pp == 1 else 0
                 spill = own.spill_threshold if pp == 1 else None   # a pipeline refuses both
+                # the recipe's paired micro-batches where the layout runs them
+                pairs = own.overlap_micro_batches and pp == 1 and ep > 1
                 out.append(replace(cfg, train=train, parallel=replace(
                     own, fsdp=False, dp=W // ep, ep=ep, dp_replicate=1, dp_shard=None,
-                    redundant_experts=red, spill_threshold=spill, zero=3, **pipe)))
+                    redundant_experts=red, spill_threshold=spill, zero=3,
+                    overlap_micro_batches=pairs, **pipe)))
                 for rep in _divisors(W):
                     if (W // rep) % ep:
                         continue
                     # FSDP refuses redundant experts and spill-over (parallel.fsdp's checks)
                     out.append(replace(cfg, train=train, parallel=replace(
                         own, fsdp=True, dp=1, ep=ep, dp_replicate=rep, dp_shard=W // rep,
-                        redundant_experts=0, spill_threshold=None, zero=zero, **pipe)))
+                        redundant_experts=0, spill_threshold=None, zero=zero,
+                        overlap_micro_batches=False, **pipe)))
     return out
 
 

@@ -120,8 +120,9 @@ def assumption(run_cfg: RunConfig, overlap: str | None = None) -> dict[str, Any]
         source = f"--overlap {overlap}"
     else:
         source = ("epscale.plan.step_model's default: 'none' under parallel.overlap: none "
-                  f"(here {par.overlap}); 'full' with paired micro-batches "
-                  "(parallel.overlap_micro_batches, or parallel.pp_schedule: dualpipev); "
+                  f"(here {par.overlap}); 'full' with parallel.overlap_micro_batches "
+                  "(paired micro-batches without a pipeline; DualPipeV's pairs only with "
+                  "--overlap full); "
                   f"'chunks' when parallel.overlap_chunks > 1 (here {par.overlap_chunks}); "
                   "else 'none'")
     return {"mode": mode, "calibrated": False, "assumes": what,

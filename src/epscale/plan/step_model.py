@@ -181,19 +181,21 @@ def _pipeline(t1: np.ndarray, t2: np.ndarray, t3: np.ndarray, chunks: int) -> np
 
 
 def default_mode(run_cfg: RunConfig, chunks: int | None = None) -> str:
-    """The step model's overlap for ``run_cfg`` where none is asked for, from what the
-    trainer runs: 'none' under ``parallel.overlap: none`` (every exchange blocking);
-    'full' where micro-batches are paired, a forward beside another's backward
-    (``parallel.overlap_micro_batches`` with more than one micro-batch, or the
-    ``dualpipev`` schedule); 'chunks' where the dispatch is pipelined over ``chunks``
-    (default ``parallel.overlap_chunks``) > 1 chunks; else 'none'."""
+    """The step model's overlap for ``run_cfg`` where none is asked for: 'none' under
+    ``parallel.overlap: none`` (the trainer's blocking path); 'full' where the recipe
+    pairs micro-batches without a pipeline (``parallel.overlap_micro_batches``, more than
+    one micro-batch: a forward beside the previous one's backward); 'chunks' where the
+    dispatch is pipelined over ``chunks`` (default ``parallel.overlap_chunks``) > 1
+    chunks; else 'none'. DualPipeV's pairs are not assumed by default (``--overlap full``
+    models them): on CUDA the trainer's pair issues its backward whole
+    (``epscale.parallel.overlap_pair``), unmeasured, and ``--fit`` would rank every
+    DualPipeV layout by that assumption."""
     par = run_cfg.parallel
     chunks = chunks or par.overlap_chunks
     if par.overlap == "none":
         return "none"
-    paired = (par.pp == 1 and par.overlap_micro_batches
-              and (run_cfg.train.global_batch_size is not None or run_cfg.train.grad_accum > 1))
-    if paired or (par.pp > 1 and par.pp_schedule == "dualpipev"):
+    if par.pp == 1 and par.overlap_micro_batches and (
+            run_cfg.train.global_batch_size is not None or run_cfg.train.grad_accum > 1):
         return "full"
     return "chunks" if chunks > 1 else "none"
 
