@@ -84,8 +84,8 @@ class MoE(nn.Module):
     A 3-D input [B, S, D] is read as B sequences for the sequence-wise balance loss;
     any other shape counts as one sequence.
 
-    After each forward (not after a recomputation in backward, which may run while another
-    micro-batch's forward is half-way: ``parallel.overlap_micro_batches``): ``aux_loss``
+    After each forward (not after an eager recomputation in backward, which may run while
+    another micro-batch's forward is half-way: ``parallel.overlap_micro_batches``): ``aux_loss``
     (scalar tensor, the weighted sum of the configured router losses; zero when all
     coefficients are zero) and ``last_stats`` (dict of plain
     numbers and tensors: tokens_per_expert, num_dropped, router_entropy, ...).
@@ -162,7 +162,11 @@ class MoE(nn.Module):
                    x_TD, route.topk_idx_TK, route.topk_weight_TK, self.experts, timer=self.timer,
                    side_work=shared)
         aux_loss = self._aux_loss(route, num_sequences)
-        if not is_recomputing():  # a recomputation's (in a backward) is not the last forward's
+        # A recomputation (in a backward, maybe while another micro-batch's forward is
+        # half-way: parallel.overlap_micro_batches) leaves the last forward's in place. A
+        # compiled block sets it either way: its recomputed graph must save what the
+        # forward's saved (compiled blocks are never paired).
+        if torch.compiler.is_compiling() or not is_recomputing():
             self.aux_loss = aux_loss
         self._record_stats(x_TD, route)
         return y_TD.to(x.dtype).view(shape)
