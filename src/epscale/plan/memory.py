@@ -776,9 +776,10 @@ def block_of(p: ParamShape) -> int | str:
 def pairs_micro_batches(cfg: RunConfig, lay: Layout) -> bool:
     """Whether the trainer runs ``cfg`` at ``lay`` with paired micro-batches
     (``parallel.overlap_micro_batches``: micro-batch i + 1's forward beside micro-batch i's
-    backward): then two micro-batches' activations and row buffers are held at once, an
-    upper bound (the backward frees its set as it goes; at the step's last micro-batch the
-    forward ends before the backward, which the estimate's peak then is)."""
+    backward): then two micro-batches' activations and row buffers are held at once. An
+    upper bound: the backward frees its set as it goes, and the bound is reached where the
+    forward's last exchange comes before the backward has freed anything (the forward
+    then waits at its end for the backward to end: ``finish_partner``)."""
     par = cfg.parallel
     return (par.overlap_micro_batches and par.overlap != "none" and lay.pp == 1
             and not lay.fsdp and lay.ep > 1 and lay.micro_batches > 1)
