@@ -33,7 +33,9 @@ def configure_parser(p) -> None:
                    help="comma list of none, aux, loss_free, redundant, spill or '+' combos")
     p.add_argument("--dispatchers", default=",".join(DISPATCHERS), help="comma list")
     p.add_argument("--overlap", choices=OVERLAPS, default=None,
-                   help="none | chunks | full (default: chunks when parallel.overlap_chunks > 1)")
+                   help="none | chunks | full (default: what the trainer runs: none under "
+                   "parallel.overlap: none, full with parallel.overlap_micro_batches, chunks "
+                   "when parallel.overlap_chunks > 1, else none)")
     p.add_argument("--ep", type=int, default=None, help="EP group size (default: the recipe's)")
     p.add_argument("--aux-residual", type=float, default=BalanceParams.aux_residual,
                    help="exponent the aux loss leaves on the router weights (model assumption)")
