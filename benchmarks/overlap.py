@@ -65,6 +65,10 @@ CASES = {
                         PAIRS),
     "ep4-alltoall-accum4": (4, ["parallel.ep=4", "parallel.dispatcher=alltoall", *ACCUM4]),
     "ep4-alltoall-pairs": (4, ["parallel.ep=4", "parallel.dispatcher=alltoall", *ACCUM4], PAIRS),
+    "ep4-dedup-pairs": (4, ["parallel.ep=4", "parallel.dispatcher=dedup", *CHUNKS, *ACCUM4],
+                        PAIRS),
+    "ep4-hierarchical-pairs": (4, ["parallel.ep=4", "parallel.dispatcher=hierarchical",
+                                   "parallel.ranks_per_node=2", *CHUNKS, *ACCUM4], PAIRS),
 }
 RECIPES = {
     "tiny": [],
