@@ -43,6 +43,17 @@ GPT_OSS_120B = ["model.vocab_size=201088", "model.dim=2880", "model.num_layers=3
                 "moe.hidden_dim=2880", "moe.num_experts=128", "moe.top_k=4"]
 
 
+# An independent Megatron-Core run of the same fine-grained model (an H800 user's timing,
+# not NVIDIA's tables): github.com/alibaba/Pai-Megatron-Patch issue 643 (2025-08-08),
+# image pai-megatron-patch:25.04, commit 2b201af, H800, 'expert tp=1, MicroBatchSize=1',
+# 'recompute=false', '--moe-expert-capacity-factor 1.0' (token dropping), CUDA graphs off
+PAI_QWEN3 = ("alibaba/Pai-Megatron-Patch issue 643 (2025-08-08, H800, image 25.04, commit "
+             "2b201af; 'expert tp=1, MicroBatchSize=1', 'recompute=false', "
+             "'--moe-expert-capacity-factor 1.0', CUDA graphs off)")
+PAI_SETTINGS = ["train.activation_checkpointing=none", "moe.capacity_factor=1.0"]
+PAI_UNSAID = ("the precision, the pipeline schedule and the dispatcher (not stated: bf16, "
+              "1F1B and all-to-all assumed, Megatron-Core's defaults)")
+
 def megatron_flops_per_token(h: int, layers: int, seq: int, heads: int, groups: int, kv: int,
                              ffn: int, topk: int, vocab: int) -> float:
     """Megatron-LM's model FLOPs per token (megatron/training/training.py,
@@ -181,6 +192,15 @@ RUNS = [
         modelled="fp8 GEMMs, interleaved p2p overlap, no host sync (fixed capacity)",
         not_modelled="the capacity factor (not published; 1.0 assumed, forced-balanced routing "
                      "drops almost nothing)"),
+    Run("Qwen3-30B-A3B, 16 H800, PP2 EP8 (Pai-Megatron-Patch)", 128 * 8192 / (16 * 10.361),
+        PAI_QWEN3 + ": 'tp=1, pp=2, ep=8 | 8192 | 128 | 16 | 10.361 | 6325' (SeqLen, "
+        "GlobalBatchSize, GPUNum, TimePerIter s, Tokens/GPU/Second)",
+        "qwen3-30b-a3b", _pipe(2, "1f1b", 1, 1, 8, 16, 1, 8192) + PAI_SETTINGS, "h800-2048", 2,
+        "alltoall", "none", modelled="no host sync (fixed capacity)", not_modelled=PAI_UNSAID),
+    Run("Qwen3-30B-A3B, 16 H800, PP4 EP4 (Pai-Megatron-Patch)", 256 * 8192 / (16 * 20.992),
+        PAI_QWEN3 + ": 'tp=1, pp=4, ep=4 | 8192 | 256 | 16 | 20.992 | 6244'",
+        "qwen3-30b-a3b", _pipe(4, "1f1b", 1, 1, 4, 64, 1, 8192) + PAI_SETTINGS, "h800-2048", 2,
+        "alltoall", "none", modelled="no host sync (fixed capacity)", not_modelled=PAI_UNSAID),
     Run("Qwen3-235B-A22B, 256 H100 (Megatron-Bridge 26.02)", 1633,
         MB_PERF + ": 26.02 Qwen3_235B_a22B 'DGX-H100 | 256 | FP8 | GBS 8192 | MBS 1 | 4096 | FSDP 0 "
         "| TP 2 | PP 8 | CP 1 | VP 4 | EP 32 | 1633 | 242'; moe_a2a_overlap=True, alltoall "
