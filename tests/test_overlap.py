@@ -6,6 +6,7 @@ One spawn of two processes runs every case."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from pathlib import Path
@@ -53,6 +54,37 @@ PAIR_CASES = {
         **PAIRS, "parallel.dispatcher": "allgather", "train.recompute_modules": "[norm,router]",
         "model.mtp_depth": 1},
 }
+# these also run paired with every backward on a thread of its own, as CUDA's autograd
+# engine runs it on its device thread (the hand-offs must come from that thread)
+ENGINE_THREAD_CASES = ("pairs alltoall", "pairs dedup chunks2 shared, full recompute")
+
+
+@contextlib.contextmanager
+def _backward_on_its_own_thread():
+    """torch.autograd.backward (Tensor.backward's too) runs the backward on a new thread
+    while the caller waits: on the CPU, what the autograd engine does on CUDA."""
+    original = torch.autograd.backward
+
+    def on_thread(*args, **kwargs):
+        errors = []
+
+        def run():
+            try:
+                original(*args, **kwargs)
+            except BaseException as e:  # noqa: BLE001 - raised on the caller
+                errors.append(e)
+
+        engine = threading.Thread(target=run, name="emulated-device-thread")
+        engine.start()
+        engine.join()
+        if errors:
+            raise errors[0]
+
+    torch.autograd.backward = on_thread
+    try:
+        yield
+    finally:
+        torch.autograd.backward = original
 
 
 def _records(corpus_dir: Path, run_dir: Path, over: dict, inspect=None) -> list[dict]:
@@ -168,17 +200,19 @@ def _micro_batch_pair_cases(runner: CaseRunner, corpus_dir: Path, tmp: Path) -> 
     """Each of PAIR_CASES with parallel.overlap_micro_batches and without: the step
     records' losses and gradient norms, and the pairs the step ran (and their hand-offs)."""
     out = {}
-    for name, over in PAIR_CASES.items():
-        for paired in (True, False):
-            with runner.case(f"{name} {paired}"):
-                held = {}
+    runs = [(name, paired) for name in PAIR_CASES for paired in (True, False)]
+    for name, paired in runs + [(name, "engine thread") for name in ENGINE_THREAD_CASES]:
+        with runner.case(f"{name} {paired}"):
+            held = {}
+            engine = paired == "engine thread"
+            with _backward_on_its_own_thread() if engine else contextlib.nullcontext():
                 recs = _records(corpus_dir, tmp / f"{name}-{paired}".replace(" ", "_"),
-                                {**over, "parallel.overlap_micro_batches": paired},
+                                {**PAIR_CASES[name], "parallel.overlap_micro_batches": bool(paired)},
                                 inspect=lambda t: held.update(stepper=t.stepper))
-                stats = held["stepper"].pair_stats
-                out[(name, paired)] = (
-                    [(r["step"], r["loss"], r["grad_norm"], r.get("mtp_loss")) for r in recs],
-                    None if stats is None else (stats.pairs, stats.switches))
+            stats = held["stepper"].pair_stats
+            out[(name, paired)] = (
+                [(r["step"], r["loss"], r["grad_norm"], r.get("mtp_loss")) for r in recs],
+                None if stats is None else (stats.pairs, stats.switches))
     return out
 
 
@@ -238,6 +272,19 @@ def test_micro_batch_pairs_train_bit_for_bit_as_one_after_the_other(overlap_runs
         # at least: the forward hands over at its first exchange, the backward at its
         # first, and the forward's end waits for the backward's end
         assert switches >= 2 * pairs, (name, stats)
+
+
+def test_micro_batch_pairs_hand_off_where_the_engine_runs_the_backward(overlap_runs):
+    """With every backward on a thread of its own (CUDA's autograd engine runs it on its
+    device thread while the caller waits), the pairs hand over at the same exchanges as
+    when the helper runs it, and train bit for bit as one after the other. Without the
+    engine's hand-off the backward ran whole at the forward's first hand-off (fewer
+    switches)."""
+    got = overlap_runs[0][1]["micro-batch pairs"]
+    for name in ENGINE_THREAD_CASES:
+        (engine, engine_stats), (paired, stats) = got[(name, "engine thread")], got[(name, True)]
+        assert engine == paired == got[(name, False)][0], name
+        assert engine_stats == stats, name
 
 
 @pytest.mark.parametrize("over, says", [
@@ -304,6 +351,50 @@ def test_pair_runs_one_thread_at_a_time_switching_at_hand_offs():
     assert (stats.pairs, stats.switches) == (1, 3)
     assert not has_handoff()
     hand_off()  # outside a pair: nothing to hand to
+
+
+def test_pair_backward_hands_off_from_the_engine_s_own_thread():
+    """On CUDA the autograd engine runs a backward's nodes on its device thread while the
+    thread that called backward() waits: that thread must hand over at the backward's
+    exchanges as the pair's helper would. Emulated with the backward on a thread of its
+    own (what CUDA's engine does); without the engine hand-off the backward ran whole at
+    the forward's first hand-off: a1, b-grad, b-after, a2, a3."""
+    log = []
+
+    class HandsOff(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            log.append("b-grad")
+            hand_off()
+            log.append("b-after")
+            return g
+
+    x = torch.ones(2, requires_grad=True)
+    loss = HandsOff.apply(x).sum()
+
+    def first():
+        for step in ("a1", "a2", "a3"):
+            log.append(step)
+            hand_off()
+
+    def second():
+        engine = threading.Thread(target=loss.backward, name="device-thread")
+        engine.start()
+        engine.join()
+
+    stats = PairStats()
+    run_pair(first, second, stats)
+    assert log == ["a1", "b-grad", "a2", "b-after", "a3"], log
+    assert stats.switches == 3 and torch.equal(x.grad, torch.ones(2))
+    assert not has_handoff()
+    with torch.enable_grad():  # outside a pair a backward node has no hand-off
+        y = HandsOff.apply(torch.ones(1, requires_grad=True)).sum()
+        threading.Thread(target=y.backward).run()
+    assert log[-2:] == ["b-grad", "b-after"]
 
 
 def test_pair_sections_time_their_own_thread_only():

@@ -20,7 +20,10 @@ collective of that thread, after the collective is issued and before it is waite
 :func:`all_to_all_bytes` and :func:`finished_collective` (the all-gathers and
 reduce-scatters of the ``allgather`` dispatcher and of spill-over's counts), whose
 blocking collectives then run asynchronously around the hand-off. Another micro-batch's compute then runs while the transfer is in flight. A
-thread without one (every thread outside such a pair) runs exactly as before.
+thread without one (every thread outside such a pair) runs exactly as before. The pair's
+backward side also registers its hand-off for autograd's worker threads
+(:func:`set_engine_handoff`): on CUDA the engine runs a backward's nodes on its own device
+thread, not on the thread that called ``backward()``.
 """
 
 from __future__ import annotations
@@ -51,15 +54,37 @@ def set_handoff(fn: Callable[[], None] | None) -> None:
     _HANDOFF.fn = fn
 
 
-def hand_off() -> None:
-    """Call this thread's hand-off, if it has one."""
+_ENGINE_HANDOFF: list[Callable[[], None] | None] = [None]
+
+
+def set_engine_handoff(fn: Callable[[], None] | None) -> None:
+    """Register ``fn`` as the hand-off of any thread without its own that is running a
+    backward node (None removes it). The autograd engine runs the nodes of a backward
+    whose tensors live on a GPU on its own device thread while the thread that called
+    ``backward()`` waits, so a hand-off set on the caller (:func:`set_handoff`) would never
+    be called there; the pair's backward side registers its hand-off here too. One per
+    process: pairs do not nest."""
+    _ENGINE_HANDOFF[0] = fn
+
+
+def _handoff() -> Callable[[], None] | None:
     fn = getattr(_HANDOFF, "fn", None)
+    if fn is None and _ENGINE_HANDOFF[0] is not None \
+            and torch._C._current_autograd_node() is not None:
+        return _ENGINE_HANDOFF[0]
+    return fn
+
+
+def hand_off() -> None:
+    """Call this thread's hand-off, if it has one (or, inside a backward node, the
+    engine's: :func:`set_engine_handoff`)."""
+    fn = _handoff()
     if fn is not None:
         fn()
 
 
 def has_handoff() -> bool:
-    return getattr(_HANDOFF, "fn", None) is not None
+    return _handoff() is not None
 
 
 # --------------------------------------------------------------------------------------

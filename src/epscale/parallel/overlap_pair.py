@@ -31,10 +31,13 @@ micro-batches waiting) as exposed.
 
 On CUDA both threads issue onto the same compute stream (the helper takes the caller's
 device and stream) in baton order, so the kernels of one land between the issue and the
-wait of the other's collective on NCCL's stream. There the autograd engine runs a backward
-on its own device thread, which has no hand-off: the backward is issued whole at the
-forward's first hand-off (its kernels then run while that exchange is in flight), and the
-forward's later exchanges hide nothing of it. Unrun here: no GPU in this project's CI.
+wait of the other's collective on NCCL's stream. There the autograd engine runs the
+backward's nodes on its own device thread while the helper waits in ``backward()``; the
+helper's hand-off is registered for the engine's threads too
+(``epscale.dispatch.comm.set_engine_handoff``), so the device thread hands the baton over
+at the backward's exchanges as the helper would (the baton belongs to a side, not to a
+thread). On the CPU the tests run the backward on a thread of its own to check that; the
+CUDA run itself is unrun here (no GPU in this project's CI).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ import torch
 from torch.distributed.pipelining import schedules as pp_schedules
 
 from ..config import ConfigError
-from ..dispatch.comm import set_handoff
+from ..dispatch.comm import set_engine_handoff, set_handoff
 
 
 @dataclass
@@ -100,7 +103,9 @@ _PAIR = threading.local()  # .current: (baton, me, timers, keep) inside run_pair
 def run_pair(first: Callable[[], Any], second: Callable[[], Any],
              stats: PairStats | None = None, timers=None) -> tuple[Any, Any]:
     """Run ``first`` on this thread and ``second`` on a helper thread, one at a time,
-    switching at every communication hand-off point; returns both results. An exception
+    switching at every communication hand-off point; returns both results. ``second`` is
+    the backward side: its hand-off also serves the autograd engine's threads while they
+    run a backward node for it. An exception
     in either is raised here after both have ended. ``stats``: counts the pair and its
     hand-offs. ``timers``: the ``StepTimers`` both time their sections with; a thread's
     sections opened inside the pair are closed while the other runs
@@ -118,7 +123,10 @@ def run_pair(first: Callable[[], Any], second: Callable[[], Any],
         if stream is not None and me == 1:  # CUDA's device and stream are per thread
             torch.cuda.set_device(stream.device)
             torch.cuda.set_stream(stream)
-        set_handoff(lambda: _switch(baton, me, timers, keep))
+        handoff = functools.partial(_switch, baton, me, timers, keep)
+        set_handoff(handoff)
+        if me == 1:  # the backward side: also where the engine's device thread runs it
+            set_engine_handoff(handoff)
         _PAIR.current = (baton, me, timers, keep)
         try:
             results[me] = fn()
@@ -127,6 +135,8 @@ def run_pair(first: Callable[[], Any], second: Callable[[], Any],
         finally:
             _PAIR.current = None
             set_handoff(None)
+            if me == 1:
+                set_engine_handoff(None)
             baton.finish(me)
 
     helper = threading.Thread(target=body, args=(1, second), name="epscale-overlap-pair",
