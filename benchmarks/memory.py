@@ -11,10 +11,18 @@ side by side in one run, on this machine's CPU.
 2. Weights, gradients, AdamW state: the real trainer at replicated and FSDP layouts on
    gloo processes runs a step; the largest rank's storages next to the estimate.
 3. At scale (estimate only): the 1T recipe replicated and sharded.
+4. Paired micro-batches (``--part pairs``, ``parallel.overlap_micro_batches``): the real
+   trainer at ep=2 on 2 gloo processes, 4 micro-batches a step, with and without the
+   pairs and under each recomputation mode; a thread samples the process's in-use heap
+   (glibc's ``mallinfo2``, every thread's allocations: the profiler's record misses the
+   pair's helper thread) through each step's forwards and backwards; the peak above the
+   step's start, the largest rank, steps 2-3; next to it the estimate's kept activations,
+   recomputation working set and exchange buffers, which the pairs double.
 
     python benchmarks/memory.py [--nproc 4] [--json out.json] [--rules fp32,autocast,fsdp]
     python benchmarks/memory.py --part activations --storage fp8   # fp8 storage rows only
     python benchmarks/memory.py --device cuda     # part 1 in bf16 on one GPU
+    python benchmarks/memory.py --part pairs      # part 4 only
 """
 
 from __future__ import annotations
@@ -126,6 +134,134 @@ def _state_worker(rank, world, over, run_dir):
     return dict(zip(("params", "grads", "optimizer"), v.tolist()))
 
 
+PAIR_RUNS = ["parallel.ep=2", "parallel.dp=1", "train.grad_accum=4", "train.micro_batch_size=1",
+             "parallel.dispatcher=alltoall"]
+
+
+class HeapPeak:
+    """The process's in-use heap bytes (glibc ``mallinfo2``: every arena, so every
+    thread, plus mmapped blocks), sampled by a thread while open; ``peak`` above the
+    bytes in use when it opened."""
+
+    def __init__(self, every_s: float = 2e-4):
+        import ctypes
+        import threading
+
+        class MallInfo2(ctypes.Structure):
+            _fields_ = [(n, ctypes.c_size_t) for n in (
+                "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                "uordblks", "fordblks", "keepcost")]
+
+        self._libc = ctypes.CDLL("libc.so.6")
+        self._libc.mallinfo2.restype = MallInfo2
+        self.every_s, self.peak = every_s, 0
+        self._stop = threading.Event()
+        self._thread = None
+
+    def in_use(self) -> int:
+        m = self._libc.mallinfo2()
+        return m.uordblks + m.hblkhd
+
+    def __enter__(self):
+        import threading
+        import time
+
+        start = self.in_use()
+        self._stop.clear()
+
+        def sample():
+            while not self._stop.is_set():
+                self.peak = max(self.peak, self.in_use() - start)
+                time.sleep(self.every_s)
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        return False
+
+
+def _pairs_worker(rank, world, over, run_dir):
+    import torch
+    import torch.distributed as dist
+
+    from epscale.config import load_config
+    from epscale.training.dist import LaunchEnv
+    from epscale.training.loop import Trainer
+
+    cfg = load_config(None, BASE + PAIR_RUNS + over + [
+        "train.steps=3", "train.eval_every=0", "train.ckpt_every=0", "train.preflight=false"])
+    peaks: list[int] = []
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+        t = Trainer(cfg, Path(run_dir), LaunchEnv("torchrun", world_size=world), checked=True)
+        clean = False
+        try:
+            t.setup()
+            train = t.stepper.train
+
+            def measured(loader, accum):
+                with HeapPeak() as heap:
+                    out = train(loader, accum)
+                peaks.append(heap.peak)
+                return out
+
+            t.stepper.train = measured
+            t.run()
+            clean = True
+        finally:
+            t.close(clean)
+    v = torch.tensor([float(max(peaks[1:]))])
+    dist.all_reduce(v, op=dist.ReduceOp.MAX)
+    return v.item()
+
+
+def pairs_part(console, figures: dict) -> None:
+    """Part 4: the trainer's peak heap through a step with and without the pairs, against
+    the estimate's activations, recomputation working set and exchange buffers."""
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from epscale.config import load_config
+    from epscale.plan.layout import Layout
+    from epscale.plan.memory import estimate
+    from epscale.tune.calibrate import spawn_local
+
+    t = Table(title="Paired micro-batches at ep=2 (2 gloo processes, 4 micro-batches of "
+                    "1 x 256 tokens): peak heap above the step's start, largest rank, vs "
+                    "the estimate's activations + recomputation + exchange buffers")
+    for col in ("recompute", "pairs", "measured peak", "estimate", "pairs - plain, measured",
+                "pairs - plain, estimate"):
+        t.add_column(col, justify="left" if col in ("recompute", "pairs") else "right")
+    mib = lambda b: f"{b / 2 ** 20:.2f} MiB"  # noqa: E731
+    with tempfile.TemporaryDirectory(prefix="epscale-bench-pairs-") as tmp, \
+            Progress(console=console, transient=True) as bar:
+        task = bar.add_task("pairs", total=6)
+        for ac in ("none", "selective", "full"):
+            got = {}
+            for paired in (False, True):
+                over = [f"train.activation_checkpointing={ac}",
+                        f"parallel.overlap_micro_batches={str(paired).lower()}"]
+                peak = spawn_local(_pairs_worker, 2, args=(
+                    over, str(Path(tmp) / f"{ac}-{paired}")))[0]
+                cfg = load_config(None, BASE + PAIR_RUNS + over)
+                est = estimate(cfg, Layout.from_config(cfg, 2))
+                got[paired] = (peak, est.activations + est.recompute + est.comm)
+                bar.advance(task)
+            for paired in (False, True):
+                peak, est = got[paired]
+                extra = ((mib(got[True][0] - got[False][0]), mib(got[True][1] - got[False][1]))
+                         if paired else ("", ""))
+                t.add_row(ac, "yes" if paired else "no", mib(peak), mib(est), *extra)
+            figures["pairs"].append({"ac": ac, "measured": {"plain": got[False][0],
+                                                            "pairs": got[True][0]},
+                                     "estimate": {"plain": got[False][1],
+                                                  "pairs": got[True][1]}})
+    console.print(t)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nproc", type=int, default=4, help="processes for the layouts (default 4)")
@@ -135,8 +271,9 @@ def main() -> int:
                          "gloo layouts part is skipped)")
     ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS),
                     help="the models of part 1 (default: all)")
-    ap.add_argument("--part", choices=("all", "activations", "state"), default="all",
-                    help="run one part only (default: all three)")
+    ap.add_argument("--part", choices=("all", "activations", "state", "pairs"), default="all",
+                    help="run one part only (default: the first three; 'pairs': part 4, "
+                         "paired micro-batches)")
     ap.add_argument("--storage", choices=("all", "compute", "fp8"), default="all",
                     help="part 1's rows by train.activation_storage (default: both)")
     ap.add_argument("--rules", default="fp32,autocast,fsdp",
@@ -154,7 +291,12 @@ def main() -> int:
 
     console = Console(width=150)
     console.print(f"machine: {machine()}")
-    figures: dict = {"activations": [], "state": [], "scale": []}
+    figures: dict = {"activations": [], "state": [], "scale": [], "pairs": []}
+    if args.part == "pairs":
+        pairs_part(console, figures)
+        if args.json:
+            args.json.write_text(json.dumps(figures, indent=2))
+        return 0
     cuda = args.device.startswith("cuda")
     rules = args.rules.split(",")
     t = Table(title=f"Saved activations of one micro-batch (2 x 256 tokens, on "

@@ -242,6 +242,16 @@ def test_paired_micro_batches_are_modelled_as_pairs_with_the_first_and_last_alon
     lay = Layout.from_config(cfg(4, True), 2)
     got = estimate(cfg(4, True), lay)
     assert got.activations == 2 * base.activations > 0 and got.comm == 2 * base.comm > 0
+    assert got.recompute == base.recompute == 0
+    # under recomputation the forward's block caught mid-way at a hand-off holds up to what
+    # the backward's rebuilt block holds: two working sets (measured at ep=2 with full
+    # recomputation, the pairs' increment exceeded two micro-batches' kept inputs alone)
+    for ac in ("selective", "full"):
+        plain, paired = (estimate(c, Layout.from_config(c, 2)) for c in (
+            cfg(4, False, **{"train.activation_checkpointing": ac}),
+            cfg(4, True, **{"train.activation_checkpointing": ac})))
+        assert paired.recompute == 2 * plain.recompute > 0, ac
+        assert paired.activations == 2 * plain.activations > 0, ac
     assert pairs_micro_batches(cfg(4, True), lay)
     # a layout the trainer would not pair (as --fit's FSDP candidates of such a recipe)
     assert not pairs_micro_batches(cfg(4, True), dc_replace(lay, fsdp=True))

@@ -776,10 +776,17 @@ def block_of(p: ParamShape) -> int | str:
 def pairs_micro_batches(cfg: RunConfig, lay: Layout) -> bool:
     """Whether the trainer runs ``cfg`` at ``lay`` with paired micro-batches
     (``parallel.overlap_micro_batches``: micro-batch i + 1's forward beside micro-batch i's
-    backward): then two micro-batches' activations and row buffers are held at once. An
-    upper bound: the backward frees its set as it goes, and the bound is reached where the
-    forward's last exchange comes before the backward has freed anything (the forward
-    then waits at its end for the backward to end: ``finish_partner``)."""
+    backward): then :func:`estimate` holds two micro-batches' activations and row
+    buffers, and two blocks' recomputation working sets (the backward's rebuilt block,
+    and the forward's block caught mid-way at a hand-off, whose transients under
+    recomputation are at most what that block rebuilds). An upper bound: the backward
+    frees its set as it goes, and the bound is reached where the forward's last exchange
+    comes before the backward has freed anything (the forward then waits at its end for
+    the backward to end: ``finish_partner``). Measured at ep=2 on the CPU
+    (``benchmarks/memory.py --part pairs``, RESULTS.md): the pairs' increment over the
+    plain run is 0.45-0.52x of this bound's without recomputation, 0.6x with selective and
+    0.4x with full recomputation (where two micro-batches' kept inputs alone, the bound
+    before 2026-12-06, undercounted it)."""
     par = cfg.parallel
     return (par.overlap_micro_batches and par.overlap != "none" and lay.pp == 1
             and not lay.fsdp and lay.ep > 1 and lay.micro_batches > 1)
@@ -810,7 +817,7 @@ def estimate(cfg: RunConfig, lay: Layout, acts: Activations | None = None) -> Me
     comm = 2 * T * cfg.moe.top_k * cfg.model.dim * cb if lay.ep > 1 else 0.0
     kept, rebuilt = activation_bytes(cfg, lay, acts)
     if pairs_micro_batches(cfg, lay):  # a forward beside the previous one's backward
-        kept, comm = 2 * kept, 2 * comm
+        kept, rebuilt, comm = 2 * kept, 2 * rebuilt, 2 * comm
     return MemoryEstimate(params=n * 4, grads=states["grads"],
                           optimizer=optimizer_state_bytes(n, cfg.train.optimizer_state_dtype),
                           activations=kept, recompute=rebuilt, gathered=gathered, comm=comm,
