@@ -82,12 +82,59 @@ def run_one(run_dir: Path, nproc: int, steps: int, over: list[str]) -> list[dict
            "--nproc", str(nproc), "--run-dir", str(run_dir), f"train.steps={steps}",
            "train.eval_every=0", "train.ckpt_every=0", "train.warmup_steps=2",
            "train.preflight=false", "moe.num_shared_experts=1", *over]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    if proc.returncode != 0:
-        raise SystemExit(f"run failed: {' '.join(cmd)}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        idle = machine_idle_share(proc, run_dir / "metrics.jsonl", steady_from=steps // 3 + 1)
+        if proc.returncode != 0:
+            log.seek(0)
+            raise SystemExit(f"run failed: {' '.join(cmd)}\n{log.read()[-4000:]}")
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in recs if "event" not in r and "comm_exposed_share" in r]
+    recs = [r for r in recs if "event" not in r and "comm_exposed_share" in r]
+    for r in recs:
+        r["machine_idle_share"] = idle
+    return recs
+
+
+def _cpu_times() -> tuple[int, int]:
+    """(idle + iowait, total) jiffies of the whole machine, from /proc/stat's first line."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return fields[3] + fields[4], sum(fields[:8])
+
+
+def _step_records(path: Path) -> int:
+    try:
+        return sum('"event"' not in line for line in path.read_text().splitlines())
+    except OSError:
+        return 0
+
+
+def machine_idle_share(proc: subprocess.Popen, metrics: Path, steady_from: int) -> float:
+    """Wait for ``proc``; the share of the machine's CPU time left idle between the
+    ``steady_from``-th step record and the last one (polled every 0.2 s from
+    ``/proc/stat``): where it is near 0 the ranks had no idle core to fill, so hiding a
+    wait cannot shorten the step (another rank's compute held the core). NaN off Linux
+    or for a run too short to poll twice."""
+    import time
+
+    if not os.path.exists("/proc/stat"):
+        proc.wait()
+        return float("nan")
+    first = last = None
+    seen = 0
+    while proc.poll() is None:
+        time.sleep(0.2)
+        n = _step_records(metrics)
+        if n >= steady_from and n > seen:
+            if first is None:
+                first = _cpu_times()
+            else:
+                last = _cpu_times()
+        seen = n
+    if first is None or last is None or last[1] == first[1]:
+        return float("nan")
+    return (last[0] - first[0]) / (last[1] - first[1])
 
 
 def summarize(recs: list[dict]) -> dict[str, float]:
@@ -101,7 +148,8 @@ def summarize(recs: list[dict]) -> dict[str, float]:
            "tokens_per_s": med(lambda r: r["tokens_per_s"]),
            "step_ms": 1e3 * med(lambda r: r["step_time_s"]),
            "dispatch_n": med(lambda r: r["comm_by_kind"]["dispatch"].get("collectives", 0.0)),
-           "dispatch_exposed_ms": 1e3 * med(lambda r: r["comm_by_kind"]["dispatch"]["exposed_s"])}
+           "dispatch_exposed_ms": 1e3 * med(lambda r: r["comm_by_kind"]["dispatch"]["exposed_s"]),
+           "machine_idle": steady[0]["machine_idle_share"]}
     for k in KINDS:
         out[f"exposed.{k}"] = med(lambda r: r["comm_by_kind"][k]["exposed_share"])
     return out
@@ -144,7 +192,7 @@ def _overhead_worker(rank: int, world: int, port: int, n: int, out) -> None:
 
 
 def _transfer_worker(rank: int, world: int, port: int, n: int, out) -> None:
-    """An all-to-all of ``nbytes`` per rank (fp32), both ranks entering together (after a
+    """An all-to-all of ``nbytes`` per rank (fp32), every rank entering together (after a
     barrier), alone on the machine's gloo: the transfer itself, no waiting for a peer."""
     import time
 
@@ -170,7 +218,7 @@ def _transfer_worker(rank: int, world: int, port: int, n: int, out) -> None:
     dist.destroy_process_group()
 
 
-def _spawn2(target, *args):
+def _spawn(target, world: int, *args):
     import socket
 
     import torch.multiprocessing as mp
@@ -180,7 +228,7 @@ def _spawn2(target, *args):
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, 2, port, *args, q)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, q)) for r in range(world)]
     for p in procs:
         p.start()
     got = q.get(timeout=600)
@@ -190,14 +238,15 @@ def _spawn2(target, *args):
 
 
 def transfer() -> None:
-    got = _spawn2(_transfer_worker, 50)
-    for nbytes, t in got.items():
-        print(f"blocking all-to-all, 2 gloo ranks entering together, {nbytes >> 10} KiB per "
-              f"rank: median {1e3 * t:.2f} ms")
+    for world in (2, 4):
+        got = _spawn(_transfer_worker, world, 50)
+        for nbytes, t in got.items():
+            print(f"blocking all-to-all, {world} gloo ranks entering together, {nbytes >> 10} "
+                  f"KiB per rank: median {1e3 * t:.2f} ms")
 
 
 def overhead(n: int = 2000) -> None:
-    got = _spawn2(_overhead_worker, n)
+    got = _spawn(_overhead_worker, 2, n)
     print(f"async all-to-all of 64 floats + wait, 2 gloo ranks, median of 5 blocks of {n}: "
           f"bare {1e6 * got['bare']:.1f} us, with CommClock {1e6 * got['clock']:.1f} us "
           f"({1e6 * (got['clock'] - got['bare']):+.1f} us per collective, "
@@ -227,7 +276,7 @@ def main() -> None:
     print(f"recipe {args.recipe}, {args.steps} steps, {args.rounds} round(s); medians over the "
           "steps after the first third (exposed and in flight: share of the step time)")
     head = (f"{'case':<24} {'mode':<5} {'exposed':>8} {'in flight':>9} {'tok/s':>7} "
-            f"{'step ms':>8}  exposed by kind")
+            f"{'step ms':>8} {'CPU idle':>8}  exposed by kind")
     print(head)
     rows, figures = [], {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -245,7 +294,8 @@ def main() -> None:
             for mode in ("auto", "none"):
                 x = s[mode]
                 print(f"{name:<24} {mode:<5} {100 * x['exposed']:>7.1f}% {100 * x['in_flight']:>8.1f}% "
-                      f"{x['tokens_per_s']:>7.0f} {x['step_ms']:>8.1f}  {_kinds(x)}; dispatch "
+                      f"{x['tokens_per_s']:>7.0f} {x['step_ms']:>8.1f} {100 * x['machine_idle']:>7.1f}%  "
+                      f"{_kinds(x)}; dispatch "
                       f"{x['dispatch_n']:.0f} collectives, {x['dispatch_exposed_ms']:.0f} ms "
                       "exposed", flush=True)
             ratio = s["auto"]["exposed"] / s["none"]["exposed"] if s["none"]["exposed"] > 0 else float("nan")
