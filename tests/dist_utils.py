@@ -36,6 +36,7 @@ import datetime
 import os
 import queue
 import socket
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -171,6 +172,35 @@ def assert_no_failures(results: list[Any], min_cases: int = 1) -> None:
 # --------------------------------------------------------------------------------------
 # Parallelized vs unparallelized: the check every EP test makes
 # --------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def backward_on_its_own_thread():
+    """torch.autograd.backward (Tensor.backward's too; torch's pipeline stages call it)
+    runs the backward on a new thread while the caller waits: on the CPU, what the autograd
+    engine does on CUDA, whose device thread runs a backward's nodes."""
+    original = torch.autograd.backward
+
+    def on_thread(*args, **kwargs):
+        errors = []
+
+        def run():
+            try:
+                original(*args, **kwargs)
+            except BaseException as e:  # noqa: BLE001 - raised on the caller
+                errors.append(e)
+
+        engine = threading.Thread(target=run, name="emulated-device-thread")
+        engine.start()
+        engine.join()
+        if errors:
+            raise errors[0]
+
+    torch.autograd.backward = on_thread
+    try:
+        yield
+    finally:
+        torch.autograd.backward = original
 
 
 def run_trainer(cfg, run_dir, world: int, stop_at: int | None = None, inspect=None,

@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import CaseRunner, assert_no_failures, run_distributed, run_trainer
+from dist_utils import (CaseRunner, assert_no_failures, backward_on_its_own_thread,
+                        run_distributed, run_trainer)
 from epscale.config import ConfigError, load_config
 from epscale.dispatch.comm import CommCounter, Exchange, GroupInfo, has_handoff, hand_off
 from epscale.metrics.commclock import CommClock, _union
@@ -57,34 +58,6 @@ PAIR_CASES = {
 # these also run paired with every backward on a thread of its own, as CUDA's autograd
 # engine runs it on its device thread (the hand-offs must come from that thread)
 ENGINE_THREAD_CASES = ("pairs alltoall", "pairs dedup chunks2 shared, full recompute")
-
-
-@contextlib.contextmanager
-def _backward_on_its_own_thread():
-    """torch.autograd.backward (Tensor.backward's too) runs the backward on a new thread
-    while the caller waits: on the CPU, what the autograd engine does on CUDA."""
-    original = torch.autograd.backward
-
-    def on_thread(*args, **kwargs):
-        errors = []
-
-        def run():
-            try:
-                original(*args, **kwargs)
-            except BaseException as e:  # noqa: BLE001 - raised on the caller
-                errors.append(e)
-
-        engine = threading.Thread(target=run, name="emulated-device-thread")
-        engine.start()
-        engine.join()
-        if errors:
-            raise errors[0]
-
-    torch.autograd.backward = on_thread
-    try:
-        yield
-    finally:
-        torch.autograd.backward = original
 
 
 def _records(corpus_dir: Path, run_dir: Path, over: dict, inspect=None) -> list[dict]:
@@ -205,7 +178,7 @@ def _micro_batch_pair_cases(runner: CaseRunner, corpus_dir: Path, tmp: Path) -> 
         with runner.case(f"{name} {paired}"):
             held = {}
             engine = paired == "engine thread"
-            with _backward_on_its_own_thread() if engine else contextlib.nullcontext():
+            with backward_on_its_own_thread() if engine else contextlib.nullcontext():
                 recs = _records(corpus_dir, tmp / f"{name}-{paired}".replace(" ", "_"),
                                 {**PAIR_CASES[name], "parallel.overlap_micro_batches": bool(paired)},
                                 inspect=lambda t: held.update(stepper=t.stepper))

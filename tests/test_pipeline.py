@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_utils import CaseRunner, assert_no_failures, copy_checkpoint, run_distributed, run_trainer
+from dist_utils import (CaseRunner, assert_no_failures, backward_on_its_own_thread, copy_checkpoint,
+                        run_distributed, run_trainer)
 from epscale.config import ConfigError, load_config
 from epscale.config.schema import PP_SCHEDULES
 from epscale.parallel.pipeline import AuxLossIntoBackward, keep_stages, stage_layers, stage_placement
@@ -81,6 +82,7 @@ REFERENCES = {2: {"train.micro_batch_size": 2, "train.grad_accum": 4},
               "dsv3": {"train.micro_batch_size": 1, "train.grad_accum": 8, **DSV3_MODES}}
 REFERENCE_OF = {DSV3_CASE: "dsv3"}   # else by micro-batch size
 TORCH_BUFFERS = "pp2 ep2 dualpipev, torch's receive buffers"
+ENGINE_THREAD = "pp2 ep2 dualpipev, every backward on a thread of its own"
 RESUME = {**PP2, "parallel.ep": 2, "train.grad_accum": 2, "train.steps": 4}
 
 
@@ -126,6 +128,13 @@ def _worker(rank, world, corpus_dir, tmp):
                              inspect=lambda t: held.update(pipeline=t.stepper.pipeline))
             stats = held["pipeline"].pair_stats  # DualPipeV's overlapped pairs
             out["pairs"][name] = None if stats is None else (stats.pairs, stats.switches)
+    with runner.case(ENGINE_THREAD), backward_on_its_own_thread():  # as CUDA's engine runs it
+        held = {}
+        out[ENGINE_THREAD] = _run(corpus_dir, tmp / "engine_thread", world,
+                                  CASES["pp2 ep2 dualpipev"],
+                                  inspect=lambda t: held.update(pipeline=t.stepper.pipeline))
+        stats = held["pipeline"].pair_stats
+        out["pairs"][ENGINE_THREAD] = (stats.pairs, stats.switches)
     with runner.case(TORCH_BUFFERS):  # torch's own buffers, all m held all step
         import epscale.parallel.pipeline as pipeline_module
         from epscale.parallel.pipeline_buffers import ReceiveBuffers
@@ -235,6 +244,15 @@ def test_dualpipev_pairs_interleave_and_train_as_one_after_the_other(runs):
             assert_losses_close(_by_step(got[name], key),
                                 _by_step(got["pp2 ep2 dualpipev overlap-none"], key),
                                 same_weights=range(1, STEPS + 1))
+
+
+def test_dualpipev_pairs_hand_off_where_the_engine_runs_the_backward(runs):
+    """With every backward on a thread of its own (CUDA's autograd engine runs a pair's
+    backward on its device thread while the stage's caller waits), DualPipeV's pairs hand
+    over at the same exchanges as with the helper thread, and train bit for bit alike."""
+    _refs, got = runs
+    assert got["pairs"][ENGINE_THREAD] == got["pairs"]["pp2 ep2 dualpipev"]
+    assert got[ENGINE_THREAD] == got["pp2 ep2 dualpipev"]
 
 
 @pytest.mark.parametrize("name", ["pp2 ep2 1f1b", "pp2 fsdp2 ep2 interleaved ac-full", "pp4 1f1b"])
