@@ -36,6 +36,7 @@ CHUNKS = ["parallel.overlap_chunks=2"]
 DUALPIPEV = ["parallel.pp=2", "parallel.ep=2", "parallel.pp_schedule=dualpipev",
              "model.tie_embeddings=false", "train.micro_batch_size=1", "train.grad_accum=8"]
 ACCUM4 = ["train.grad_accum=4", "train.micro_batch_size=1"]
+ACCUM8 = ["train.grad_accum=8", "train.micro_batch_size=1"]
 PAIRS = ["parallel.overlap_micro_batches=true"]
 # name -> (processes, overrides on the recipe[, overrides of the 'auto' run only])
 CASES = {
@@ -65,6 +66,8 @@ CASES = {
                         PAIRS),
     "ep4-alltoall-accum4": (4, ["parallel.ep=4", "parallel.dispatcher=alltoall", *ACCUM4]),
     "ep4-alltoall-pairs": (4, ["parallel.ep=4", "parallel.dispatcher=alltoall", *ACCUM4], PAIRS),
+    # 8 micro-batches: the unpaired first forward and last backward are a smaller part
+    "ep4-alltoall-pairs8": (4, ["parallel.ep=4", "parallel.dispatcher=alltoall", *ACCUM8], PAIRS),
     "ep4-dedup-pairs": (4, ["parallel.ep=4", "parallel.dispatcher=dedup", *CHUNKS, *ACCUM4],
                         PAIRS),
     "ep4-hierarchical-pairs": (4, ["parallel.ep=4", "parallel.dispatcher=hierarchical",
