@@ -204,6 +204,17 @@ def test_fit_lists_the_layouts_that_fit_fastest_first(capsys):
                      "--top", "1"]) == 0
     ds = json.loads(capsys.readouterr().out)
     assert ds["world"] == 2048 and ds["layouts"][0]["memory"]["total"] <= 80 * 2 ** 30
+    # the printed '#1 as overrides' line is the JSON's, whole, on one line: list values
+    # ('train.recompute_modules=[norm,...]') are not taken for rich markup and dropped
+    assert cli_main(["describe", "deepseek-v3", "--fit", "80GiB", "--gpus", "2048",
+                     "--top", "1"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines()
+                if x.startswith("#1 as overrides: "))
+    assert line.split(": ", 1)[1].split() == ds["layouts"][0]["overrides"]
+    assert any(o.startswith("train.recompute_modules=[") and len(o) > 26
+               for o in ds["layouts"][0]["overrides"])
+    cfg = load_recipe("deepseek-v3", line.split(": ", 1)[1].split())
+    assert memory_per_rank(cfg, world=2048).total == ds["layouts"][0]["memory"]["total"]
     assert cli_main(["describe", "deepseek-v3", "--fit", "80GiB", "--gpus", "2047"]) == 2
     assert "give whole nodes" in capsys.readouterr().err
 

@@ -272,7 +272,9 @@ def _print_fit(info: dict, console) -> None:
                   _fmt_bytes(r["memory"]["total"]), _fmt_bytes(r["memory"]["activations"]),
                   f"{r['step_time_s']:.2f} s", f"{r['tokens_per_s_per_gpu']:,.0f}")
     console.print(t)
-    console.print(f"#1 as overrides: {' '.join(info['layouts'][0]['overrides'])}")
+    # not markup (a list value, '[norm,moe_act]', is a rich tag) and one line, to paste
+    console.print(f"#1 as overrides: {' '.join(info['layouts'][0]['overrides'])}",
+                  markup=False, soft_wrap=True)
     console.print("[dim]memory: plan.memory.estimate (weights, gradients, AdamW, saved activations, "
                   "FSDP's gathered block, dispatch rows; under a pipeline its largest rank, with "
                   "the micro-batches in flight and p2p buffers); step: the simulator's step "
@@ -335,7 +337,9 @@ def run(args) -> int:
     from rich.table import Table
 
     check_args(args)
-    console = Console()
+    # at least 150 columns, as simulate's: piped into a file, rich's default 80 cut the
+    # layout and recomputation names of --fit's table ('dualpi…', 'mla_up…')
+    console = Console(width=max(Console().width, 150))
     if args.fit is not None and (args.overlap_from or args.overlap_cluster):
         raise ConfigError("--overlap-from is invalid with --fit: --fit ranks layouts with the "
                           "step model's own overlap assumption (epscale.plan.fit takes no "

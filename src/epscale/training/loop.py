@@ -386,6 +386,7 @@ class Trainer:
     def _print_start(self, layout_note: str | None, placement_note: str | None = None) -> None:
         if self.rank != 0:
             return
+        from rich.markup import escape  # a run dir named 'runs/[a]' is no markup tag
         cfg, s = self.cfg, self.size
         m, moe = cfg.model, cfg.moe
         num_moe = sum(m.is_moe_layer(i) for i in range(m.num_layers))  # all stages
@@ -393,7 +394,7 @@ class Trainer:
                f"{cfg.train.mtp_loss_weight})" if m.mtp_depth else "")
         threads = torch.get_num_threads()
         lines = [
-            f"[bold]epscale train[/] {cfg.name}: run dir {self.run_dir}",
+            f"[bold]epscale train[/] {escape(cfg.name)}: run dir {escape(str(self.run_dir))}",
             f"model: {s.total_params / 1e6:.2f}M parameters, {s.active_params / 1e6:.2f}M active "
             f"per token, {s.flops_per_token / 1e6:.1f} MFLOPs/token (train); {m.num_layers} layers "
             f"({num_moe} MoE: {moe.num_experts} experts, top-{moe.top_k}){mtp}, dim {m.dim}, "
