@@ -364,9 +364,11 @@ def test_pair_backward_hands_off_from_the_engine_s_own_thread():
     assert log == ["a1", "b-grad", "a2", "b-after", "a3"], log
     assert stats.switches == 3 and torch.equal(x.grad, torch.ones(2))
     assert not has_handoff()
-    with torch.enable_grad():  # outside a pair a backward node has no hand-off
-        y = HandsOff.apply(torch.ones(1, requires_grad=True)).sum()
-        threading.Thread(target=y.backward).run()
+    # outside a pair a backward node on another thread has no hand-off: it runs through
+    y = HandsOff.apply(torch.ones(1, requires_grad=True)).sum()
+    engine = threading.Thread(target=y.backward)
+    engine.start()
+    engine.join()
     assert log[-2:] == ["b-grad", "b-after"]
 
 
