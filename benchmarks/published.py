@@ -54,6 +54,38 @@ PAI_SETTINGS = ["train.activation_checkpointing=none", "moe.capacity_factor=1.0"
 PAI_UNSAID = ("the precision, the pipeline schedule and the dispatcher (not stated: bf16, "
               "1F1B and all-to-all assumed, Megatron-Core's defaults)")
 
+# NVIDIA's PyTorch-native trainer (FSDP2, torch.distributed.pipelining, DeepEP, Transformer
+# Engine's linear layers and attention: the engines epscale builds on) on DGX-H100 in bf16.
+AM_PERF = ("NVIDIA-NeMo/Automodel docs/performance-summary.md (commit 01926a5c, 'Last Updated: "
+           "2025-10-02'; the same rows at docs.nvidia.com/nemo/automodel/latest/"
+           "performance-summary.html): 'System: DGX-H100, Precision: BF16', 'Fake balanced gate "
+           "is enabled to simulate ideal expert routing', 'Step times include forward and "
+           "backward passes + optimizer step for the global batch'; columns #GPUs | GBS | MBS | "
+           "LBS | GA | Seq Length | TP | PP | CP | EP | VP | FSDP | Kernel Optimizations | Time "
+           "per Global Step (s) | Model TFLOPs/sec/GPU | Tokens/sec/GPU")
+AM_CONFIGS = "examples/benchmark/configs/"
+AM_SETTINGS = ["train.optimizer_state_dtype=float32", "train.recompute_modules=[]",
+               "train.activation_storage=compute", "parallel.payload=bf16"]
+GPT_OSS_20B = ["model.vocab_size=201088", "model.dim=2880", "model.num_layers=24",
+               "model.num_heads=64", "model.num_kv_heads=8", "model.head_dim=64",
+               "moe.hidden_dim=2880", "moe.num_experts=32", "moe.top_k=4"]
+GPT_OSS_SOURCE = ("gpt-oss model card (OpenAI, arXiv 2508.10925) and the hub's config.json of "
+                  "openai/gpt-oss-20b / -120b: 24 / 36 layers, 32 / 128 experts of width 2880, "
+                  "top-4, hidden 2880, 64 query and 8 KV heads of 64, vocabulary 201088, "
+                  "'sliding_window': 128 on every other layer ('layer_types' alternate "
+                  "sliding_attention / full_attention), attention sinks")
+# GPT-OSS's attention as FlexAttention runs it: a 128-token band on half the layers
+GPT_OSS_FLEX = dict(attention_kernel="flex", attention_window=128, windowed_layers=0.5)
+# Kimi K2 (moonshotai/Kimi-K2 model card: 61 layers of which 1 dense, attention hidden 7168,
+# 2048 per expert, 64 attention heads, 384 experts, 8 selected, 1 shared, vocabulary 160K
+# (163,840 in its config.json), MLA, SwiGLU; DeepSeek-V3's MLA ranks and dense FFN; no
+# group-limited routing)
+KIMI_K2 = ["model.vocab_size=163840", "model.num_heads=64", "model.num_dense_layers=1",
+           "moe.num_experts=384", "moe.top_k=8", "moe.num_groups=1", "moe.topk_groups=1"]
+AM_NOT_MODELLED = ("the configs were read at later commits than the table (named in the "
+                   "source); multi-token prediction none (the configs build none)")
+
+
 def megatron_flops_per_token(h: int, layers: int, seq: int, heads: int, groups: int, kv: int,
                              ffn: int, topk: int, vocab: int) -> float:
     """Megatron-LM's model FLOPs per token (megatron/training/training.py,
@@ -92,6 +124,22 @@ def _pipe(pp: int, schedule: str, v: int, dp: int, ep: int, m: int, mbs: int, se
             "parallel.dp_replicate=1", "parallel.dp_shard=null", f"parallel.ep={ep}",
             f"train.grad_accum={m}", f"train.micro_batch_size={mbs}", f"model.seq_len={seq}",
             "train.global_batch_size=null"]
+
+
+def _fsdp(shard: int, ep: int, mbs: int, m: int, zero: int, recompute: str, pp: int = 1,
+          v: int = 1) -> list[str]:
+    """A PyTorch-native FSDP2 layout: ``shard`` data ranks a stage (FSDP's mesh), ``ep`` of
+    them hold the experts, ``m`` micro-batches of ``mbs`` a pass. Under a pipeline torch's
+    stage keeps FSDP's weights gathered and reduce-scatters once a pass: ZeRO-1's traffic."""
+    out = ["model.mtp_depth=0", "parallel.fsdp=true", "parallel.dp_replicate=1",
+           f"parallel.dp_shard={shard}", f"parallel.ep={ep}", f"parallel.pp={pp}",
+           f"parallel.zero={zero}", f"train.grad_accum={m}", f"train.micro_batch_size={mbs}",
+           "model.seq_len=4096", "train.global_batch_size=null",
+           f"train.activation_checkpointing={recompute}"] + AM_SETTINGS
+    if pp > 1:
+        out += ["parallel.pp_schedule=interleaved_1f1b", f"parallel.pp_virtual_stages={v}",
+                "parallel.pp_layers_per_stage=null"]
+    return out
 
 
 RUNS = [
@@ -215,8 +263,84 @@ RUNS = [
         "TP 1 | PP 4 | CP 1 | VP n/a | EP 8 | 5993 | 163'",
         "qwen3-30b-a3b", GPT_OSS_120B + _pipe(4, "1f1b", 1, 2, 8, 80, 1, 4096) +
         ["train.activation_checkpointing=none"], "h100-64", 8, "alltoall", "none",
-        not_modelled="sliding-window attention on half the layers (128 tokens: we charge full "
-                     "causal attention), attention sinks, biases"),
+        not_modelled="sliding-window attention on half the layers (128 tokens: full causal "
+                     "attention is charged, since whether Transformer Engine ran the sinks' "
+                     "attention fused, skipping the tiles outside the window, or unfused is not "
+                     "published: NVIDIA/TransformerEngine#2318), attention sinks, biases"),
+    # NVIDIA's PyTorch-native trainer, bf16, forced-balanced routing (AM_PERF)
+    Run("DeepSeek-V3, 1,024 H100 (NeMo AutoModel, PyTorch)", 865,
+        AM_PERF + ": 'DeepSeek V3 671B | 1024 | 8192 | 1 | 8 | 4 | 4096 | 1 | 4 | 1 | 64 | 8 | "
+        "256 | TE + DeepEP | 37.87 | 216 | 865'; " + AM_CONFIGS + "deepseek_v3_te_deepep_1024.yaml "
+        "(commit 037e04a6): interleaved1f1b, pp_microbatch_size 1, activation_checkpointing: "
+        "true (every block wrapped whole), reshard_after_forward: false, attn te, "
+        "enable_deepep, torch.optim.Adam; its layers_per_stage 4 (VP 4) differs from the "
+        "table's VP 8, which is used",
+        "deepseek-v3", _fsdp(256, 64, 1, 8, 1, "full", 4, 8), "field-report", 128,
+        "hierarchical", "none", Work(head_loss="full", mtp_depth=0),
+        modelled="FSDP2 under torch's interleaved 1F1B, full recomputation, DeepEP as the "
+                 "hierarchical dispatcher",
+        not_modelled="a step is 4 pipeline passes of 8 micro-batches (GA 4): one pass is "
+                     "simulated (the same bubble a pass; the optimizer charged once a pass); "
+                     + AM_NOT_MODELLED),
+    Run("DeepSeek-V3, 256 H100 (NeMo AutoModel, PyTorch)", 1002,
+        AM_PERF + ": 'DeepSeek V3 671B | 256 | 512 | 1 | 8 | 1 | 4096 | 1 | 4 | 1 | 64 | 8 | 64 | "
+        "TE + DeepEP | 8.18 | 250 | 1,002'; " + AM_CONFIGS + "deepseek_v3_te_deepep.yaml (commit "
+        "037e04a6): interleaved1f1b, pp_microbatch_size 1, layers_per_stage 2, "
+        "activation_checkpointing: true, reshard_after_forward: false, attn te, enable_deepep, "
+        "torch.optim.Adam",
+        "deepseek-v3", _fsdp(64, 64, 1, 8, 1, "full", 4, 8), "field-report", 32,
+        "hierarchical", "none", Work(head_loss="full", mtp_depth=0),
+        modelled="FSDP2 under torch's interleaved 1F1B, full recomputation, DeepEP as the "
+                 "hierarchical dispatcher", not_modelled=AM_NOT_MODELLED),
+    Run("Kimi K2, 256 H100 (NeMo AutoModel, PyTorch)", 924,
+        AM_PERF + ": 'Kimi K2 | 256 | 512 | 1 | 8 | 2 | 4096 | 1 | 8 | 1 | 32 | 4 | 32 | TE + "
+        "DeepEP | 8.86 | 189 | 924'; " + AM_CONFIGS + "kimi_k2_te_deepep.yaml (commit 080dca53): "
+        "pp_size 8, ep_size 32, interleaved1f1b, pp_microbatch_size 1, activation_checkpointing: "
+        "true, attn te, experts gmm, dispatcher deepep, torch.optim.Adam; the model from the "
+        "moonshotai/Kimi-K2 model card (61 layers, 1 dense, hidden 7168, 384 experts of 2048, "
+        "8 selected + 1 shared, 64 heads, MLA, vocabulary 160K)",
+        "deepseek-v3", KIMI_K2 + _fsdp(32, 32, 1, 8, 1, "full", 8, 4), "field-report", 32,
+        "hierarchical", "none", Work(head_loss="full", mtp_depth=0),
+        modelled="FSDP2 under torch's interleaved 1F1B, full recomputation, DeepEP as the "
+                 "hierarchical dispatcher",
+        not_modelled="a step is 2 pipeline passes of 8 micro-batches (GA 2): one is simulated; "
+                     + AM_NOT_MODELLED),
+    Run("Qwen3-30B-A3B, 8 H100 (NeMo AutoModel, PyTorch)", 12040,
+        AM_PERF + ": 'Qwen3 MoE 30B | 8 | 512 | 4 | 4 | 16 | 4096 | 1 | 1 | 1 | 8 | - | 8 | TE + "
+        "DeepEP | 21.773 | 277 | 12,040'; " + AM_CONFIGS + "qwen3_moe_30b_te_deepep.yaml (commit "
+        "092af93e): ep_size 8, activation_checkpointing: true, reshard_after_forward not set "
+        "(parallelize_model's default false), attn te, enable_deepep, torch.optim.Adam",
+        "qwen3-30b-a3b", _fsdp(8, 8, 4, 16, 2, "full"), "h100-node", 1, "dedup", "none",
+        Work(head_loss="full"),
+        modelled="FSDP2 (weights kept gathered from forward to backward: ZeRO-2), full "
+                 "recomputation, DeepEP's intranode kernels as the dedup dispatcher",
+        not_modelled=AM_NOT_MODELLED),
+    Run("GPT-OSS-20B, 8 H100 (NeMo AutoModel, PyTorch)", 13058,
+        AM_PERF + ": 'GPT-OSS 20B | 8 | 256 | 2 | 2 | 16 | 4096 | 1 | 1 | 1 | - | - | 8 | TE + "
+        "DeepEP + FlexAttn | 10.04 | 279 | 13,058'; " + AM_CONFIGS + "gptoss_20b_te_deepep.yaml "
+        "(commit 037e04a6): ep_size 8 (the table prints '-'), activation_checkpointing: false, "
+        "attn flex, enable_deepep, torch.optim.Adam; the model: " + GPT_OSS_SOURCE,
+        "qwen3-30b-a3b", GPT_OSS_20B + _fsdp(8, 8, 2, 16, 2, "none"), "h100-node", 1, "dedup",
+        "none", Work(head_loss="full", **GPT_OSS_FLEX),
+        modelled="FSDP2 (ZeRO-2), FlexAttention's rates, the 128-token window on half the "
+                 "layers by the tiles it computes, DeepEP's intranode kernels as dedup",
+        not_modelled="attention sinks, the experts' biases and clamped SwiGLU; flex's rates "
+                     "are FlashAttention-2's at head dim 128 (GPT-OSS's heads are 64 wide); "
+                     + AM_NOT_MODELLED),
+    Run("GPT-OSS-120B, 64 H100 (NeMo AutoModel, PyTorch)", 7626,
+        AM_PERF + ": 'GPT-OSS 120B | 64 | 512 | 2 | 2 | 4 | 4096 | 1 | 1 | 1 | - | - | 64 | TE + "
+        "DeepEP + FlexAttn | 4.30 | 231 | 7,626'; " + AM_CONFIGS + "gptoss_120b_te_deepep.yaml "
+        "(commit 037e04a6): num_nodes 8, ep_size 64 (the table prints '-'), "
+        "activation_checkpointing: false, reshard_after_forward: true, attn flex, "
+        "enable_deepep, torch.optim.Adam; the model: " + GPT_OSS_SOURCE,
+        "qwen3-30b-a3b", GPT_OSS_120B + _fsdp(64, 64, 2, 4, 3, "none"), "h100-64", 8,
+        "hierarchical", "none", Work(head_loss="full", **GPT_OSS_FLEX),
+        modelled="FSDP2 (ZeRO-3: reshard after forward), FlexAttention's rates, the 128-token "
+                 "window on half the layers by the tiles it computes, DeepEP across 8 nodes "
+                 "as the hierarchical dispatcher",
+        not_modelled="attention sinks, the experts' biases and clamped SwiGLU; flex's rates "
+                     "are FlashAttention-2's at head dim 128 (GPT-OSS's heads are 64 wide); "
+                     + AM_NOT_MODELLED),
 ]
 
 # Published grouped-GEMM rates against the step model's (a check of the shape model on the
@@ -240,7 +364,8 @@ def print_gemm_check() -> None:
 NOT_FOUND = [
     "Mixtral 8x22B: Megatron-Core's README gives its layout (128 GPUs, TP4 EP2 PP8 VP7) but no "
     "throughput figure.",
-    "torchtitan: no published MoE throughput table was found in the stored corpus (docs, code).",
+    "torchtitan: no published MoE throughput table was found in the stored corpus (docs, code); "
+    "NeMo AutoModel's table (PyTorch-native: FSDP2, torch pipelining, DeepEP) is in instead.",
     "Megatron-Bridge 25.11 H100 Qwen3_235B row is malformed (GBS missing: '256 | FP8-CS | 1 | "
     "4096 | ...'), so the 26.02 row stands for it; the 25.11 GPT OSS 120B row (GA 2 < PP 4) is a "
     "layout our pipeline schedules refuse.",

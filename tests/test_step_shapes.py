@@ -24,7 +24,8 @@ from epscale.plan.shapes import (ATTN_BWD_EFFICIENCY, ATTN_BWD_FLOPS, ATTN_FWD_E
                                  compute_cluster, elementwise_bytes, expert_gemm_tflops,
                                  expert_time,
                                  gemm_efficiency, gemm_time, host_bound_time, kernels_per_layer,
-                                 loss_bytes, nonexpert_parts, nonexpert_time)
+                                 loss_bytes, nonexpert_parts, nonexpert_time,
+                                 window_share)
 from epscale.plan.step_model import _fsdp_exposure, payload_row_bytes
 
 H100 = ClusterSpec(sm_count=132, mem_bw_GBps=3350.0, fp8_tflops=1979.0, layer_overhead_us=0.0)
@@ -308,6 +309,31 @@ def test_flash_attention_runs_at_its_measured_rates():
     cal = ClusterSpec()
     assert attention_time(cal, 1e12) == pytest.approx((1e12 / cal.flops_per_s,
                                                        2e12 / cal.flops_per_s))
+
+
+def test_flex_attention_and_a_sliding_window_by_the_tiles_they_compute():
+    # FlexAttention at 90% / 85% of FlashAttention-2's forward / backward rates
+    assert attention_time(H100, 1e12, "flex") == pytest.approx(
+        (1e12 / (0.90 * 368e12), ATTN_BWD_FLOPS * 1e12 / (0.85 * 310e12)))
+    cfg = _cfg(seq=4096)                                   # causal: 2048.5 keys a query
+    full = nonexpert_parts(cfg, H100, 4096, Work(attention_kernel="flex"))
+    # a 128-token window on half the layers: each windowed query block computes two
+    # 128-key tiles (its own and the one before), 256 of 2048.5 keys
+    half = nonexpert_parts(cfg, H100, 4096, Work(attention_kernel="flex", attention_window=128,
+                                                 windowed_layers=0.5))
+    assert window_share(Work(attention_window=128, windowed_layers=0.5), 4096) == \
+        pytest.approx(0.5 + 0.5 * 256 / 2048.5)
+    assert half["attention"] / full["attention"] == pytest.approx(0.5 + 0.5 * 256 / 2048.5)
+    assert half["gemm"] == full["gemm"] and half["memory"] == full["memory"]
+    # a window of 129 tokens reaches into a third tile; one wider than the context is none
+    assert window_share(Work(attention_window=129, windowed_layers=1.0), 4096) == \
+        pytest.approx(384 / 2048.5)
+    assert window_share(Work(attention_window=8192, windowed_layers=1.0), 4096) == 1.0
+    assert window_share(Work(attention_window=128), 4096) == 1.0     # no windowed layers
+    with pytest.raises(ConfigError, match="windowed_layers = 1.5 is invalid"):
+        nonexpert_parts(cfg, H100, 4096, Work(attention_window=128, windowed_layers=1.5))
+    with pytest.raises(ConfigError, match="attention_window = -1 is invalid"):
+        window_share(Work(attention_window=-1, windowed_layers=0.5), 4096)
 
 
 def test_fp8_casts_are_charged_with_the_amax_pass_and_the_transposed_copy():

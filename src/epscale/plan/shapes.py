@@ -65,8 +65,17 @@ ATTN_FWD_EFFICIENCY = 609.0 / 989.0
 ATTN_BWD_EFFICIENCY = 499.0 / 989.0
 # The same figures' FlashAttention-2 bars at head dim 128 and sequence 4k: forward 368,
 # backward 310 TFLOP/s (``Work.attention_kernel = "fa2"``: runs that say they use it).
+# PyTorch's FlexAttention (``"flex"``) at FlashAttention-2's rates times what its authors
+# measured against FlashAttention-2: "FlexAttention achieves 90% of FlashAttention2's
+# performance in the forward pass and 85% in the backward pass" (PyTorch blog "FlexAttention:
+# The Flexibility of PyTorch with the Performance of FlashAttention", 2024-08-07, causal
+# attention on A100; no H100 figure is published, so the ratios are carried over).
 ATTN_KERNELS = {"cudnn": (ATTN_FWD_EFFICIENCY, ATTN_BWD_EFFICIENCY),
-                "fa2": (368.0 / 989.0, 310.0 / 989.0)}
+                "fa2": (368.0 / 989.0, 310.0 / 989.0),
+                "flex": (0.90 * 368.0 / 989.0, 0.85 * 310.0 / 989.0)}
+# The key/value tile of a flash-attention kernel (FlexAttention's default BlockMask block,
+# 128 x 128): a sliding window is computed in whole tiles, the tiles outside it skipped.
+ATTN_KV_TILE = 128
 ATTN_BWD_FLOPS = 2.5
 # Host time to issue one kernel: "usually, the launch time on the CPU side is between 5-20
 # microseconds" (Meta's Holistic Trace Analysis docs, "CUDA kernel launch statistics"); the
@@ -151,7 +160,10 @@ class Work:
     builds: :func:`resolve_work`), ``attention_kernel`` whose measured rates the attention's core
     runs at (:data:`ATTN_KERNELS`), ``head_loss`` how the output head and its loss run
     (:data:`HEAD_LOSSES`: epscale's trainer ``chunked``, frameworks that keep the logits
-    ``full``)."""
+    ``full``), ``attention_window`` tokens a query attends back to on ``windowed_layers``
+    (a share, 0 to 1) of the layers (sliding-window attention, e.g. GPT-OSS's 128-token
+    band on every other layer: :func:`window_share`; 0: every layer attends its whole causal
+    context)."""
 
     precision: str = "bf16"
     tp: int = 1
@@ -162,6 +174,8 @@ class Work:
     mtp_depth: int | None = None
     attention_kernel: str = "cudnn"
     head_loss: str = "chunked"
+    attention_window: int = 0
+    windowed_layers: float = 0.0
 
 
 def resolve_work(run_cfg: RunConfig, work: Work) -> Work:
@@ -329,6 +343,26 @@ def attention_time(cluster: ClusterSpec, fwd_flops: float,
     return fwd_flops / (peak * fwd_eff), ATTN_BWD_FLOPS * fwd_flops / (peak * bwd_eff)
 
 
+def window_share(work: Work, seq_len: int) -> float:
+    """The attention core's FLOPs under ``work``'s sliding window, as a share of full causal
+    attention's, averaged over the layers: a windowed layer computes, per query, the
+    key/value tiles (:data:`ATTN_KV_TILE`) that hold its window, ``ceil(W / tile) + 1`` of
+    them (a tile-aligned block of queries reaches back W keys), at most its causal context;
+    the other layers their whole causal context, ``(S + 1) / 2`` keys on average."""
+    W, share = work.attention_window, work.windowed_layers
+    if not (isinstance(W, int) and not isinstance(W, bool) and W >= 0):
+        raise ConfigError(f"attention_window = {W!r} is invalid: must be a whole number of "
+                          "tokens >= 0 (0: no sliding window)")
+    if not 0.0 <= share <= 1.0:
+        raise ConfigError(f"windowed_layers = {share!r} is invalid: must be the share of the "
+                          "layers with a sliding window, 0 to 1")
+    if W == 0 or share == 0.0:
+        return 1.0
+    causal = (seq_len + 1) / 2
+    windowed = min(causal, (math.ceil(W / ATTN_KV_TILE) + 1) * ATTN_KV_TILE)
+    return 1.0 - share + share * windowed / causal
+
+
 def _layer_parts(run_cfg: RunConfig, cluster: ClusterSpec, T: float, work: Work,
                  moe_layer: bool) -> dict[str, float]:
     """Seconds of one layer's non-expert work, fwd + bwd (+ the modules recomputed), on a
@@ -348,8 +382,9 @@ def _layer_parts(run_cfg: RunConfig, cluster: ClusterSpec, T: float, work: Work,
             or (module in ("router", "shared") and _recomputed(work, run_cfg, "moe"))
         if again:
             out["recompute"] += float(gemm_time(cluster, M, N, K, prec))
-    fwd_attn, bwd_attn = attention_time(cluster, T * attention_flops_per_token(run_cfg.model),
-                                        work.attention_kernel)
+    fwd_attn, bwd_attn = attention_time(
+        cluster, T * attention_flops_per_token(run_cfg.model)
+        * window_share(work, run_cfg.model.seq_len), work.attention_kernel)
     out["attention"] = fwd_attn + bwd_attn
     out["recompute"] += fwd_attn * _recomputed(work, run_cfg, "core_attn")
     if cluster.mem_bw_GBps:
