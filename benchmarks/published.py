@@ -54,6 +54,16 @@ PAI_SETTINGS = ["train.activation_checkpointing=none", "moe.capacity_factor=1.0"
 PAI_UNSAID = ("the precision, the pipeline schedule and the dispatcher (not stated: bf16, "
               "1F1B and all-to-all assumed, Megatron-Core's defaults)")
 
+GPT_OSS_CONFIGS = ("scripts/performance/configs/gpt_oss/gpt_oss_workload_base_configs.py "
+                   "(NVIDIA-NeMo/Megatron-Bridge, commit 07eea52d)")
+QWEN3_CONFIGS = ("scripts/performance/configs/qwen/qwen3_workload_base_configs.py "
+                 "(NVIDIA-NeMo/Megatron-Bridge, commit 01b2977e)")
+# Megatron-Bridge on Blackwell: a DGX-GB200 run of 8 or 64 GPUs sits in one NVL72 NVLink domain
+NVL = lambda gpus: dict(gpus_per_node=gpus)  # noqa: E731
+B200_UNSAID = ("the table's MBS 1 differs from the config file's B200 entry (MBS 4, hybridep, "
+               "CUDA graphs), so the dispatcher is not known: all-to-all, Megatron-Core's "
+               "default, assumed")
+
 # NVIDIA's PyTorch-native trainer (FSDP2, torch.distributed.pipelining, DeepEP, Transformer
 # Engine's linear layers and attention: the engines epscale builds on) on DGX-H100 in bf16.
 AM_PERF = ("NVIDIA-NeMo/Automodel docs/performance-summary.md (commit 01926a5c, 'Last Updated: "
@@ -260,13 +270,58 @@ RUNS = [
         modelled="fp8 GEMMs, TP2 + sequence parallel, EP all-to-all overlap, interleaved p2p overlap"),
     Run("GPT-OSS-120B, 64 H100 (Megatron-Bridge 26.02)", 5993,
         MB_PERF + ": 26.02 GPT OSS 120B 'DGX-H100 | 64 | BF16 | GBS 1280 | MBS 1 | 4096 | FSDP 0 | "
-        "TP 1 | PP 4 | CP 1 | VP n/a | EP 8 | 5993 | 163'",
+        "TP 1 | PP 4 | CP 1 | VP n/a | EP 8 | 5993 | 163'; recompute_modules ['layernorm', "
+        "'moe_act'] from " + GPT_OSS_CONFIGS + " (GPT_OSS_120B_PRETRAIN_CONFIG_H100_BF16_V2: PP 4, "
+        "GBS 1280, as the table)",
         "qwen3-30b-a3b", GPT_OSS_120B + _pipe(4, "1f1b", 1, 2, 8, 80, 1, 4096) +
         ["train.activation_checkpointing=none"], "h100-64", 8, "alltoall", "none",
+        Work(recompute_modules=("layernorm", "moe_act"), head_loss="full"),
+        modelled="light recompute (layernorm, moe_act)",
         not_modelled="sliding-window attention on half the layers (128 tokens: full causal "
                      "attention is charged, since whether Transformer Engine ran the sinks' "
                      "attention fused, skipping the tiles outside the window, or unfused is not "
                      "published: NVIDIA/TransformerEngine#2318), attention sinks, biases"),
+    # Megatron-Bridge on Blackwell (presets b200-node, gb200-nvl72)
+    Run("Qwen3-30B-A3B, 8 GB200 (Megatron-Bridge 26.02)", 26084,
+        MB_PERF + ": 26.02 Qwen3_30B_a3B 'DGX-GB200 | 8 | MXFP8 | 512 | 4 | 4096 | 0 | 1 | 1 | 1 | "
+        "n/a | 8 | 26084 | 600'; moe_flex_dispatcher_backend 'hybridep', cuda_graph_scope "
+        "['attn', 'moe_router', 'moe_preprocess'], MBS 4 from " + QWEN3_CONFIGS +
+        " (QWEN3_30B_A3B_PRETRAIN_CONFIG_GB200_FP8_CS_V1)",
+        "qwen3-30b-a3b", _pipe(1, "1f1b", 1, 1, 8, 16, 4, 4096) +
+        ["train.activation_checkpointing=none"], "gb200-nvl72", 1, "dedup", "none",
+        Work(precision="fp8", head_loss="full"), cluster_set=NVL(8),
+        modelled="fp8 GEMMs (MXFP8 at the fp8 rate), HybridEP as the dedup dispatcher",
+        not_modelled="CUDA graphs of the attention, router and dispatch preprocessing (what "
+                     "they save is host time, which the step model charges only after a host "
+                     "sync, 0 here)"),
+    Run("Qwen3-30B-A3B, 8 B200 (Megatron-Bridge 26.02)", 9691,
+        MB_PERF + ": 26.02 Qwen3_30B_a3B 'DGX-B200 | 8 | MXFP8 | 512 | 1 | 4096 | 0 | 1 | 1 | 1 | "
+        "n/a | 8 | 9691 | 223'",
+        "qwen3-30b-a3b", _pipe(1, "1f1b", 1, 1, 8, 64, 1, 4096) +
+        ["train.activation_checkpointing=none"], "b200-node", 1, "alltoall", "none",
+        Work(precision="fp8", head_loss="full"), modelled="fp8 GEMMs (MXFP8 at the fp8 rate)",
+        not_modelled=B200_UNSAID),
+    Run("Qwen3-30B-A3B, 8 B200 (Megatron-Bridge 25.09, token drop)", 18066,
+        MB_PERF + ": 25.09 DGX-B200 'Qwen3_30B_a3B (tokendrop) | 8 | 512 | 1 | 4096 | 0 | 1 | 1 | 1 "
+        "| 1 | 8 | 64 | 18066 | 416'; the 25.09 tables state no precision: fp8 as their H100 "
+        "rows (see the 25.09 H100 row)",
+        "qwen3-30b-a3b", _pipe(1, "1f1b", 1, 1, 8, 64, 1, 4096) +
+        ["train.activation_checkpointing=none", "moe.capacity_factor=1.0"], "b200-node", 1,
+        "alltoall", "none", Work(precision="fp8", head_loss="full"),
+        modelled="fp8 GEMMs, no host sync (fixed capacity)",
+        not_modelled="the capacity factor (1.0 assumed); the dispatcher (all-to-all assumed)"),
+    Run("GPT-OSS-120B, 64 GB200 (Megatron-Bridge 26.02)", 15784,
+        MB_PERF + ": 26.02 GPT OSS 120B 'DGX-GB200 | 64 | BF16 | 1280 | 4 | 4096 | 0 | 1 | 1 | 1 | "
+        "n/a | 64 | 15784 | 428'; recompute_modules ['layernorm', 'moe_act'], moe_a2a_overlap "
+        "True from " + GPT_OSS_CONFIGS + " (GPT_OSS_120B_PRETRAIN_CONFIG_GB200_BF16_V2: EP 64, "
+        "MBS 4, GBS 1280, as the table)",
+        "qwen3-30b-a3b", GPT_OSS_120B + _pipe(1, "1f1b", 1, 1, 64, 5, 4, 4096) +
+        ["train.activation_checkpointing=none"], "gb200-nvl72", 1, "alltoall", "full",
+        Work(recompute_modules=("layernorm", "moe_act"), head_loss="full"), cluster_set=NVL(64),
+        modelled="light recompute (layernorm, moe_act), EP all-to-all overlap (paired micro-"
+                 "batches)",
+        not_modelled="sliding-window attention on half the layers (full causal attention "
+                     "charged, as in the H100 row), attention sinks, biases"),
     # NVIDIA's PyTorch-native trainer, bf16, forced-balanced routing (AM_PERF)
     Run("DeepSeek-V3, 1,024 H100 (NeMo AutoModel, PyTorch)", 865,
         AM_PERF + ": 'DeepSeek V3 671B | 1024 | 8192 | 1 | 8 | 4 | 4096 | 1 | 4 | 1 | 64 | 8 | "

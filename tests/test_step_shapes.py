@@ -231,6 +231,10 @@ def test_presets_use_the_shape_model_and_calibrated_clusters_keep_theirs():
     for name in ("h100-node", "h100-64", "field-report", "h800-2048"):
         cl = load_cluster(name)
         assert cl.sm_count == 132 and cl.mem_bw_GBps > 0 and cl.layer_overhead_us == 0
+    for name, bf16 in (("b200-node", 2250.0), ("gb200-nvl72", 2500.0)):    # Blackwell
+        cl = load_cluster(name)
+        assert (cl.sm_count, cl.gemm_tflops, cl.fp8_tflops, cl.mem_bw_GBps, cl.intra_bw_GBps) \
+            == (148, bf16, 2 * bf16, 8000.0, 900.0) and cl.layer_overhead_us == 0
     with pytest.raises(ConfigError, match="cluster key 'sm_count'"):
         ClusterSpec(sm_count=-1)
 

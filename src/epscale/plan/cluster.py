@@ -91,6 +91,11 @@ class ClusterSpec:
 # 400 GB/s bidirectional; DeepSeek-V3's report quotes ~160 GB/s achieved NVLink and 50 GB/s
 # IB per GPU, which is what the dispatch kernels see.
 H100 = dict(sm_count=132, mem_bw_GBps=3350.0, fp8_tflops=1979.0, layer_overhead_us=0.0)
+# B200 (Blackwell): dense tensor-core peaks of NVIDIA's Blackwell data sheets, HGX B200 at
+# 1,000 W 2,250 bf16 / 4,500 fp8 (MXFP8 runs at the fp8 rate) TFLOP/s, GB200's B200 at
+# 1,200 W 2,500 / 5,000; 8 TB/s HBM3e; NVLink 5 at 1.8 TB/s bidirectional (900 per
+# direction); 148 SMs; one 400 Gb/s ConnectX-7 NIC per GPU between NVLink domains.
+BLACKWELL = dict(sm_count=148, mem_bw_GBps=8000.0, intra_bw_GBps=900.0, layer_overhead_us=0.0)
 PRESETS: dict[str, ClusterSpec] = {
     "h100-node": ClusterSpec(name="h100-node", nodes=1, gpus_per_node=8, **H100,
                              description="one 8x H100 SXM node, NVLink 4"),
@@ -104,6 +109,14 @@ PRESETS: dict[str, ClusterSpec] = {
     "h800-2048": ClusterSpec(
         name="h800-2048", nodes=256, gpus_per_node=8, intra_bw_GBps=160.0, **H100,
         description="DeepSeek-V3's cluster: 2,048 H800, NVLink ~160 GB/s, IB 50 GB/s per GPU"),
+    "b200-node": ClusterSpec(name="b200-node", nodes=1, gpus_per_node=8,
+                             gemm_tflops=2250.0, fp8_tflops=4500.0, **BLACKWELL,
+                             description="one DGX/HGX B200 node: 8x B200 at 1,000 W, NVLink 5, "
+                                         "one 400 Gb/s NIC per GPU"),
+    "gb200-nvl72": ClusterSpec(name="gb200-nvl72", nodes=1, gpus_per_node=72,
+                               gemm_tflops=2500.0, fp8_tflops=5000.0, **BLACKWELL,
+                               description="one GB200 NVL72 rack: 72 B200 at 1,200 W in one "
+                                           "NVLink 5 domain, one 400 Gb/s NIC per GPU"),
 }
 
 
