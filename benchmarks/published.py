@@ -64,6 +64,17 @@ B200_UNSAID = ("the table's MBS 1 differs from the config file's B200 entry (MBS
                "CUDA graphs), so the dispatcher is not known: all-to-all, Megatron-Core's "
                "default, assumed")
 
+# Megatron-Core's MoE team's own tuned runs of Qwen3-235B-A22B on 256 H100 in bf16
+MZ_QWEN3 = ("yanring/Megatron-MoE-ModelZoo best_practice/qwen3/readme.md (commit 020b8136), "
+            "'256 H100 GPUS', 'NVLink 4th Generation', 'InfiniBand 8x50 GB/s', columns Model | "
+            "Dispatcher | System | Precision | #GPUs | SEQ LEN | TP | CP | EP | PP | EDP | ETP | "
+            "VPP | DP | FSDP | MBS | GBS | GA | recompute | Step time (sec) | Per GPU TF; "
+            "tokens/s/GPU = GBS x 4096 / (256 x step time)")
+MZ_UNSAID = ("the routing (not stated: forced balance assumed; the same page's long-context "
+             "table gives dropless 8-20% below forced balance)")
+MZ_TOKENS = lambda step: 2048 * 4096 / (256 * step)  # noqa: E731
+NORM_ACT = ("layernorm", "moe_act")
+
 # NVIDIA's PyTorch-native trainer (FSDP2, torch.distributed.pipelining, DeepEP, Transformer
 # Engine's linear layers and attention: the engines epscale builds on) on DGX-H100 in bf16.
 AM_PERF = ("NVIDIA-NeMo/Automodel docs/performance-summary.md (commit 01926a5c, 'Last Updated: "
@@ -281,6 +292,40 @@ RUNS = [
                      "attention is charged, since whether Transformer Engine ran the sinks' "
                      "attention fused, skipping the tiles outside the window, or unfused is not "
                      "published: NVIDIA/TransformerEngine#2318), attention sinks, biases"),
+    Run("Qwen3-235B-A22B, 256 H100, EP32 PP8 (MoE-ModelZoo)", MZ_TOKENS(19.7),
+        MZ_QWEN3 + ": '235B | DeepEP | H100 | BF16 | 256 | 4096 | 2 | 1 | 32 | 8 | 1 | 1 | 4 | 16 | "
+        "/ | 1 | 2048 | 128 | norm, act | 19.7 | 245' (the 'Cross-node EP strategy' rows)",
+        "qwen3-30b-a3b", QWEN3_235B + _pipe(8, "interleaved_1f1b", 4, 1, 32, 128, 1, 4096) +
+        ["train.activation_checkpointing=none"], "field-report", 32, "hierarchical", "none",
+        Work(tp=2, recompute_modules=NORM_ACT, p2p_overlap=True, head_loss="full"),
+        modelled="TP2 + sequence parallel, light recompute (layernorm, moe_act), DeepEP as the "
+                 "hierarchical dispatcher", not_modelled=MZ_UNSAID),
+    Run("Qwen3-235B-A22B, 256 H100, EP32 PP8 overlap (MoE-ModelZoo)",
+        MZ_TOKENS(17.6),
+        MZ_QWEN3 + ": '235B | DeepEP | H100 | BF16 | 256 | 4096 | 2 | 1 | 32 | 8 | 1 | 1 | 4 | 16 | "
+        "/ | 1 | 2048 | 128 | norm, act | 17.6 | 276 | | | +1f1b overlap'; DeepEP's SMs: "
+        "'--moe-deepep-num-sms ... (default 20)' (Megatron-Bridge's dispatcher tuning guide)",
+        "qwen3-30b-a3b", QWEN3_235B + _pipe(8, "interleaved_1f1b", 4, 1, 32, 128, 1, 4096) +
+        ["train.activation_checkpointing=none"], "field-report", 32, "hierarchical", "full",
+        Work(tp=2, recompute_modules=NORM_ACT, p2p_overlap=True, comm_sms=20, head_loss="full"),
+        modelled="TP2 + sequence parallel, light recompute, the 1F1B EP overlap as paired "
+                 "micro-batches with DeepEP's 20 SMs taken from compute",
+        not_modelled=MZ_UNSAID),
+    Run("Qwen3-235B-A22B, 256 H100, EP8 FSDP (MoE-ModelZoo)", MZ_TOKENS(17.6),
+        MZ_QWEN3 + ": '235B | DeepEP | H100 | BF16 | 256 | 4096 | 2 | 1 | 8 | 1 | 32 | 1 | 1 | 128 | "
+        "On | 4 | 2048 | 4 | full | 17.6 | 276' (the 'Intra-node EP strategy' rows)",
+        "qwen3-30b-a3b", QWEN3_235B + _fsdp(256, 8, 4, 4, 3, "full"), "field-report", 32,
+        "dedup", "none", Work(tp=2, head_loss="full"),
+        modelled="TP2 + sequence parallel, Megatron's FSDP as ZeRO-3, full recompute, DeepEP "
+                 "inside a node as the dedup dispatcher", not_modelled=MZ_UNSAID),
+    Run("Qwen3-235B-A22B, 256 H100, TP4 EP8 PP8 (MoE-ModelZoo)", MZ_TOKENS(29.0),
+        MZ_QWEN3 + ": '235B | DeepEP | H100 | BF16 | 256 | 4096 | 4 | 1 | 8 | 8 | 4 | 1 | 4 | 8 | / | "
+        "1 | 2048 | 256 | | 29.0 | 167'",
+        "qwen3-30b-a3b", QWEN3_235B + _pipe(8, "interleaved_1f1b", 4, 4, 8, 256, 1, 4096) +
+        ["train.activation_checkpointing=none"], "field-report", 32, "dedup", "none",
+        Work(tp=4, recompute_modules=(), p2p_overlap=True, head_loss="full"),
+        modelled="TP4 + sequence parallel, DeepEP inside a node as the dedup dispatcher",
+        not_modelled=MZ_UNSAID),
     # Megatron-Bridge on Blackwell (presets b200-node, gb200-nvl72)
     Run("Qwen3-30B-A3B, 8 GB200 (Megatron-Bridge 26.02)", 26084,
         MB_PERF + ": 26.02 Qwen3_30B_a3B 'DGX-GB200 | 8 | MXFP8 | 512 | 4 | 4096 | 0 | 1 | 1 | 1 | "
@@ -421,6 +466,8 @@ NOT_FOUND = [
     "throughput figure.",
     "torchtitan: no published MoE throughput table was found in the stored corpus (docs, code); "
     "NeMo AutoModel's table (PyTorch-native: FSDP2, torch pipelining, DeepEP) is in instead.",
+    "Megatron-MoE-ModelZoo's Qwen3-235B 'A2A' row (TP2 EP8 PP32 VPP3) is 96 pipeline stages for "
+    "94 layers, a split our pipeline refuses.",
     "Megatron-Bridge 25.11 H100 Qwen3_235B row is malformed (GBS missing: '256 | FP8-CS | 1 | "
     "4096 | ...'), so the 26.02 row stands for it; the 25.11 GPT OSS 120B row (GA 2 < PP 4) is a "
     "layout our pipeline schedules refuse.",
