@@ -59,7 +59,13 @@ GPT_OSS_CONFIGS = ("scripts/performance/configs/gpt_oss/gpt_oss_workload_base_co
 QWEN3_CONFIGS = ("scripts/performance/configs/qwen/qwen3_workload_base_configs.py "
                  "(NVIDIA-NeMo/Megatron-Bridge, commit 01b2977e)")
 # Megatron-Bridge on Blackwell: a DGX-GB200 run of 8 or 64 GPUs sits in one NVL72 NVLink domain
-NVL = lambda gpus: dict(gpus_per_node=gpus)  # noqa: E731
+
+
+def nvl(gpus: int) -> dict:
+    """The cluster fields of a run of ``gpus`` GPUs inside one NVL72 NVLink domain."""
+    return dict(gpus_per_node=gpus)
+
+
 B200_UNSAID = ("the table's MBS 1 differs from the config file's B200 entry (MBS 4, hybridep, "
                "CUDA graphs), so the dispatcher is not known: all-to-all, Megatron-Core's "
                "default, assumed")
@@ -72,7 +78,13 @@ MZ_QWEN3 = ("yanring/Megatron-MoE-ModelZoo best_practice/qwen3/readme.md (commit
             "tokens/s/GPU = GBS x 4096 / (256 x step time)")
 MZ_UNSAID = ("the routing (not stated: forced balance assumed; the same page's long-context "
              "table gives dropless 8-20% below forced balance)")
-MZ_TOKENS = lambda step: 2048 * 4096 / (256 * step)  # noqa: E731
+
+
+def mz_tokens(step_s: float) -> float:
+    """tokens/s/GPU of a MoE-ModelZoo Qwen3-235B row: GBS 2,048 x 4,096 over 256 GPUs."""
+    return 2048 * 4096 / (256 * step_s)
+
+
 NORM_ACT = ("layernorm", "moe_act")
 
 # NVIDIA's PyTorch-native trainer (FSDP2, torch.distributed.pipelining, DeepEP, Transformer
@@ -292,7 +304,7 @@ RUNS = [
                      "attention is charged, since whether Transformer Engine ran the sinks' "
                      "attention fused, skipping the tiles outside the window, or unfused is not "
                      "published: NVIDIA/TransformerEngine#2318), attention sinks, biases"),
-    Run("Qwen3-235B-A22B, 256 H100, EP32 PP8 (MoE-ModelZoo)", MZ_TOKENS(19.7),
+    Run("Qwen3-235B-A22B, 256 H100, EP32 PP8 (MoE-ModelZoo)", mz_tokens(19.7),
         MZ_QWEN3 + ": '235B | DeepEP | H100 | BF16 | 256 | 4096 | 2 | 1 | 32 | 8 | 1 | 1 | 4 | 16 | "
         "/ | 1 | 2048 | 128 | norm, act | 19.7 | 245' (the 'Cross-node EP strategy' rows)",
         "qwen3-30b-a3b", QWEN3_235B + _pipe(8, "interleaved_1f1b", 4, 1, 32, 128, 1, 4096) +
@@ -301,7 +313,7 @@ RUNS = [
         modelled="TP2 + sequence parallel, light recompute (layernorm, moe_act), DeepEP as the "
                  "hierarchical dispatcher", not_modelled=MZ_UNSAID),
     Run("Qwen3-235B-A22B, 256 H100, EP32 PP8 overlap (MoE-ModelZoo)",
-        MZ_TOKENS(17.6),
+        mz_tokens(17.6),
         MZ_QWEN3 + ": '235B | DeepEP | H100 | BF16 | 256 | 4096 | 2 | 1 | 32 | 8 | 1 | 1 | 4 | 16 | "
         "/ | 1 | 2048 | 128 | norm, act | 17.6 | 276 | | | +1f1b overlap'; DeepEP's SMs: "
         "'--moe-deepep-num-sms ... (default 20)' (Megatron-Bridge's dispatcher tuning guide)",
@@ -311,14 +323,14 @@ RUNS = [
         modelled="TP2 + sequence parallel, light recompute, the 1F1B EP overlap as paired "
                  "micro-batches with DeepEP's 20 SMs taken from compute",
         not_modelled=MZ_UNSAID),
-    Run("Qwen3-235B-A22B, 256 H100, EP8 FSDP (MoE-ModelZoo)", MZ_TOKENS(17.6),
+    Run("Qwen3-235B-A22B, 256 H100, EP8 FSDP (MoE-ModelZoo)", mz_tokens(17.6),
         MZ_QWEN3 + ": '235B | DeepEP | H100 | BF16 | 256 | 4096 | 2 | 1 | 8 | 1 | 32 | 1 | 1 | 128 | "
         "On | 4 | 2048 | 4 | full | 17.6 | 276' (the 'Intra-node EP strategy' rows)",
         "qwen3-30b-a3b", QWEN3_235B + _fsdp(256, 8, 4, 4, 3, "full"), "field-report", 32,
         "dedup", "none", Work(tp=2, head_loss="full"),
         modelled="TP2 + sequence parallel, Megatron's FSDP as ZeRO-3, full recompute, DeepEP "
                  "inside a node as the dedup dispatcher", not_modelled=MZ_UNSAID),
-    Run("Qwen3-235B-A22B, 256 H100, TP4 EP8 PP8 (MoE-ModelZoo)", MZ_TOKENS(29.0),
+    Run("Qwen3-235B-A22B, 256 H100, TP4 EP8 PP8 (MoE-ModelZoo)", mz_tokens(29.0),
         MZ_QWEN3 + ": '235B | DeepEP | H100 | BF16 | 256 | 4096 | 4 | 1 | 8 | 8 | 4 | 1 | 4 | 8 | / | "
         "1 | 2048 | 256 | | 29.0 | 167'",
         "qwen3-30b-a3b", QWEN3_235B + _pipe(8, "interleaved_1f1b", 4, 4, 8, 256, 1, 4096) +
@@ -334,7 +346,7 @@ RUNS = [
         " (QWEN3_30B_A3B_PRETRAIN_CONFIG_GB200_FP8_CS_V1)",
         "qwen3-30b-a3b", _pipe(1, "1f1b", 1, 1, 8, 16, 4, 4096) +
         ["train.activation_checkpointing=none"], "gb200-nvl72", 1, "dedup", "none",
-        Work(precision="fp8", head_loss="full"), cluster_set=NVL(8),
+        Work(precision="fp8", head_loss="full"), cluster_set=nvl(8),
         modelled="fp8 GEMMs (MXFP8 at the fp8 rate), HybridEP as the dedup dispatcher",
         not_modelled="CUDA graphs of the attention, router and dispatch preprocessing (what "
                      "they save is host time, which the step model charges only after a host "
@@ -362,7 +374,7 @@ RUNS = [
         "MBS 4, GBS 1280, as the table)",
         "qwen3-30b-a3b", GPT_OSS_120B + _pipe(1, "1f1b", 1, 1, 64, 5, 4, 4096) +
         ["train.activation_checkpointing=none"], "gb200-nvl72", 1, "alltoall", "full",
-        Work(recompute_modules=("layernorm", "moe_act"), head_loss="full"), cluster_set=NVL(64),
+        Work(recompute_modules=("layernorm", "moe_act"), head_loss="full"), cluster_set=nvl(64),
         modelled="light recompute (layernorm, moe_act), EP all-to-all overlap (paired micro-"
                  "batches)",
         not_modelled="sliding-window attention on half the layers (full causal attention "
