@@ -298,7 +298,7 @@ RUNS = [
         "GBS 1280, as the table)",
         "qwen3-30b-a3b", GPT_OSS_120B + _pipe(4, "1f1b", 1, 2, 8, 80, 1, 4096) +
         ["train.activation_checkpointing=none"], "h100-64", 8, "alltoall", "none",
-        Work(recompute_modules=("layernorm", "moe_act"), head_loss="full"),
+        Work(recompute_modules=NORM_ACT, head_loss="full"),
         modelled="light recompute (layernorm, moe_act)",
         not_modelled="sliding-window attention on half the layers (128 tokens: full causal "
                      "attention is charged, since whether Transformer Engine ran the sinks' "
@@ -374,7 +374,7 @@ RUNS = [
         "MBS 4, GBS 1280, as the table)",
         "qwen3-30b-a3b", GPT_OSS_120B + _pipe(1, "1f1b", 1, 1, 64, 5, 4, 4096) +
         ["train.activation_checkpointing=none"], "gb200-nvl72", 1, "alltoall", "full",
-        Work(recompute_modules=("layernorm", "moe_act"), head_loss="full"), cluster_set=nvl(64),
+        Work(recompute_modules=NORM_ACT, head_loss="full"), cluster_set=nvl(64),
         modelled="light recompute (layernorm, moe_act), EP all-to-all overlap (paired micro-"
                  "batches)",
         not_modelled="sliding-window attention on half the layers (full causal attention "
