@@ -101,7 +101,9 @@ def measure_activations(over: list[str], impl: str, ac: str, device: str = "cpu"
     else:
         kept, loss = forward_kept_bytes(forward)
     loss.backward()
-    acts = Activations(ac, "float32" if rule == "fp32" else "bfloat16", impl, modules, storage)
+    # RMSNorm runs decomposed on the CPU, fused on an accelerator (plan.memory.NORM_KERNELS)
+    acts = Activations(ac, "float32" if rule == "fp32" else "bfloat16", impl, modules, storage,
+                       "composite" if device == "cpu" else "fused")
     lay = Layout.from_config(cfg, 1, ep=1, fsdp=rule == "fsdp")
     return kept, estimate(cfg, lay, acts).activations
 
@@ -226,7 +228,7 @@ def pairs_part(console, figures: dict) -> None:
 
     from epscale.config import load_config
     from epscale.plan.layout import Layout
-    from epscale.plan.memory import estimate
+    from epscale.plan.memory import Activations, estimate
     from epscale.tune.calibrate import spawn_local
 
     t = Table(title="Paired micro-batches at ep=2 (2 gloo processes, 4 micro-batches of "
@@ -247,7 +249,8 @@ def pairs_part(console, figures: dict) -> None:
                 peak = spawn_local(_pairs_worker, 2, args=(
                     over, str(Path(tmp) / f"{ac}-{paired}")))[0]
                 cfg = load_config(None, BASE + PAIR_RUNS + over)
-                est = estimate(cfg, Layout.from_config(cfg, 2))
+                est = estimate(cfg, Layout.from_config(cfg, 2),
+                               Activations.of(cfg, norm_kernel="composite"))   # CPU RMSNorm
                 got[paired] = (peak, est.activations + est.recompute + est.comm)
                 bar.advance(task)
             for paired in (False, True):

@@ -58,7 +58,8 @@ def _kept(cfg, net, forward) -> tuple[int, float]:
     net.zero_grad(set_to_none=True)
     kept = median_kept_bytes(forward, net)
     impl = "cpu_fused" if cfg.moe.experts_impl in ("auto", "cpu_fused") else "grouped_mm"
-    est = estimate(cfg, Layout.from_config(cfg, 1, ep=1), Activations("none", "float32", impl))
+    est = estimate(cfg, Layout.from_config(cfg, 1, ep=1),
+                   Activations("none", "float32", impl, norm_kernel="composite"))   # CPU RMSNorm
     return kept, est.activations
 
 

@@ -21,6 +21,8 @@ from epscale.plan.memory import Activations, estimate, local_numel, memory_per_r
 from epscale.plan.sizing import model_size
 from test_sizing import CASES, _cfg
 
+CPU_NORM = "composite"   # what the CPU runs RMSNorm as (plan.memory.NORM_KERNELS): it keeps the fp32 output too
+
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_param_shapes_are_the_built_models(case):
@@ -116,7 +118,7 @@ def test_kept_activations_are_what_a_forward_keeps(impl, ac, rule):
     kept = median_kept_bytes(forward, net)
     lay = Layout.from_config(cfg, 1, ep=1, fsdp=rule == "bf16 fsdp")
     dtype = "float32" if rule == "fp32" else "bfloat16"
-    est = estimate(cfg, lay, Activations(ac, dtype, impl))
+    est = estimate(cfg, lay, Activations(ac, dtype, impl, norm_kernel=CPU_NORM))
     assert est.activations == pytest.approx(kept, rel=0.05), (kept, est.activations)
 
 
@@ -138,6 +140,29 @@ def test_forward_kept_bytes_ignores_frees_of_blocks_allocated_before():
         pytest.skip("malloc gave none of the 64 freed blocks' addresses to the next 64 here")
     assert forward_kept_bytes(before.clear)[0] == 0
     assert live_allocated_bytes([(1, 64), (2, 32), (1, -64), (3, -4096), (1, 16)]) == 48
+
+
+def test_rmsnorm_counts_what_its_kernel_keeps():
+    """On a GPU torch's rms_norm runs fused and keeps its fp32 input and the rstd; on the
+    CPU it runs decomposed and keeps the fp32 normalized output too: D fp32 a token for
+    each norm (the blocks' two, the final one; q/k norms per head), and nothing where the
+    norms are recomputed, which keep only their input either way."""
+    cfg = load_config(None, MEASURE + ["model.qk_norm=true", "model.num_kv_heads=2"])
+    lay = Layout.from_config(cfg, 1, ep=1, fsdp=True)
+    T, D, L, H, G = 2 * 128, 64, 3, 4, 2
+    hd = D // H
+    kept = {k: estimate(cfg, lay, Activations("none", "bfloat16", "grouped_mm", norm_kernel=k))
+            for k in ("fused", "composite")}
+    norms = 2 * L * D + D + L * (H + G) * hd          # fp32 elements a token the fused drops
+    assert kept["composite"].activations - kept["fused"].activations == T * norms * 4
+    assert Activations.of(cfg).norm_kernel == "fused"             # describe plans GPUs
+    light = {k: estimate(cfg, lay, Activations("none", "bfloat16", "grouped_mm", ("norm",),
+                                               norm_kernel=k)) for k in ("fused", "composite")}
+    # recomputed block norms keep their input in either; the final and q/k norms still differ
+    assert light["composite"].activations - light["fused"].activations == \
+        T * (D + L * (H + G) * hd) * 4
+    with pytest.raises(ConfigError, match="norm kernel 'triton' is invalid"):
+        Activations(norm_kernel="triton")
 
 
 def test_bf16_rules_keep_different_sets():
@@ -280,11 +305,12 @@ def test_recompute_modules_keep_what_the_estimate_says(case):
     lay = Layout.from_config(cfg, 1, ep=1)
     none, ref_grads = _kept_and_grads(net, x, y, "none", [])
     full, _ = _kept_and_grads(net, x, y, "full", [])
-    est_none = estimate(cfg, lay, Activations("none", "float32", impl)).activations
+    est_none = estimate(cfg, lay, Activations("none", "float32", impl, norm_kernel=CPU_NORM)).activations
     choices = [[m] for m in RECOMPUTE + ["mla_up_proj"] * (case == "mla")]
     for mods in choices + [[m for c in choices for m in c]]:
         kept, grads = _kept_and_grads(net, x, y, "none", mods)
-        est = estimate(cfg, lay, Activations("none", "float32", impl, tuple(mods))).activations
+        est = estimate(cfg, lay, Activations("none", "float32", impl, tuple(mods),
+                                            norm_kernel=CPU_NORM)).activations
         assert est == pytest.approx(kept, rel=0.05), (mods, kept, est)
         if case != "mla":
             assert est_none - est == pytest.approx(none - kept, rel=0.1, abs=4096), (mods, kept)
@@ -350,7 +376,7 @@ def test_fp8_storage_keeps_what_the_estimate_says(case):
     kept, est = {}, {}
     for mods, storage in combos:
         key = (tuple(mods), storage)
-        acts = Activations("none", "bfloat16", "grouped_mm", tuple(mods), storage)
+        acts = Activations("none", "bfloat16", "grouped_mm", tuple(mods), storage, CPU_NORM)
         kept[key] = _bf16_kept(net, x, y, mods, storage)
         est[key] = estimate(cfg, lay, acts).activations
         assert est[key] == pytest.approx(kept[key], rel=0.05), (key, kept[key], est[key])
@@ -483,7 +509,7 @@ def _ep_kept_bytes(rank, modules: list[str], storage: str) -> tuple[int, float]:
     x, y = torch.randint(0, 256, (B, S), generator=g), torch.randint(0, 256, (B, S), generator=g)
     kept = _bf16_kept(net, x, y, modules, storage)
     lay = Layout.from_config(cfg, 2, ep=2, fsdp=True)
-    acts = Activations("none", "bfloat16", "grouped_mm", tuple(modules), storage)
+    acts = Activations("none", "bfloat16", "grouped_mm", tuple(modules), storage, CPU_NORM)
     return kept, estimate(cfg, lay, acts).activations
 
 
@@ -508,7 +534,8 @@ def _pipeline_worker(rank, world, corpus, tmp):
                 run_trainer(cfg, Path(tmp) / name.replace(" ", "_").replace(",", ""), world,
                             inspect=inspect)
             t = got["trainer"]
-            mine = pipeline_memory(cfg, Layout.from_config(cfg, world))[rank]
+            mine = pipeline_memory(cfg, Layout.from_config(cfg, world),
+                                   Activations.of(cfg, norm_kernel=CPU_NORM))[rank]
             out[name] = {"recv": t.stepper.pipeline.receive_buffers.peak_bytes,
                          "recv_estimate": mine.memory.p2p_buffers,
                          "stage": None if cfg.parallel.fsdp else _stage_kept_bytes(t, cfg),

@@ -23,7 +23,8 @@ Held for the whole step (what ``benchmarks/memory.py`` measures):
 * activations: the tensors autograd keeps for backward for one micro-batch (two with
   ``parallel.overlap_micro_batches``: :func:`pairs_micro_batches`), counted from
   what each module saves (its inputs and intermediates; see ``_saved_per_token``); norms
-  are kept in fp32, the rest in the compute dtype, index tensors in int64. The output head
+  keep their fp32 input and rstd (and, decomposed on the CPU, their fp32 output:
+  :data:`NORM_KERNELS`), the rest is kept in the compute dtype, index tensors in int64. The output head
   and the cross-entropy run fused over chunks of tokens (``epscale.head_loss``): they keep
   the head's input in the compute dtype and the targets, no [T, V] logits; one chunk's logits are a transient of the head's forward and backward
   (``head_chunk``, :func:`head_transient_bytes`), held while the activations are but not
@@ -147,8 +148,12 @@ class Activations:
     experts_impl: str = "grouped_mm"
     recompute_modules: tuple[str, ...] = ()    # train.recompute_modules (with 'none' only)
     storage: str = "compute"                   # train.activation_storage: 'compute' or 'fp8'
+    norm_kernel: str = "fused"                 # what runs RMSNorm: NORM_KERNELS
 
     def __post_init__(self) -> None:
+        if self.norm_kernel not in NORM_KERNELS:
+            raise ConfigError(f"norm kernel {self.norm_kernel!r} is invalid: must be one of "
+                              f"{', '.join(NORM_KERNELS)}")
         if self.compute_dtype not in DTYPE_BYTES:
             raise ConfigError(f"compute dtype {self.compute_dtype!r} is invalid: must be one of "
                               f"{', '.join(sorted(DTYPE_BYTES))}")
@@ -158,15 +163,32 @@ class Activations:
 
     @staticmethod
     def of(cfg: RunConfig, activation_checkpointing: str | None = None,
-           compute_dtype: str | None = None, experts_impl: str | None = None) -> Activations:
-        """The recipe's (bfloat16 compute for train.dtype bfloat16 or auto), with any of the
-        arguments replacing it."""
+           compute_dtype: str | None = None, experts_impl: str | None = None,
+           norm_kernel: str = "fused") -> Activations:
+        """The recipe's (bfloat16 compute for train.dtype bfloat16 or auto) on a GPU (the
+        fused RMSNorm), with any of the arguments replacing it."""
         train = cfg.train
         dtype = compute_dtype or ("bfloat16" if train.dtype in ("bfloat16", "auto") else "float32")
         impl = experts_impl or ("cpu_fused" if cfg.moe.experts_impl == "cpu_fused" else "grouped_mm")
         ac = activation_checkpointing or train.activation_checkpointing
         modules = tuple(train.recompute_modules) if ac == "none" else ()
-        return Activations(ac, dtype, impl, modules, train.activation_storage)
+        return Activations(ac, dtype, impl, modules, train.activation_storage, norm_kernel)
+
+
+# What runs RMSNorm (``epscale.model.RMSNorm``: ``F.rms_norm`` on the fp32 upcast input and
+# weight), which sets what autograd keeps of it: "fused" where torch's ``rms_norm`` calls
+# ``_fused_rms_norm`` (CUDA and the other accelerators: pytorch's
+# aten/src/ATen/native/layer_norm.cpp, ``rms_norm_symint``), whose backward keeps its input
+# and the rstd (tools/autograd/derivatives.yaml); "composite" where it runs decomposed (the
+# CPU: pow, mean, rsqrt, mul, mul), which also keeps the fp32 normalized output. The CPU
+# tests measure the composite; ``epscale describe`` plans GPUs, the fused.
+NORM_KERNELS = ("fused", "composite")
+
+
+def norm_fp32_per_token(width: int, norm_kernel: str) -> int:
+    """fp32 elements per token one RMSNorm over ``width`` channels keeps for backward: its
+    fp32 input and the rstd, and under the composite the normalized output too."""
+    return (2 * width + 1) if norm_kernel == "composite" else (width + 1)
 
 
 def with_pipeline(cfg: RunConfig, pp: int | None = None, schedule: str | None = None,
@@ -381,7 +403,8 @@ def zero_state_bytes(shapes, lay: Layout, compute_bytes: int) -> dict[str, float
     return out
 
 
-def _attention_saved_per_token(model: ModelConfig) -> tuple[float, float]:
+def _attention_saved_per_token(model: ModelConfig,
+                               norm_kernel: str = "fused") -> tuple[float, float]:
     """(compute-dtype, fp32) elements one block's attention saves per token (no
     recomputation), its input included."""
     D, H = model.dim, model.num_heads
@@ -397,13 +420,14 @@ def _attention_saved_per_token(model: ModelConfig) -> tuple[float, float]:
         hd, G = model.head_dim or D // H, model.num_kv_heads or H
         attn = D + (H + 2 * G) * hd + 2 * H * hd           # qkv input, q/k/v, sdpa out, wo input
         lse = H
-        if model.qk_norm:                                  # the q/k norms: fp32 in, out, rstd
-            lse += (H + G) * (2 * hd + 1)
+        if model.qk_norm:                                  # the q/k norms (per head)
+            lse += (H + G) * norm_fp32_per_token(hd, norm_kernel)
     return attn, lse
 
 
 def _dense_saved_per_token(model: ModelConfig, moe: MoEConfig, moe_layer: bool,
-                           impl: str, local: bool = True) -> tuple[float, float, float]:
+                           impl: str, local: bool = True,
+                           norm_kernel: str = "fused") -> tuple[float, float, float]:
     """(compute-dtype, fp32, int64) elements one block saves per token (no recomputation).
     ``local``: the experts run without expert parallelism (the local dispatcher weights
     their output rows in fp32, keeping an fp32 copy); under EP the combine keeps them in
@@ -411,8 +435,8 @@ def _dense_saved_per_token(model: ModelConfig, moe: MoEConfig, moe_layer: bool,
     D, K = model.dim, moe.top_k
     m = 3 if moe.activation == "swiglu" else 2
     acts = 4 if moe.activation == "swiglu" else 2      # per hidden unit: see the dense FFN
-    norms = 2 * (2 * D + 1)                       # RMSNorm keeps its fp32 input and output
-    attn, lse = _attention_saved_per_token(model)
+    norms = 2 * norm_fp32_per_token(D, norm_kernel)       # the block's two RMSNorms
+    attn, lse = _attention_saved_per_token(model, norm_kernel)
     fp32 = norms + lse
     if not moe_layer:
         ffn = D + acts * model.dense_hidden_dim           # w1 input; h1, h3, silu(h1), w2 input
@@ -474,8 +498,8 @@ def recompute_dropped_per_token(model: ModelConfig, moe: MoEConfig, moe_layer: b
                                 dispatcher: str = "dedup") -> tuple[float, float, float]:
     """(compute-dtype, fp32, int64) elements per token a block keeps less under
     ``acts.recompute_modules`` than without recomputation (see
-    :mod:`epscale.parallel.activation`): a norm keeps its input instead of its fp32 input,
-    output and statistics; the router none of its fp32 scores and chosen ids; the shared
+    :mod:`epscale.parallel.activation`): a norm keeps its input instead of what it keeps
+    without (:func:`norm_fp32_per_token`); the router none of its fp32 scores and chosen ids; the shared
     experts and a dense FFN none of their hidden activations; ``moe_act`` (grouped-GEMM
     path) not the activation's output and the down projection's input, nor the output rows
     the combine kept (fp32 on the ``local`` path) where the experts take the gate weights
@@ -486,9 +510,9 @@ def recompute_dropped_per_token(model: ModelConfig, moe: MoEConfig, moe_layer: b
     ups = 2 if moe.activation == "swiglu" else 1          # the up projections' outputs
     cd = fp32 = ints = 0.0
     if "norm" in mods:
-        cd, fp32 = cd - 2 * D, fp32 + 2 * (2 * D + 1)
+        cd, fp32 = cd - 2 * D, fp32 + 2 * norm_fp32_per_token(D, acts.norm_kernel)
     if mods & {"attention_core", "mla_up_proj"}:
-        attn, lse = _attention_saved_per_token(model)
+        attn, lse = _attention_saved_per_token(model, acts.norm_kernel)
         kept, kept_fp32 = _attention_region_kept(model, "attention_core" in mods,
                                                  "mla_up_proj" in mods)
         cd, fp32 = cd + attn - kept, fp32 + lse - kept_fp32
@@ -661,15 +685,15 @@ def _activation_parts(cfg: RunConfig, lay: Layout, acts: Activations
     blocks = []
     for i in range(n_blocks):
         full = nbytes(_dense_saved_per_token(model, moe, model.is_moe_layer(i), acts.experts_impl,
-                                             local))
+                                             local, acts.norm_kernel))
         full -= T * fp8_saving_per_token(model, moe, acts, local, (), disp, model.is_moe_layer(i))
         if autocast:
             full += (T * _autocast_copies_per_token(model, moe, model.is_moe_layer(i))
                      + copies.get(i, 0)) * cb
         blocks.append(full)
-    # final norm (fp32 input and normalized output, rstd) and the head's input in the
-    # compute dtype; the fused loss keeps no logits (see head_transient_bytes)
-    head = T * ((2 * model.dim + 1) * 4 + model.dim * cb)
+    # the final norm's and the head's input in the compute dtype; the fused loss keeps no
+    # logits (see head_transient_bytes)
+    head = T * (norm_fp32_per_token(model.dim, acts.norm_kernel) * 4 + model.dim * cb)
     head += model.mtp_depth * (head + _mtp_module_bytes(cfg, lay, acts))
     embed = T * 8
     if acts.activation_checkpointing == "full":
@@ -699,13 +723,14 @@ def _activation_parts(cfg: RunConfig, lay: Layout, acts: Activations
 def _mtp_module_bytes(cfg: RunConfig, lay: Layout, acts: Activations) -> float:
     """Bytes one multi-token-prediction module (``epscale.model.MTPModule``) keeps for
     backward beyond its block's set and its head's (its final norm and the head's input,
-    as the model's): the shifted token ids and targets (int64), enorm's and hnorm's fp32
-    input (hnorm's is the residual stream the previous final norm keeps already where that
-    is fp32), normalized output and rstd, the projection's input [T, 2D] in the compute
-    dtype, and under autocast its cast weight [D, 2D]."""
+    as the model's): the shifted token ids and targets (int64), what enorm and hnorm keep
+    (:func:`norm_fp32_per_token`; hnorm's fp32 input is the residual stream the previous
+    final norm keeps already where that is fp32), the projection's input [T, 2D] in the
+    compute dtype, and under autocast its cast weight [D, 2D]."""
     D, T = cfg.model.dim, lay.micro_batch_size * cfg.model.seq_len
     cb, rb = DTYPE_BYTES[acts.compute_dtype], residual_bytes(lay, acts)
-    per_token = 2 * 8 + (2 * D + 1) * 4 + (D + 1) * 4 + (D * 4 if rb != 4 else 0) + 2 * D * cb
+    norm = norm_fp32_per_token(D, acts.norm_kernel)
+    per_token = 2 * 8 + norm * 4 + (norm - D) * 4 + (D * 4 if rb != 4 else 0) + 2 * D * cb
     weight = 2 * D * D * cb if autocast_rule(lay, acts) else 0
     return float(T * per_token + weight)
 
