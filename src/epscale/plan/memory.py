@@ -403,8 +403,7 @@ def zero_state_bytes(shapes, lay: Layout, compute_bytes: int) -> dict[str, float
     return out
 
 
-def _attention_saved_per_token(model: ModelConfig,
-                               norm_kernel: str = "fused") -> tuple[float, float]:
+def _attention_saved_per_token(model: ModelConfig, norm_kernel: str) -> tuple[float, float]:
     """(compute-dtype, fp32) elements one block's attention saves per token (no
     recomputation), its input included."""
     D, H = model.dim, model.num_heads
@@ -426,8 +425,8 @@ def _attention_saved_per_token(model: ModelConfig,
 
 
 def _dense_saved_per_token(model: ModelConfig, moe: MoEConfig, moe_layer: bool,
-                           impl: str, local: bool = True,
-                           norm_kernel: str = "fused") -> tuple[float, float, float]:
+                           impl: str, local: bool, norm_kernel: str
+                           ) -> tuple[float, float, float]:
     """(compute-dtype, fp32, int64) elements one block saves per token (no recomputation).
     ``local``: the experts run without expert parallelism (the local dispatcher weights
     their output rows in fp32, keeping an fp32 copy); under EP the combine keeps them in
