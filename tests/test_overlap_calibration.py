@@ -230,7 +230,7 @@ def test_paired_micro_batches_are_modelled_as_pairs_with_the_first_and_last_alon
         return r.expert_comm_s / c.train.grad_accum   # per micro-batch
 
     a = assumption(cfg(4, True))
-    assert a["mode"] == "full" and "first forward and the last backward" in a["assumes"]
+    assert a["mode"] == "full" and "the step's first forward runs alone" in a["assumes"]
     assert assumption(cfg(4, False))["mode"] == "none"
     none, m2, m8 = exposed(cfg(2, False)), exposed(cfg(2, True)), exposed(cfg(8, True))
     assert none > m2 > m8 > 0

@@ -26,7 +26,8 @@ from epscale.plan.shapes import (ATTN_BWD_EFFICIENCY, ATTN_BWD_FLOPS, ATTN_FWD_E
                                  gemm_efficiency, gemm_time, host_bound_time, kernels_per_layer,
                                  loss_bytes, nonexpert_parts, nonexpert_time,
                                  window_share)
-from epscale.plan.step_model import _fsdp_exposure, payload_row_bytes
+from epscale.plan.pipeline import paired_items, paired_share
+from epscale.plan.step_model import _fsdp_exposure, _paired_exposure, payload_row_bytes
 
 H100 = ClusterSpec(sm_count=132, mem_bw_GBps=3350.0, fp8_tflops=1979.0, layer_overhead_us=0.0)
 ROOT = Path(__file__).resolve().parents[1]
@@ -510,3 +511,85 @@ def test_the_chunked_loss_charges_the_heads_logits_again_in_backward():
         r = {h: _sim(c, cl, Work(head_loss=h)) for h in ("full", "chunked")}
         extra = r["chunked"].step_time_s - r["full"].step_time_s
         assert extra == pytest.approx(passes * logits, rel=1e-6), c.parallel
+
+
+def _two_streams(compute: list[float], comm: list[float]) -> float:
+    """One paired layer run event by event on a compute and a communication stream, in
+    Megatron-Core's issue order (F.attn, B.combine, F.dispatch, B.expert, B.dispatch,
+    F.expert, F.combine, B.attn): each op waits for the one before it on its own stream
+    and for its input on the other (F.dispatch for F.attn, B.expert for B.combine, and so
+    on). Returns when both streams are done."""
+    comp_end = comm_end = 0.0
+    for k in range(4):
+        # op k on either stream waits for op k - 1 on both: its own stream's, and its
+        # input from the other (F.dispatch waits F.attn, B.expert waits B.combine, ...)
+        start = max(comp_end, comm_end)
+        comm_end, comp_end = start + comm[k], start + compute[k]
+    return max(comp_end, comm_end)
+
+
+def test_paired_layers_hide_each_transfer_behind_one_segment_of_the_other_pass():
+    """DualPipe's pairing as Megatron-Core's combined 1F1B issues it: the forward's
+    attention beside the backward's combine, the backward's experts beside the forward's
+    dispatch, the forward's experts beside the backward's dispatch, the backward's
+    attention beside the forward's combine. The exposed time is what an event-by-event
+    run of the two streams adds to the compute, for any sizes; a transfer longer than
+    its segment is exposed even where the pass as a whole could hide it."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        comm, disp = rng.uniform(0.0, 2.0, 2)
+        experts, attn = rng.uniform(0.0, 6.0, 2)
+        got = float(_paired_exposure(np.float64(comm), np.float64(disp), np.float64(experts),
+                                     attn, 4, 0.0))
+        compute = [attn / 3, experts * 2 / 3, experts / 3, attn * 2 / 3]
+        ran = _two_streams(compute, [comm, disp, comm, comm])
+        assert got == pytest.approx(ran - (experts + attn), abs=1e-12)
+    # short attention: its two transfers are exposed although the backward alone
+    # (6 of experts + 0.2 of attention) is longer than the forward's two transfers
+    assert float(_paired_exposure(1.0, 1.0, 9.0, 0.3, 4, 0.0)) == pytest.approx(0.9 + 0.8)
+    # a recomputed forward's two transfers (6 in all) take what the phases leave free
+    assert float(_paired_exposure(1.0, 1.0, 9.0, 0.3, 6, 0.0)) == pytest.approx(1.7)
+    assert float(_paired_exposure(1.0, 1.0, 1.5, 0.3, 6, 0.0)) == pytest.approx(
+        6.0 - (0.1 + 1.0 + 0.5 + 0.2))
+
+
+def test_the_forwards_without_a_partner_are_the_warm_up_and_one_more():
+    """Paired overlap ('full'): without a pipeline every forward but the step's first has
+    a partner; GPipe none; 1F1B and the looped schedules every forward after the warm-up
+    but one (Megatron-Core's combined 1F1B moves one more forward into the warm-up);
+    DualPipeV the pairs torch's schedule emits."""
+    assert paired_share("1f1b", 1, 8, 1, 0) == 7 / 8
+    assert paired_share("gpipe", 4, 8, 1, 0) == 0.0
+    for rank, warm in ((0, 3), (3, 0)):
+        assert paired_share("1f1b", 4, 8, 1, rank) == (8 - warm - 1) / 8
+    # interleaved, v = 2 at p = 4: a warm-up of (v - 1) p + 2 (p - 1 - r) forwards
+    assert paired_share("interleaved_1f1b", 4, 8, 2, 0) == (16 - 10 - 1) / 16
+    assert paired_share("interleaved_1f1b", 4, 8, 2, 3) == (16 - 4 - 1) / 16
+    for rank in range(4):
+        items = paired_items("dualpipev", 4, 16, 2, rank)
+        pairs = sum(len(i) == 2 for i in items)
+        assert 0 < pairs < 32 and paired_share("dualpipev", 4, 16, 2, rank) == pairs / 32
+    # more micro-batches amortise the warm-up
+    assert paired_share("interleaved_1f1b", 4, 32, 2, 0) > paired_share("interleaved_1f1b", 4, 8, 2, 0)
+
+
+def test_a_pipelines_paired_overlap_leaves_its_warm_up_exposed():
+    """Under a pipeline with paired overlap, the rank's forwards without a partner run
+    their transfers exposed: more micro-batches leave less exposed per micro-batch, and a
+    step at any count lies between all paired and none."""
+    def run(m, overlap="full"):
+        cfg = RunConfig(
+            model=ModelConfig(vocab_size=64, dim=32, num_layers=8, num_heads=4, seq_len=64,
+                              tie_embeddings=False),
+            moe=MoEConfig(dim=32, hidden_dim=48, num_experts=8, top_k=2),
+            parallel=ParallelConfig(pp=2, ep=8, pp_schedule="interleaved_1f1b",
+                                    pp_virtual_stages=2),
+            train=TrainConfig(micro_batch_size=1, grad_accum=m))
+        cl = ClusterSpec(nodes=2, gpus_per_node=8, inter_bw_GBps=1, intra_bw_GBps=1,
+                         inter_latency_us=20)
+        return simulate(cfg, cl, RoutingSpec.parse("uniform"), strategies=("none",),
+                        dispatchers=("dedup",), overlap=overlap)[0]
+
+    few, many = run(4), run(32)
+    assert few.expert_comm_s / 4 > many.expert_comm_s / 32 > 0
+    assert few.expert_comm_s < run(4, "none").expert_comm_s

@@ -111,7 +111,8 @@ from functools import lru_cache
 from ..config import ConfigError, ModelConfig, MoEConfig, RunConfig
 from ..config.schema import PP_SCHEDULES
 from .layout import Layout
-from .pipeline import in_flight, layers_per_stage, schedule_actions, stage_layers, stage_placement
+from .pipeline import (in_flight, layers_per_stage, paired_items, schedule_actions, stage_layers,
+                       stage_placement)
 
 ACTIVATION_STORAGE = ("compute", "fp8")   # train.activation_storage
 FP8_TILE = 128                            # channels per fp8 scale (1 x 128 tiles)
@@ -970,18 +971,7 @@ def _runtime_items(schedule: str, p: int, m: int, v: int, rank: int) -> list[tup
     it runs, at most 3 active, a RESHARD per stage evicted or left at the end, a
     REDUCE_GRAD after each stage's m-th B or W: torch's ``_add_unshard_reshard`` and
     ``_add_reduce_grad``)."""
-    flat = schedule_actions(schedule, p, m, v, rank)
-    items: list[tuple] = []
-    first_pair = rank == p - 1
-    i = 0
-    while i < len(flat):
-        a, b = flat[i], flat[i + 1] if i + 1 < len(flat) else None
-        pair = (schedule == "dualpipev" and b is not None and a[1] == "F" and b[1] == "B"
-                and a[0] != b[0])
-        if pair and first_pair:       # the last rank runs its first such pair apart
-            pair, first_pair = False, False
-        items.append((a, b) if pair else (a,))
-        i += 2 if pair else 1
+    items = paired_items(schedule, p, m, v, rank)
     out: list[tuple] = []
     active: list[int] = []
     backwards: dict[int, int] = {}

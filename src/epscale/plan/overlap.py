@@ -106,10 +106,12 @@ def assumption(run_cfg: RunConfig, overlap: str | None = None) -> dict[str, Any]
                 "(each chunk's transfers behind another's expert compute); the DP gradient "
                 "all-reduce hidden behind 2/3 of the last micro-batch where it fits")
     elif mode == "full":
-        what = ("DualPipe's pairing: a forward chunk's transfers behind another micro-batch's "
-                "backward compute and the other way round (without a pipeline the first "
-                "forward and the last backward of a step run alone); the DP gradient "
-                "all-reduce hidden behind 2/3 of the last micro-batch where it fits")
+        what = ("DualPipe's pairing: each transfer of a forward chunk behind one compute "
+                "segment of another micro-batch's backward chunk and the other way round "
+                "(Megatron-Core's combined 1F1B order; without a pipeline the step's first "
+                "forward runs alone, under one each rank's warm-up and one more forward); "
+                "the DP gradient all-reduce hidden behind 2/3 of the last micro-batch where "
+                "it fits")
     else:
         what = ("dispatch and combine in sequence with the experts (none hidden); the DP "
                 "gradient all-reduce after the backward (none hidden)")

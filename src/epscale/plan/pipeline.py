@@ -437,6 +437,50 @@ def schedule_actions(schedule: str, pp: int, micro_batches: int, virtual_stages:
     return _dualpipev_actions(p, m, rank)
 
 
+def paired_items(schedule: str, p: int, m: int, v: int, rank: int) -> list[tuple]:
+    """Rank ``rank``'s compute actions (:func:`schedule_actions`) as torch's runtime runs
+    them: a DualPipeV forward followed by a backward of another stage as one item of two
+    (its ``OVERLAP_F_B``; the last rank runs its first such pair apart), every other
+    action an item of one."""
+    flat = schedule_actions(schedule, p, m, v, rank)
+    items: list[tuple] = []
+    first_pair = rank == p - 1
+    i = 0
+    while i < len(flat):
+        a, b = flat[i], flat[i + 1] if i + 1 < len(flat) else None
+        pair = (schedule == "dualpipev" and b is not None and a[1] == "F" and b[1] == "B"
+                and a[0] != b[0])
+        if pair and first_pair:       # the last rank runs its first such pair apart
+            pair, first_pair = False, False
+        items.append((a, b) if pair else (a,))
+        i += 2 if pair else 1
+    return items
+
+
+def paired_share(schedule: str, pp: int, micro_batches: int, virtual_stages: int,
+                 rank: int) -> float:
+    """The share of rank ``rank``'s forward chunks that run beside another micro-batch's
+    backward when forwards and backwards are paired (the step model's overlap 'full'):
+    the rest run alone, their transfers exposed. Without a pipeline, every forward but the
+    step's first (F_i beside B_(i-1): ``parallel.overlap_micro_batches``). DualPipeV: the
+    pairs torch's schedule emits (:func:`paired_items`). GPipe: none. The others: every
+    forward after the warm-up but one, the warm-up's forwards alone: Megatron-Core's
+    combined 1F1B moves one more forward into the warm-up so that each steady pair's two
+    halves are independent ("The first forward and final backward remain exposed
+    fill/drain phases", its moe_a2a_overlap guide)."""
+    p, m = pp, micro_batches
+    if p <= 1:
+        return (m - 1) / m if m > 0 else 0.0
+    if schedule == "dualpipev":
+        items = paired_items(schedule, p, m, virtual_stages, rank)
+        forwards = sum(a[1] == "F" for item in items for a in item)
+        return sum(len(item) == 2 for item in items) / max(forwards, 1)
+    flat = schedule_actions(schedule, p, m, virtual_stages, rank)
+    forwards = sum(a[1] == "F" for a in flat)
+    alone = next((i for i, a in enumerate(flat) if a[1] != "F"), len(flat))  # the warm-up + 1
+    return (forwards - alone) / max(forwards, 1)
+
+
 def _looped_actions(schedule: str, p: int, m: int, v: int, rank: int) -> list[tuple[int, str, int]]:
     """Interleaved 1F1B and interleaved zero-bubble (torch's ``_get_1f1b_rank_ops``)."""
     zero_bubble = schedule == "zero_bubble"

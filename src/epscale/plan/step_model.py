@@ -28,11 +28,15 @@ What is modelled (one EP group stands for all ``dp`` replicas; they are statisti
   time is the sum over layers of (slowest rank's expert time - its own).
 * Overlap. ``none``: transfers and compute in sequence. ``chunks``: dispatch, experts and
   combine pipelined over ``overlap_chunks`` chunks. ``full``: DualPipe's pairing of a
-  forward chunk of one micro-batch with a backward chunk of another: the forward's
-  dispatch and combine hide behind the backward chunk's compute and the backward's behind
-  the forward's; what does not fit is exposed. Without a pipeline that is
-  ``parallel.overlap_micro_batches``: F_i beside B_(i-1), the step's first forward and
-  last backward alone, so 1 of m micro-batches' transfers stay exposed. The default is
+  forward chunk of one micro-batch with a backward chunk of another, each transfer beside
+  one compute segment of the other pass (:func:`_paired_exposure`: the forward's
+  attention beside the backward's combine, the backward's experts beside the forward's
+  dispatch, the forward's experts beside the backward's dispatch, the backward's
+  attention beside the forward's combine); what exceeds its segment is exposed. The
+  forwards without a partner run their transfers exposed
+  (:func:`epscale.plan.pipeline.paired_share`): without a pipeline that is
+  ``parallel.overlap_micro_batches``, F_i beside B_(i-1), the step's first forward alone
+  (1 of m); under one, each rank's warm-up and one more forward. The default is
   what the trainer runs (``epscale.plan.overlap.default_mode``). Overlapped dispatch
   kernels may hold SMs (``work.comm_sms``), which the compute then lacks.
 * Data parallelism. Once per step: non-expert gradients all-reduced over all ranks, expert
@@ -96,8 +100,8 @@ from .cluster import ClusterSpec
 from .layout import Layout
 from .memory import cached_param_shapes, block_of
 from .placement import plan_spill
-from .pipeline import (bubble_time, layers_per_stage, micro_batches, stage_flops, stage_layers,
-                       stage_placement, with_mtp)
+from .pipeline import (bubble_time, layers_per_stage, micro_batches, paired_share, stage_flops,
+                       stage_layers, stage_placement, with_mtp)
 from .shapes import (PRECISIONS, RECOMPUTE_MODULES, Work, compute_cluster, expert_parts,
                      head_recompute_time, host_bound_time, kernels_per_layer, nonexpert_parts,
                      optimizer_bytes_per_param, resolve_work)
@@ -528,18 +532,30 @@ def _optimizer_time(cluster: ClusterSpec, run_cfg: RunConfig, params: float, wor
     return params / shard * optimizer_bytes_per_param(run_cfg) / (cluster.mem_bw_GBps * 1e9)
 
 
-def _paired_exposure(comm: np.ndarray, disp: np.ndarray, compute: np.ndarray, transfers: int,
-                     redo: float) -> np.ndarray:
+def _paired_exposure(comm: np.ndarray, disp: np.ndarray, experts: np.ndarray, attn,
+                     transfers: int, redo: float) -> np.ndarray:
     """Exposed transfer time of one MoE layer under DualPipe's pairing: a forward chunk of
-    one micro-batch runs beside a backward chunk of another, so the forward's dispatch and
-    combine hide behind the backward chunk's compute (with a recomputed forward, which
-    dispatches again) and the backward chunk's transfers behind the forward's compute.
-    ``comm`` one combine or backward transfer, ``disp`` one forward dispatch."""
-    fwd_compute = compute / (3.0 + 3.0 * redo)
-    fwd_side = np.maximum(0.0, disp + comm - (compute - fwd_compute))
+    one micro-batch runs beside a backward chunk of another, one compute segment beside
+    one transfer at a time, in the order DualPipe's Figure 4 draws and Megatron-Core's
+    combined 1F1B issues (its docs' "issue order": F.attn, B.combine, F.dispatch,
+    B.expert, B.dispatch, F.expert, F.combine, B.attn): the forward's attention beside
+    the backward's combine, the backward's experts beside the forward's dispatch, the
+    forward's experts beside the backward's dispatch, the backward's attention beside
+    the forward's combine. Each phase ends when both its halves have (each waits on the
+    other stream's previous one), so a transfer longer than its segment is exposed by
+    the difference, whatever the other segments leave free. A recomputed forward's
+    transfers (in backward) take what the phases leave free.
+    ``comm`` one combine or backward transfer, ``disp`` one forward dispatch, ``experts``
+    and ``attn`` the layer's expert and non-expert compute (forward a third, backward
+    the rest, the recomputation included)."""
+    fwd = 1.0 / (3.0 + 3.0 * redo)
+    phases = ((attn * fwd, comm), (experts * (1 - fwd), disp), (experts * fwd, comm),
+              (attn * (1 - fwd), comm))
+    exposed = sum(np.maximum(0.0, t - c) for c, t in phases)
+    free = sum(np.maximum(0.0, c - t) for c, t in phases)
     again = transfers // 2 - 2                     # a recomputed forward's dispatch, in backward
-    bwd_side = np.maximum(0.0, again * disp + (transfers - 2 - again) * comm - fwd_compute)
-    return fwd_side + bwd_side
+    extra = again * disp + (transfers - 4 - again) * comm
+    return exposed + np.maximum(0.0, extra - free)
 
 
 def payload_row_bytes(run_cfg: RunConfig, disp: str, act_bytes: int) -> float:
@@ -619,7 +635,7 @@ def _exposed_transfers(overlap: str, chunks: int, comm: np.ndarray, disp: np.nda
         bwd = _pipeline(comm, 2 * comp / (3 + 3 * redo), comm, chunks)
         return fwd * forwards + bwd - comp
     if overlap == "full":
-        return _paired_exposure(comm, disp, comp + dense_layer, transfers, redo)
+        return _paired_exposure(comm, disp, comp, dense_layer, transfers, redo)
     return forwards * disp + (transfers - forwards) * comm
 
 def _data_parallel(run_cfg: RunConfig, lay: Layout, cluster: ClusterSpec, size, sim: dict,
@@ -687,12 +703,14 @@ def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSp
     accum = micro_batches(run_cfg, lay.world)
     exposed = _exposed_transfers(overlap, chunks, comm_max, disp_max, comp_max,
                                  dense_time_layer, transfers, redo)
-    if overlap == "full" and lay.pp == 1:
-        # paired micro-batches without a pipeline: F_i beside B_(i-1), the step's first
-        # forward and last backward alone (one micro-batch's transfers of m unhidden)
-        alone = _exposed_transfers("none", chunks, comm_max, disp_max, comp_max,
-                                   dense_time_layer, transfers, redo)
-        exposed = ((accum - 1) * exposed + alone) / accum
+    # paired forwards and backwards: the forwards without a partner (the step's first
+    # without a pipeline, the warm-up's under one) run alone, their transfers exposed
+    alone = (_exposed_transfers("none", chunks, comm_max, disp_max, comp_max,
+                                dense_time_layer, transfers, redo)
+             if overlap == "full" else exposed)
+    if lay.pp == 1:
+        share = paired_share(run_cfg.parallel.pp_schedule, 1, accum, 1, 0)
+        exposed = share * exposed + (1 - share) * alone
     layer_time = comp_max + exposed
     launch = _host_bound(run_cfg, lay, sim, cluster, work, comp_max + dense_time_layer, exposed)
     layer_time = layer_time + launch
@@ -703,9 +721,12 @@ def _evaluate(strat, disp, overlap, chunks, sim, lay: Layout, cluster: ClusterSp
     # transfers' bytes per layer and micro-batch, in units of one in the activations' dtype
     volume = 3 + payload_row_bytes(run_cfg, disp, grad_bytes) / row_bytes
     if lay.pp > 1:
+        launch_alone = _host_bound(run_cfg, lay, sim, cluster, work, comp_max + dense_time_layer,
+                                   alone)
         return _pipeline_result(
             strat, disp, overlap, lay, cluster, run_cfg, T, ctx["rate_ne"], grad_bytes, row_bytes, redo,
             accum, ctx["work"], ctx["ne_parts"], ctx["head_again"], ex_shares, dict(layer_time=layer_time, launch=launch, comp_max=comp_max, idle=idle,
+                        alone_time=comp_max + alone + launch_alone, launch_alone=launch_alone,
                         rows=rows, comm_max=comm_max, comp=comp, out_intra=out_intra,
                         out_inter=out_inter, volume=volume))
 
@@ -834,11 +855,13 @@ def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, ru
     n, W = len(ranges), lay.stage_size
     placement = stage_placement(par.pp_schedule, lay.pp, par.pp_virtual_stages)
     owner = {s: r for r, held in enumerate(placement) for s in held}
-    layer_time = moe_times["layer_time"].mean(axis=0)                  # [L]: per distribution
-    launch_L = moe_times["launch"].mean(axis=0)
+    paired_L = moe_times["layer_time"].mean(axis=0)                    # [L]: per distribution
+    alone_L = moe_times["alone_time"].mean(axis=0)                     # a forward without partner
+    launch_paired = moe_times["launch"].mean(axis=0)
+    launch_alone = moe_times["launch_alone"].mean(axis=0)
     comp_max = moe_times["comp_max"].mean(axis=0)
     idle = moe_times["idle"].mean(axis=0)                              # [L, R]
-    n_dist = layer_time.shape[0]
+    n_dist = paired_L.shape[0]
     moe_ids = [i for i in range(model.num_layers) if model.is_moe_layer(i)]
     dist_of = {i: j % n_dist for j, i in enumerate(moe_ids)}           # as weight_L cycles them
     routed_fwd = 2.0 * moe.top_k * expert_params_per_expert(moe)       # per token and MoE layer
@@ -858,6 +881,10 @@ def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, ru
     copy_shard_bytes = copy_params / tp * 4 / (W if par.fsdp else 1)      # fp32 gradients
     ranks = []
     for r, stages in enumerate(placement):
+        share = (paired_share(par.pp_schedule, lay.pp, m, par.pp_virtual_stages, r)
+                 if overlap == "full" else 1.0)
+        layer_time = share * paired_L + (1 - share) * alone_L
+        launch_L = share * launch_paired + (1 - share) * launch_alone
         layers = [i for s in stages for i in ranges[s]]
         moes = [dist_of[i] for i in layers if i in dist_of]
         weights = np.bincount(np.asarray(moes, dtype=np.int64), minlength=n_dist).astype(np.float64)
@@ -880,6 +907,7 @@ def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, ru
                                        else max(0.0, ar - 2.0 / 3.0 * (busy + p2p + fsdp_t)))
         launch = float((launch_L * weights).sum())
         ranks.append(dict(time=busy + p2p + fsdp_t, compute=compute, nonexpert=nonexpert,
+                          layer_time=layer_time,
                           launch=launch, expert_comm=busy - compute - launch,
                           p2p=p2p, fsdp=fsdp_t, fsdp_step=fsdp_step, dp=dp_t, weights=weights,
                           opt=_optimizer_time(cluster, run_cfg, d_params + e_params, W)))
@@ -903,7 +931,7 @@ def _pipeline_result(strat, disp, overlap, lay: Layout, cluster: ClusterSpec, ru
                    "expert_compute_max_ms": float(comp_max[i] * 1e3),
                    "expert_compute_mean_ms": float(comp[:, i].mean() * 1e3),
                    "transfer_ms": float(moe_times["comm_max"][:, i].mean() * 1e3),
-                   "layer_time_ms": float(layer_time[i] * 1e3),
+                   "layer_time_ms": float(slow["layer_time"][i] * 1e3),
                    "intra_bytes_per_gpu": float(intra[i]),
                    "inter_bytes_per_gpu": float(inter[i])} for i in range(n_dist)]
     expert_comm = m * slow["expert_comm"]
