@@ -434,10 +434,10 @@ RUNS = [
         "attn flex, enable_deepep, torch.optim.Adam; the model: " + GPT_OSS_SOURCE,
         "qwen3-30b-a3b", GPT_OSS_20B + _fsdp(8, 8, 2, 16, 2, "none"), "h100-node", 1, "dedup",
         "none", Work(head_loss="full", **GPT_OSS_FLEX),
-        modelled="FSDP2 (ZeRO-2), FlexAttention's rates, the 128-token window on half the "
-                 "layers by the tiles it computes, DeepEP's intranode kernels as dedup",
-        not_modelled="attention sinks, the experts' biases and clamped SwiGLU; flex's rates "
-                     "are FlashAttention-2's at head dim 128 (GPT-OSS's heads are 64 wide); "
+        modelled="FSDP2 (ZeRO-2), FlexAttention's rates at head dim 64, the 128-token window "
+                 "on half the layers by the tiles it computes, DeepEP's intranode kernels as "
+                 "dedup",
+        not_modelled="attention sinks, the experts' biases and clamped SwiGLU; "
                      + AM_NOT_MODELLED),
     Run("GPT-OSS-120B, 64 H100 (NeMo AutoModel, PyTorch)", 7626,
         AM_PERF + ": 'GPT-OSS 120B | 64 | 512 | 2 | 2 | 4 | 4096 | 1 | 1 | 1 | - | - | 64 | TE + "
@@ -447,11 +447,10 @@ RUNS = [
         "enable_deepep, torch.optim.Adam; the model: " + GPT_OSS_SOURCE,
         "qwen3-30b-a3b", GPT_OSS_120B + _fsdp(64, 64, 2, 4, 3, "none"), "h100-64", 8,
         "hierarchical", "none", Work(head_loss="full", **GPT_OSS_FLEX),
-        modelled="FSDP2 (ZeRO-3: reshard after forward), FlexAttention's rates, the 128-token "
+        modelled="FSDP2 (ZeRO-3: reshard after forward), FlexAttention's rates at head dim 64, the 128-token "
                  "window on half the layers by the tiles it computes, DeepEP across 8 nodes "
                  "as the hierarchical dispatcher",
-        not_modelled="attention sinks, the experts' biases and clamped SwiGLU; flex's rates "
-                     "are FlashAttention-2's at head dim 128 (GPT-OSS's heads are 64 wide); "
+        not_modelled="attention sinks, the experts' biases and clamped SwiGLU; "
                      + AM_NOT_MODELLED),
 ]
 

@@ -310,6 +310,18 @@ def test_flash_attention_runs_at_its_measured_rates():
     assert slow["attention"] / fast["attention"] == pytest.approx(
         (1 / 368 + ATTN_BWD_FLOPS / 310) / (1 / 609 + ATTN_BWD_FLOPS / 499))
     assert slow["gemm"] == fast["gemm"]
+    # heads 64 wide run at the same figures' head-dim-64 bars (cuDNN 408 / 417, FA2 321 /
+    # 279), wider ones at the 128 bars
+    assert attention_time(H100, 1e12, "cudnn", 64) == pytest.approx(
+        (1e12 / 408e12, ATTN_BWD_FLOPS * 1e12 / 417e12))
+    assert attention_time(H100, 1e12, "flex", 32) == pytest.approx(
+        (1e12 / (0.90 * 321e12), ATTN_BWD_FLOPS * 1e12 / (0.85 * 279e12)))
+    assert attention_time(H100, 1e12, "cudnn", 192) == attention_time(H100, 1e12)
+    # a model's head width picks them: dim 1024 over 8 heads is 128 wide, over 16 is 64
+    narrow = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_heads=16))
+    wide_t, narrow_t = (nonexpert_parts(c, H100, 2048, Work())["attention"] for c in (cfg, narrow))
+    assert narrow_t / wide_t == pytest.approx(
+        (1 / 408 + ATTN_BWD_FLOPS / 417) / (1 / 609 + ATTN_BWD_FLOPS / 499))
     # a calibrated cluster keeps its one rate, the backward twice the forward
     cal = ClusterSpec()
     assert attention_time(cal, 1e12) == pytest.approx((1e12 / cal.flops_per_s,

@@ -21,7 +21,7 @@ dl-performance-matrix-multiplication: *tile quantization* and *wave quantization
 fp8 is a rate option: the linear layers' GEMMs run at ``fp8_tflops`` with 1-byte inputs,
 and every input is cast first (:data:`FP8_CAST_BYTES`: charged as memory-bound work).
 Attention's core (flash attention: QK^T and PV) is charged by its FLOPs at flash
-attention's measured forward and backward rates (:data:`ATTN_FWD_EFFICIENCY`). The kernels
+attention's measured forward and backward rates by head width (:data:`ATTN_KERNELS`). The kernels
 a layer launches (:func:`kernels_per_layer`) bound how fast a host can feed it after a host
 sync (:func:`host_bound_time`). A cluster without ``sm_count`` (a CPU calibrated by ``epscale calibrate``)
 keeps the calibrated model: one rate, ``gemm_half_rows`` extra rows per expert GEMM.
@@ -56,23 +56,27 @@ FP8_CAST_BYTES = 6.0
 # reads the bf16 value (2) and writes its fp8 copy (1) and 1x128 tile scale (4 / 128); the
 # backward reads that back (1 + 4 / 128) and writes the bf16 value again (2).
 FP8_STORE_BYTES = 2 + 1 + 4 / 128 + 1 + 4 / 128 + 2
-# Flash attention's rates on H100 SXM at head dim 128 and sequence 4k, as fractions of the
-# dense bf16 peak (989 TFLOP/s): cuDNN's forward 609 TFLOP/s and backward 499 TFLOP/s,
-# where the backward counts 2.5 times the forward's FLOPs (it recomputes QK^T): Shah et al.,
-# "FlashAttention-3", arXiv 2407.08608, figures "Attention forward/backward speed, head
-# dim 128 (H100 80GB SXM5)". Megatron-Core runs cuDNN's kernels through Transformer Engine.
+# Flash attention's rates on H100 SXM at sequence 4k, as fractions of the dense bf16 peak
+# (989 TFLOP/s), by head dim: Shah et al., "FlashAttention-3", arXiv 2407.08608, figures
+# "Attention forward/backward speed, head dim 64 / 128 (H100 80GB SXM5)" (the forward's
+# figures without the causal mask, as the backward's). cuDNN's kernels (what Megatron-Core
+# runs through Transformer Engine): forward 609 / backward 499 TFLOP/s at head dim 128, 408
+# / 417 at 64, where the backward counts 2.5 times the forward's FLOPs (it recomputes
+# QK^T). FlashAttention-2's bars of the same figures (``Work.attention_kernel = "fa2"``: runs
+# that say they use it): 368 / 310 at 128, 321 / 279 at 64. Heads up to 64 wide run at the
+# 64 rates, wider ones (MLA's 192, 256) at the 128 rates.
+ATTN_RATES_TFLOPS = {"cudnn": {64: (408.0, 417.0), 128: (609.0, 499.0)},
+                     "fa2": {64: (321.0, 279.0), 128: (368.0, 310.0)}}
 ATTN_FWD_EFFICIENCY = 609.0 / 989.0
 ATTN_BWD_EFFICIENCY = 499.0 / 989.0
-# The same figures' FlashAttention-2 bars at head dim 128 and sequence 4k: forward 368,
-# backward 310 TFLOP/s (``Work.attention_kernel = "fa2"``: runs that say they use it).
 # PyTorch's FlexAttention (``"flex"``) at FlashAttention-2's rates times what its authors
 # measured against FlashAttention-2: "FlexAttention achieves 90% of FlashAttention2's
 # performance in the forward pass and 85% in the backward pass" (PyTorch blog "FlexAttention:
 # The Flexibility of PyTorch with the Performance of FlashAttention", 2024-08-07, causal
 # attention on A100; no H100 figure is published, so the ratios are carried over).
-ATTN_KERNELS = {"cudnn": (ATTN_FWD_EFFICIENCY, ATTN_BWD_EFFICIENCY),
-                "fa2": (368.0 / 989.0, 310.0 / 989.0),
-                "flex": (0.90 * 368.0 / 989.0, 0.85 * 310.0 / 989.0)}
+ATTN_KERNELS = {k: {hd: (f / 989.0, b / 989.0) for hd, (f, b) in by_width.items()}
+                for k, by_width in ATTN_RATES_TFLOPS.items()}
+ATTN_KERNELS["flex"] = {hd: (0.90 * f, 0.85 * b) for hd, (f, b) in ATTN_KERNELS["fa2"].items()}
 # The key/value tile of a flash-attention kernel (FlexAttention's default BlockMask block,
 # 128 x 128): a sliding window is computed in whole tiles, the tiles outside it skipped.
 ATTN_KV_TILE = 128
@@ -327,11 +331,12 @@ def _linears(run_cfg: RunConfig, moe_layer: bool) -> list[tuple[str, int, int, s
     return out
 
 
-def attention_time(cluster: ClusterSpec, fwd_flops: float,
-                   kernel: str = "cudnn") -> tuple[float, float]:
+def attention_time(cluster: ClusterSpec, fwd_flops: float, kernel: str = "cudnn",
+                   head_width: int = 128) -> tuple[float, float]:
     """(forward, backward) seconds of flash attention's core of ``fwd_flops`` forward
-    FLOPs: at ``kernel``'s measured rates (:data:`ATTN_KERNELS`) on a cluster with
-    ``sm_count``, else the calibrated large-GEMM rate (backward twice the forward)."""
+    FLOPs over heads ``head_width`` wide (the query-key width): at ``kernel``'s measured
+    rates (:data:`ATTN_KERNELS`, those of head dim 64 up to 64, else of 128) on a cluster
+    with ``sm_count``, else the calibrated large-GEMM rate (backward twice the forward)."""
     if kernel not in ATTN_KERNELS:
         raise ConfigError(f"attention_kernel '{kernel}' is invalid: must be one of "
                           f"{', '.join(ATTN_KERNELS)}")
@@ -339,7 +344,7 @@ def attention_time(cluster: ClusterSpec, fwd_flops: float,
         t = fwd_flops / cluster.flops_per_s
         return t, 2 * t
     peak = cluster.gemm_tflops * 1e12
-    fwd_eff, bwd_eff = ATTN_KERNELS[kernel]
+    fwd_eff, bwd_eff = ATTN_KERNELS[kernel][64 if head_width <= 64 else 128]
     return fwd_flops / (peak * fwd_eff), ATTN_BWD_FLOPS * fwd_flops / (peak * bwd_eff)
 
 
@@ -382,9 +387,11 @@ def _layer_parts(run_cfg: RunConfig, cluster: ClusterSpec, T: float, work: Work,
             or (module in ("router", "shared") and _recomputed(work, run_cfg, "moe"))
         if again:
             out["recompute"] += float(gemm_time(cluster, M, N, K, prec))
+    m = run_cfg.model
+    width = m.qk_nope_head_dim + m.qk_rope_head_dim if m.attention == "mla" else head_dim(m)
     fwd_attn, bwd_attn = attention_time(
-        cluster, T * attention_flops_per_token(run_cfg.model)
-        * window_share(work, run_cfg.model.seq_len), work.attention_kernel)
+        cluster, T * attention_flops_per_token(m) * window_share(work, m.seq_len),
+        work.attention_kernel, width)
     out["attention"] = fwd_attn + bwd_attn
     out["recompute"] += fwd_attn * _recomputed(work, run_cfg, "core_attn")
     if cluster.mem_bw_GBps:
