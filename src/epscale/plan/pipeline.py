@@ -457,6 +457,7 @@ def paired_items(schedule: str, p: int, m: int, v: int, rank: int) -> list[tuple
     return items
 
 
+@lru_cache(maxsize=4096)
 def paired_share(schedule: str, pp: int, micro_batches: int, virtual_stages: int,
                  rank: int) -> float:
     """The share of rank ``rank``'s forward chunks that run beside another micro-batch's
